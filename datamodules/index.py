@@ -1,0 +1,191 @@
+"""The Index: the one validated list of (file, label) that every backend reads.
+
+Classes are the sorted names of the non-hidden folders of train/; val/ must have the same
+folders. Hidden files and folders and non-image files are never samples. Files that fail
+the cheap checks of `images.check_file` are listed in `bad_files`, not in `samples`.
+Scans are cached (keyed by the folders' modification times), so a second start on a large
+tree does not walk it again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from datamodules.images import check_file, is_image_name
+
+SPLITS = ("train", "val")
+CACHE_VERSION = 2
+
+LAYOUT_HELP = (
+    "Expected an ImageFolder tree: ROOT/train/<class>/<image> and ROOT/val/<class>/<image>, "
+    "with the same class folders in both splits (leave data_dir null to use the built-in dataset)."
+)
+
+
+class DataError(ValueError):
+    """Bad data or data settings; the message names the path and says how to fix it."""
+
+
+@dataclass
+class Index:
+    root: str
+    split: str
+    classes: list[str]
+    samples: list[tuple[str, int]]  # (path relative to root, posix, label)
+    bad_files: list[tuple[str, str]] = field(default_factory=list)  # (relative path, reason)
+    empty_classes: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def path(self, i: int) -> str:
+        return os.path.join(self.root, self.samples[i][0])
+
+    @property
+    def labels(self) -> list[int]:
+        return [label for _, label in self.samples]
+
+    def without_bad_files(self) -> Index:
+        return Index(self.root, self.split, self.classes, self.samples, [], self.empty_classes)
+
+    def raise_if_bad(self, limit: int = 20) -> None:
+        if not self.bad_files:
+            return
+        listed = "\n".join(f"  {os.path.join(self.root, p)}: {why}" for p, why in self.bad_files[:limit])
+        more = f"\n  ... and {len(self.bad_files) - limit} more" if len(self.bad_files) > limit else ""
+        raise DataError(
+            f"{len(self.bad_files)} unreadable image file(s) in {self.root}/{self.split}:\n{listed}{more}\n"
+            "Fix or delete them, or pass --data.skip_invalid true to leave them out of training."
+        )
+
+
+def find_classes(root: str | os.PathLike) -> list[str]:
+    """Validate the layout of `root` and return its class names (sorted)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"data_dir {str(root)!r} does not exist or is not a folder. {LAYOUT_HELP}")
+    missing = [s for s in SPLITS if not (root / s).is_dir()]
+    if missing:
+        raise DataError(f"data_dir {str(root)!r} has no {' or '.join(m + '/' for m in missing)} folder. {LAYOUT_HELP}")
+    per_split = {s: _class_folders(root / s) for s in SPLITS}
+    classes = per_split["train"]
+    if not classes:
+        raise DataError(f"{root / 'train'} has no class folders. {LAYOUT_HELP}")
+    if set(per_split["val"]) != set(classes):
+        only_train = sorted(set(classes) - set(per_split["val"]))
+        only_val = sorted(set(per_split["val"]) - set(classes))
+        raise DataError(
+            f"the class folders of {root / 'val'} differ from those of {root / 'train'}: "
+            f"only in train/: {only_train or 'none'}; only in val/: {only_val or 'none'}. "
+            "Both splits must have the same class folders (an empty folder is fine: it keeps its label). "
+            + LAYOUT_HELP
+        )
+    return classes
+
+
+def load_index(
+    root: str | os.PathLike,
+    split: str,
+    classes: list[str] | None = None,
+    *,
+    check: bool = True,
+    cache: bool = True,
+) -> Index:
+    """The Index of one split, from the cache when the tree has not changed since."""
+    root = os.path.abspath(root)
+    classes = classes if classes is not None else find_classes(root)
+    key = _cache_key(root, split, classes, check)
+    cache_file = _cache_dir() / f"{hashlib.sha1(f'{root}:{split}'.encode()).hexdigest()}.json"
+    if cache:
+        cached = _read_cache(cache_file, key)
+        # A bad file repaired in place does not change its folder's mtime: re-check those.
+        if cached is not None and all(check_file(os.path.join(root, p)) for p, _ in cached.bad_files):
+            return cached
+    index = _scan(root, split, classes, check)
+    if not index.samples:
+        raise DataError(
+            f"{os.path.join(root, split)} holds no usable image files "
+            f"({len(index.bad_files)} unreadable). {LAYOUT_HELP}"
+        )
+    if cache:
+        _write_cache(cache_file, key, index)
+    return index
+
+
+def load_indexes(root: str | os.PathLike, **kwargs) -> dict[str, Index]:
+    classes = find_classes(root)
+    return {split: load_index(root, split, classes, **kwargs) for split in SPLITS}
+
+
+def _class_folders(split_dir: Path) -> list[str]:
+    return sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
+
+
+def _scan(root: str, split: str, classes: list[str], check: bool) -> Index:
+    samples, bad, empty = [], [], []
+    for label, name in enumerate(classes):
+        files = sorted(_walk_images(os.path.join(root, split, name)))
+        if not files:
+            empty.append(name)
+        for path in files:
+            rel = os.path.relpath(path, root).replace(os.sep, "/")
+            reason = check_file(path) if check else None
+            if reason:
+                bad.append((rel, reason))
+            else:
+                samples.append((rel, label))
+    return Index(root, split, list(classes), samples, bad, empty)
+
+
+def _walk_images(folder: str):
+    for entry in os.scandir(folder):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            yield from _walk_images(entry.path)
+        elif entry.is_file() and is_image_name(entry.name):
+            yield entry.path
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fast-image-classifier" / "index"
+
+
+def _cache_key(root: str, split: str, classes: list[str], check: bool) -> dict:
+    # Adding, removing or renaming a file changes its folder's mtime; editing a file in
+    # place does not, so a file corrupted in place is caught at decode time instead.
+    # Only the class folders are stat'ed (no listing), so a cache hit costs one stat per class.
+    split_dir = os.path.join(root, split)
+    mtimes = {name: os.stat(os.path.join(split_dir, name)).st_mtime_ns for name in classes}
+    mtimes["."] = os.stat(split_dir).st_mtime_ns
+    return {"version": CACHE_VERSION, "root": root, "split": split, "classes": classes, "check": check, "mtimes": mtimes}
+
+
+def _read_cache(path: Path, key: dict) -> Index | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if data.get("key") != key:
+        return None
+    idx = data["index"]
+    return Index(
+        idx["root"], idx["split"], idx["classes"],
+        [tuple(s) for s in idx["samples"]], [tuple(b) for b in idx["bad_files"]], idx["empty_classes"],
+    )
+
+
+def _write_cache(path: Path, key: dict, index: Index) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": key, "index": asdict(index)}, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the cache is an optimisation only

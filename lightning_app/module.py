@@ -1,0 +1,133 @@
+"""ImageClassifier: the one LightningModule. A backbone from `models`, SGD, warm-up + cosine."""
+from __future__ import annotations
+
+import math
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torchmetrics.classification import MulticlassAccuracy
+
+from models import create_model
+
+
+class ImageClassifier(pl.LightningModule):
+    """Image classification with any registered backbone.
+
+    Args:
+        arch: backbone name in the `models` registry (conv11, resnet50, vgg11, vgg16).
+        num_classes: linked from the data; never set by hand.
+        image_size: linked from the data (small inputs change ResNet's stem).
+        global_batch_size: linked from data.batch_size (the global batch).
+        arch_kwargs: extra backbone arguments, e.g. {width: 64} for conv11.
+        lr: learning rate per 256 images; the optimiser uses lr * global batch / 256.
+        momentum, nesterov, weight_decay: SGD settings (no weight decay on norms and biases).
+        warmup_epochs: linear warm-up from ~0 to the scaled rate, then cosine decay to 0.
+        label_smoothing: cross-entropy label smoothing.
+        channels_last: NHWC memory format for the model and inputs (faster convs with AMP on tensor cores).
+        compile: torch.compile the backbone (state-dict keys stay the same).
+    """
+
+    def __init__(
+        self,
+        arch: str = "conv11",
+        num_classes: int = 10,
+        image_size: int = 224,
+        global_batch_size: int = 256,
+        arch_kwargs: dict | None = None,
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        nesterov: bool = True,
+        weight_decay: float = 5e-5,
+        warmup_epochs: float = 1.0,
+        label_smoothing: float = 0.1,
+        channels_last: bool = False,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.backbone = create_model(arch, num_classes=num_classes, image_size=image_size, **(arch_kwargs or {}))
+        if channels_last:
+            self.backbone = self.backbone.to(memory_format=torch.channels_last)
+        top5 = min(5, num_classes)
+        self.train_acc1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.val_acc1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.val_acc5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
+
+    def configure_model(self) -> None:
+        if self.hparams.compile and not getattr(self, "_compiled", False):
+            self.backbone.compile()  # in place: checkpoint keys do not gain "_orig_mod."
+            self._compiled = True
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if self.hparams.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return self.backbone(images)
+
+    # -- steps ----------------------------------------------------------------------------
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        logits = self(images)
+        loss = F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing)
+        self.train_acc1(logits, labels)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/acc1", self.train_acc1, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        images, labels = batch
+        logits = self(images)
+        loss = F.cross_entropy(logits, labels)
+        self.val_acc1(logits, labels)
+        self.val_acc5(logits, labels)
+        self.log("val/loss", loss, sync_dist=True)
+        self.log("val/acc1", self.val_acc1, prog_bar=True)
+        self.log("val/acc5", self.val_acc5)
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
+        images = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(images).softmax(dim=-1)
+
+    # -- optimisation ---------------------------------------------------------------------
+    @property
+    def scaled_lr(self) -> float:
+        accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
+        return self.hparams.lr * self.hparams.global_batch_size * accumulate / 256
+
+    def configure_optimizers(self):
+        decay, no_decay = [], []
+        for p in self.parameters():
+            if p.requires_grad:
+                (no_decay if p.ndim <= 1 else decay).append(p)
+        optimizer = torch.optim.SGD(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.scaled_lr,
+            momentum=self.hparams.momentum,
+            nesterov=self.hparams.nesterov,
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
+        warmup = min(total - 1, int(self.hparams.warmup_epochs * total / epochs))
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    # -- TensorBoard HPARAMS tab ----------------------------------------------------------
+    def on_fit_start(self) -> None:
+        from lightning_app.hparams import log_hparams_with_metric
+
+        log_hparams_with_metric(self.trainer, metric="val/acc1")
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int):
+    """LR multiplier: linear from 1/(warmup+1) to 1 over warm-up, then cosine to 0."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor

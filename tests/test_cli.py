@@ -1,0 +1,144 @@
+"""The CLI end to end: configs, --print_config, real short fits, TensorBoard, resume, DDP, nodes."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_app.cli import ClassifierCLI
+from tests.conftest import REPO, free_port, quick_args, run_main
+
+CONFIGS = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "configs").rglob("*.yaml"))
+
+
+def event_file_scalars(run_dir: Path) -> EventAccumulator:
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return acc
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_every_config_parses_and_instantiates(config, tiny_data, tmp_path):
+    args = ["--config", config, *quick_args(tiny_data, tmp_path, batch=16, width=None)]
+    cli = ClassifierCLI(args=args, run=False)
+    assert cli.model.hparams.num_classes == 10  # linked from the data
+    assert cli.model.hparams.global_batch_size == 16
+    assert cli.model.hparams.image_size == cli.datamodule.image_size
+    assert type(cli.datamodule).__name__.endswith("DataModule")
+
+
+def test_print_config_round_trips(tmp_path):
+    first = run_main(["fit", "--config", "configs/ddp_amp.yaml", "--model.lr", "0.123", "--print_config"]).stdout
+    saved = tmp_path / "printed.yaml"
+    saved.write_text(first)
+    second = run_main(["fit", "--config", str(saved), "--print_config"]).stdout
+    assert yaml.safe_load(first) == yaml.safe_load(second)
+    cfg = yaml.safe_load(first)
+    assert cfg["model"]["lr"] == 0.123 and cfg["trainer"]["precision"] == "16-mixed"
+    assert cfg["data"]["class_path"] == "datamodules.ImageFolderDataModule"
+
+
+def test_short_fit_beats_chance_and_logs_everything(learnable_data, tmp_path):
+    args = ["fit", *quick_args(learnable_data, tmp_path, epochs=4, batch=64, width=16)]
+    args += ["--trainer.log_every_n_steps", "5"]
+    cli = ClassifierCLI(args=args)
+    best = float(cli.trainer.checkpoint_callback.best_model_score)
+    assert best > 0.4, f"val/acc1 {best} is not clearly above chance (0.1)"
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert Path(cli.trainer.checkpoint_callback.best_model_path).is_file()
+    run_dir = tmp_path / "version_0"
+    assert (run_dir / "config.yaml").is_file()
+    acc = event_file_scalars(run_dir)
+    tags = set(acc.Tags()["scalars"])
+    for tag in ["train/loss", "train/acc1_step", "val/loss", "val/acc1", "val/acc5", "lr-SGD",
+                "perf/train_img_s", "perf/data_wait_frac"]:
+        assert tag in tags, f"{tag} missing from {sorted(tags)}"
+    lrs = [e.value for e in acc.Scalars("lr-SGD")]
+    assert lrs[0] < max(lrs) and lrs[-1] < max(lrs)  # warm-up, then decay
+    assert max(lrs) == pytest.approx(cli.model.hparams.lr * 64 / 256, rel=0.05)  # scaled by the global batch
+    # HPARAMS tab: the hparams summary names val/acc1 as its metric
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    plugin = acc.PluginTagToContent("hparams")
+    metrics = set()
+    for content in plugin.values():
+        data = plugin_data_pb2.HParamsPluginData.FromString(content)
+        if data.HasField("experiment"):
+            metrics |= {m.name.tag for m in data.experiment.metric_infos}
+    assert "val/acc1" in metrics
+    # a rerun into the same folder does not fail on the saved config
+    ClassifierCLI(args=["fit", *quick_args(learnable_data, tmp_path, epochs=1, batch=64)])
+
+
+def test_resume_continues_at_the_right_epoch_and_step(tiny_data, tmp_path):
+    base = quick_args(tiny_data, tmp_path, batch=40)
+    first = ClassifierCLI(args=["fit", *base, "--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1"])
+    steps_per_epoch = first.trainer.num_training_batches
+    assert first.trainer.global_step == 2 * steps_per_epoch
+    second = ClassifierCLI(args=["fit", *base, "--trainer.max_epochs", "3", "--trainer.log_every_n_steps", "1",
+                                 "--ckpt_path", "last"])
+    assert second.trainer.current_epoch == 3
+    assert second.trainer.global_step == 3 * steps_per_epoch
+    # the resumed run trained only the third epoch: its logged steps start where the first stopped
+    steps = [e.step for e in event_file_scalars(tmp_path / "version_1").Scalars("train/loss")]
+    assert min(steps) >= 2 * steps_per_epoch - 1 and max(steps) < 3 * steps_per_epoch
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    assert ckpt["epoch"] == second.trainer.current_epoch and ckpt["global_step"] == 3 * steps_per_epoch
+    sched = ckpt["lr_schedulers"][0]
+    assert sched["last_epoch"] == 3 * steps_per_epoch  # the LR schedule continued, not restarted
+
+
+def _recorded(out: Path) -> dict[tuple[int, int], dict]:
+    runs = {}
+    for f in out.glob("rank*_epoch*.json"):
+        rank, epoch = f.stem.replace("rank", "").split("_epoch")
+        runs[int(rank), int(epoch)] = json.loads(f.read_text())
+    return runs
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_see_disjoint_data(tiny_data, tmp_path):
+    out = tmp_path / "samples"
+    args = ["fit", *quick_args(tiny_data, tmp_path, epochs=2, batch=32),
+            "--trainer.strategy", "ddp", "--trainer.devices", "2",
+            "--trainer.callbacks+=tests.helpers.SampleRecorder", f"--trainer.callbacks.out_dir={out}"]
+    proc = run_main(args)
+    assert "Done: best val/acc1" in proc.stdout + proc.stderr
+    runs = _recorded(out)
+    assert set(runs) == {(0, 0), (1, 0), (0, 1), (1, 1)}
+    n = 240
+    for epoch in (0, 1):
+        a, b = set(runs[0, epoch]["indices"]), set(runs[1, epoch]["indices"])
+        assert not a & b, "ranks share samples"
+        assert a | b == set(range(n))
+        assert runs[0, epoch]["steps"] == runs[1, epoch]["steps"] == (n // 2) // 16  # global 32 = 2 x 16
+        assert runs[0, epoch]["world_size"] == 2
+    assert runs[0, 0]["indices"] != runs[0, 1]["indices"]  # reshuffled each epoch
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_finish_together(tiny_data, tmp_path):
+    port = str(free_port())
+    out = tmp_path / "samples"
+    args = ["fit", *quick_args(tiny_data, tmp_path, epochs=1, batch=32),
+            "--trainer.strategy", "ddp", "--trainer.devices", "1", "--trainer.num_nodes", "2",
+            "--trainer.callbacks+=tests.helpers.SampleRecorder", f"--trainer.callbacks.out_dir={out}"]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "PYTHONUNBUFFERED": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, "main.py", *args], cwd=REPO, env={**env, "NODE_RANK": str(rank)},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n\n".join(o[-3000:] for o in outputs)
+    assert "GLOBAL_RANK: 0, MEMBER: 1/2" in outputs[0] and "GLOBAL_RANK: 1, MEMBER: 2/2" in outputs[1]
+    runs = _recorded(out)
+    assert runs[0, 0]["num_nodes"] == 2 and runs[0, 0]["world_size"] == 2
+    assert not set(runs[0, 0]["indices"]) & set(runs[1, 0]["indices"])

@@ -1,0 +1,103 @@
+"""The Index: layout validation, what counts as a sample, bad files, the scan cache."""
+from __future__ import annotations
+
+import os
+
+import pytest
+from PIL import Image
+
+from datamodules.images import check_file, decode_rgb
+from datamodules.index import DataError, find_classes, load_index, load_indexes
+from tests.conftest import make_tree, odd_images
+
+
+def test_classes_sorted_hidden_and_clutter_ignored(odd_tree):
+    assert find_classes(odd_tree) == ["ants", "bees", "empty"]
+    index = load_index(odd_tree, "train")
+    names = {os.path.basename(p) for p, _ in index.samples}
+    assert names.isdisjoint({".DS_Store", "notes.txt", ".hidden.jpg", "x.jpg"})
+    assert set(odd_images()) <= names
+    assert index.empty_classes == ["empty"]
+    assert index.bad_files == []
+    assert {label for _, label in index.samples} == {0, 1}  # "empty" keeps label 2, with no samples
+
+
+def test_unusual_images_decode_to_rgb(odd_tree):
+    for name in odd_images():
+        img = decode_rgb(odd_tree / "train" / "ants" / name)
+        assert img.mode == "RGB", name
+    assert decode_rgb(odd_tree / "train" / "ants" / "exif_rotated.jpg").size == (40, 60)  # 60x40 rotated
+    # 16-bit mid-grey must stay mid-grey, not clip to white
+    assert decode_rgb(odd_tree / "train" / "ants" / "sixteen_bit.png").getpixel((0, 0)) == (128, 128, 128)
+    assert decode_rgb(odd_tree / "train" / "ants" / "very_wide.jpg").size == (1200, 8)
+
+
+def test_missing_root_names_the_path(tmp_path):
+    with pytest.raises(DataError, match="nowhere.*does not exist.*train/<class>"):
+        find_classes(tmp_path / "nowhere")
+
+
+def test_missing_split_names_it(tmp_path):
+    make_tree(tmp_path, {"a": 1}, splits=("train",))
+    with pytest.raises(DataError, match="no val/ folder"):
+        find_classes(tmp_path)
+
+
+def test_val_classes_must_match_train(tmp_path):
+    make_tree(tmp_path, {"cat": 1, "dog": 1})
+    (tmp_path / "val" / "dog").rename(tmp_path / "val" / "wolf")
+    with pytest.raises(DataError, match=r"only in train/: \['dog'\]; only in val/: \['wolf'\]"):
+        find_classes(tmp_path)
+
+
+def test_split_without_images_is_an_error(tmp_path):
+    make_tree(tmp_path, {"cat": 0, "dog": 0})
+    with pytest.raises(DataError, match="holds no usable image files"):
+        load_index(tmp_path, "train")
+
+
+def test_bad_files_are_listed_with_reasons(tmp_path):
+    make_tree(tmp_path, {"cat": 3, "dog": 3})
+    good = (tmp_path / "train" / "cat" / "000.jpg").read_bytes()
+    (tmp_path / "train" / "cat" / "empty.jpg").write_bytes(b"")
+    (tmp_path / "train" / "cat" / "text.jpg").write_text("<html>not found</html>")
+    (tmp_path / "train" / "dog" / "cut.jpg").write_bytes(good[: len(good) // 2])
+    index = load_index(tmp_path, "train")
+    reasons = dict(index.bad_files)
+    assert "empty file" in reasons["train/cat/empty.jpg"]
+    assert "not an image" in reasons["train/cat/text.jpg"]
+    assert "truncated JPEG" in reasons["train/dog/cut.jpg"]
+    assert len(index) == 6
+    with pytest.raises(DataError, match=r"(?s)3 unreadable.*cut\.jpg.*skip_invalid"):
+        index.raise_if_bad()
+
+
+def test_jpeg_end_marker_found_at_any_size(tmp_path):
+    # The marker must be found even when it straddles the head/tail read boundary.
+    for size in (1023, 1024, 1025, 1026, 2049):
+        path = tmp_path / f"{size}.jpg"
+        path.write_bytes(b"\xff\xd8\xff" + b"\x00" * (size - 5) + b"\xff\xd9")
+        assert check_file(path) is None, size
+
+
+def test_cache_skips_rescan_until_the_tree_changes(tmp_path):
+    make_tree(tmp_path, {"cat": 2, "dog": 2})
+    first = load_indexes(tmp_path)
+    # Corrupting a file in place leaves folder mtimes alone: the cached scan is used.
+    (tmp_path / "train" / "cat" / "000.jpg").write_bytes(b"")
+    assert load_index(tmp_path, "train").samples == first["train"].samples
+    # Adding a file changes its folder: the split is scanned again.
+    Image.new("RGB", (8, 8)).save(tmp_path / "train" / "dog" / "new.jpg")
+    again = load_index(tmp_path, "train")
+    assert "train/dog/new.jpg" in dict(again.samples)
+    assert "train/cat/000.jpg" in dict(again.bad_files)
+
+
+def test_cached_bad_file_repaired_in_place_is_rescanned(tmp_path):
+    make_tree(tmp_path, {"cat": 2, "dog": 2})
+    path = tmp_path / "train" / "cat" / "000.jpg"
+    good = path.read_bytes()
+    path.write_bytes(b"")
+    assert load_index(tmp_path, "train").bad_files
+    path.write_bytes(good)
+    assert not load_index(tmp_path, "train").bad_files
