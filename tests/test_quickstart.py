@@ -1,0 +1,21 @@
+"""The README's first command, as a newcomer runs it, reaches the promised accuracy."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.conftest import run_main
+
+
+@pytest.mark.slow
+def test_quickstart_reaches_90_percent(tmp_path):
+    proc = run_main(["fit", "--config", "configs/ddp_amp.yaml", "--trainer.default_root_dir", str(tmp_path)],
+                    timeout=900)
+    out = proc.stdout + proc.stderr
+    match = re.search(r"Done: best val/acc1 ([0-9.]+); (\d+) epochs; ([0-9,]+) images/s", out)
+    assert match, out[-3000:]
+    assert float(match.group(1)) >= 0.90
+    assert int(match.group(2)) == 15
+    assert "Where the time went:" in out
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
