@@ -8,6 +8,17 @@ Epoch boundaries: DALI ignores a reset asked for mid-epoch, and Lightning's sani
 `limit_*_batches`, `fast_dev_run` and a mid-epoch resume all stop iterating mid-epoch. The
 loader therefore rebuilds its pipeline when an epoch was left unfinished, so each
 `iter(loader)` starts a fresh epoch (with the shard and seed that epoch would have had).
+
+Sharding: shard_id = global rank, num_shards = world size, pad_last_batch, and
+stick_to_shard=False: all ranks move to the next shard together each epoch, so shards stay
+disjoint within every epoch and each rank sees all the data over world-size epochs. Train
+uses DROP (every rank runs the steps of the smallest shard), val PARTIAL (each rank its
+exact shard, no duplicates).
+
+Validation vs torchvision (PIL bilinear + antialias, shorter side, center crop): identical
+when no resize happens; with a resize the mean absolute difference is 0.19 grey levels on
+32 px images (24 px crop) and 1.5 on ImageNet-size images (224 crop), from DALI rounding the
+longer side and the crop offset differently (a 1 px shift on some images).
 """
 from __future__ import annotations
 
