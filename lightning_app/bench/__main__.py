@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "Rows that cannot run here are listed as skipped with the reason.",
         epilog=_columns(TRAIN_COLUMNS) + "\n\nrows: " + ", ".join(ROW_NAMES))
     tr.add_argument("--data-dir", default=None, help="ImageFolder tree (default: built-in --builtin)")
-    tr.add_argument("--builtin", default="small", help="built-in preset (default: small, 32 px, 6000 train images)")
-    tr.add_argument("--train-per-class", type=int, default=None, help="built-in: train images per class")
+    tr.add_argument("--builtin", default="small", help="built-in preset (default: small, 32 px)")
+    tr.add_argument("--train-per-class", type=int, default=300, help="built-in: train images per class "
+                    "(default: 300, i.e. 3000 images an epoch, to keep the default run short on a CPU)")
     tr.add_argument("--val-per-class", type=int, default=None, help="built-in: val images per class")
     tr.add_argument("--arch", default="conv11", help="model (default: conv11, as the seed's 11-conv table)")
     tr.add_argument("--width", type=int, default=32, help="conv11 width (default: 32; ignored for other archs)")

@@ -38,6 +38,8 @@ COLUMNS = {
     "seconds": "training time of all epochs (validation off; process start not included)",
     "images/s": "training images per second over all processes, epochs after the first (warm-up)",
     "speed-up": "images/s of the row divided by the baseline's (same run, same data): > 1 is faster",
+    "data wait": "share of step time spent waiting for the next batch (as perf/data_wait_frac): "
+                 "high means input-bound",
 }
 
 
@@ -128,6 +130,7 @@ class Result:
     images_s: float | None = None
     speedup: float | None = None
     wall_seconds: float | None = None
+    data_wait_frac: float | None = None
 
 
 # ------------------------------------------------------------------------------ Lightning rows
@@ -144,15 +147,19 @@ class EpochTimer(pl.Callback):
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._sync(trainer)
-        self._t0 = time.perf_counter()
-        self._images = 0
+        self._t0 = self._last = time.perf_counter()
+        self._images, self._wait = 0, 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self._wait += time.perf_counter() - self._last
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         self._images += int(batch[0].shape[0])
+        self._last = time.perf_counter()
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         self._sync(trainer)
-        self.epochs.append({"seconds": time.perf_counter() - self._t0,
+        self.epochs.append({"seconds": time.perf_counter() - self._t0, "wait": self._wait,
                             "images": self._images * trainer.world_size})
 
     def on_fit_end(self, trainer, pl_module) -> None:
@@ -221,6 +228,8 @@ def _fill(res: Result, data: dict) -> None:
     steady = epochs[1:] or epochs
     res.images_s = sum(e["images"] for e in steady) / max(1e-9, sum(e["seconds"] for e in steady))
     res.devices = data.get("world_size", 1)
+    if all("wait" in e for e in steady):
+        res.data_wait_frac = sum(e["wait"] for e in steady) / max(1e-9, sum(e["seconds"] for e in steady))
 
 
 # ------------------------------------------------------------------------------ hand-written loop
@@ -270,8 +279,15 @@ def plain_loop(spec: dict) -> dict:
     for _ in range(spec["epochs"]):
         if device.type == "cuda":
             torch.cuda.synchronize()
-        t0, images = time.perf_counter(), 0
-        for x, y in loader:
+        t0, images, wait = time.perf_counter(), 0, 0.0
+        it = iter(loader)
+        while True:
+            t_wait = time.perf_counter()
+            try:
+                x, y = next(it)
+            except StopIteration:
+                break
+            wait += time.perf_counter() - t_wait
             x = normalize(x.to(device, non_blocking=True))
             y = y.to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
@@ -288,7 +304,7 @@ def plain_loop(spec: dict) -> dict:
             images += x.shape[0]
         if device.type == "cuda":
             torch.cuda.synchronize()
-        epochs.append({"seconds": time.perf_counter() - t0, "images": images})
+        epochs.append({"seconds": time.perf_counter() - t0, "wait": wait, "images": images})
         if not math.isfinite(float(loss)):
             raise RuntimeError("the hand-written loop diverged (loss is not finite)")
     return {"epochs": epochs, "world_size": 1}
@@ -376,10 +392,12 @@ def to_markdown(result: dict[str, Any]) -> str:
         strategy = "single (hand-written)" if r["strategy"] == "plain" else r["strategy"]
         head = [r["row"], strategy, r["precision"], "on" if r["benchmark"] else "off"]
         if r["status"] != "ok":
-            table.append(head + ["", "", "", f"{r['status']}: {r['reason']}"])
+            table.append(head + ["", "", "", f"{r['status']}: {r['reason']}", ""])
             continue
+        wait = r.get("data_wait_frac")
         table.append(head + [r["devices"], f"{r['seconds']:.1f}", f"{r['images_s']:,.0f}",
-                             f"{r['speedup']:.2f}x" if r["speedup"] else ""])
+                             f"{r['speedup']:.2f}x" if r["speedup"] else "",
+                             "" if wait is None else f"{100 * wait:.0f}%"])
     lines = [f"{s['arch']} (width {s['width']}), {s['image_size']} px, global batch {s['batch_size']}, "
              f"{s['epochs']} epochs ({s['num_workers']} workers per process), data {s['root']}", "",
              markdown_table(list(COLUMNS), table), ""]
