@@ -171,10 +171,11 @@ def _downscaled(s: Settings) -> Prepared:
     except ImportError as e:
         raise Skip(f"Downscaled backend not importable ({e})") from None
     dst = s.work / f"downscaled-{s.downscale_size}"
+    params = inspect.signature(DownscaledDataModule.__init__).parameters
     if not (dst / "train").is_dir():
+        # `python -m datamodules.downscale`, as a user makes the copy; the DataModule then finds it complete.
         _run_tool(["datamodules.downscale", "--src", str(s.root), "--dst", str(dst), "--max-size", str(s.downscale_size)],
                   "downscaling")
-    params = inspect.signature(DownscaledDataModule.__init__).parameters
     extra = {"max_size": s.downscale_size}
     for name in ("downscaled_dir", "dst", "cache_dir", "out_dir"):
         if name in params:
@@ -184,7 +185,7 @@ def _downscaled(s: Settings) -> Prepared:
         kw["data_dir"] = str(dst)  # the downscaled copy is itself an ImageFolder tree
     dm = DownscaledDataModule(**kw)
     dm.setup("fit")
-    files = ceilings.files_under(str(dst / "train"))
+    files = _train_files(dm) if getattr(dm, "indexes", None) else ceilings.files_under(str(dst / "train"))
     return Prepared(dm, files, _mean_size(files), "downscaled", "downscaled",
                     note=f"shorter side <= {s.downscale_size} px, made once before timing")
 
@@ -202,9 +203,8 @@ def _dali(s: Settings, gpu: bool) -> Prepared:
     if name is None:
         raise Skip("DALIDataModule has no decoder device argument this benchmark knows")
     value = "cpu"
-    if gpu:
-        ann = str(params[name].annotation)
-        value = "mixed" if "mixed" in ann or "gpu" not in ann else "gpu"
+    if gpu:  # DALIDataModule(dali_device="gpu") decodes with DALI's "mixed" (nvJPEG) operators
+        value = "gpu" if name == "dali_device" else "mixed"
     dm = DALIDataModule(**_kwargs(DALIDataModule, s, **{name: value}))
     dm.setup("fit")
     files = _train_files(dm) if getattr(dm, "indexes", None) else []
