@@ -354,6 +354,14 @@ def _fmt(x: float | None, spec: str = ",.0f") -> str:
     return "" if x is None else format(x, spec)
 
 
+def _short(path: str) -> str:
+    """A path inside the repository, relative to it (results files are committed)."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return path
+
+
 def to_markdown(result: dict[str, Any]) -> str:
     headers = list(COLUMNS)
     table = []
@@ -375,7 +383,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         lines.append(f"- Decode ceiling ({key} images): {v['images_s']:,.0f} images/s, {v['mb_s']:,.1f} MB/s ({v['how']})")
     s = result["settings"]
     lines.append(f"- Cold cache by: {result['eviction']}")
-    lines.append(f"- Dataset: {s['root']} (train split); batch {s['batch_size']}, {s['num_workers']} workers, "
+    lines.append(f"- Dataset: {_short(s['root'])} (train split); batch {s['batch_size']}, {s['num_workers']} workers, "
                  f"crop {s['image_size']} px, device {s['device']}")
     notes = sorted({f"{r['backend']}: {r['note']}" for r in result["rows"] if r.get("note")})
     lines += [f"- {n}" for n in notes]

@@ -383,6 +383,14 @@ def run(args, rows: list[str] | None = None) -> dict[str, Any]:
             "settings": {**cfg, "cuda": torch.cuda.is_available()}}
 
 
+def _short(path: str) -> str:
+    """A path inside the repository, relative to it (results files are committed)."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return path
+
+
 def to_markdown(result: dict[str, Any]) -> str:
     from lightning_app.bench.report import markdown_table
 
@@ -399,13 +407,14 @@ def to_markdown(result: dict[str, Any]) -> str:
                              f"{r['speedup']:.2f}x" if r["speedup"] else "",
                              "" if wait is None else f"{100 * wait:.0f}%"])
     lines = [f"{s['arch']} (width {s['width']}), {s['image_size']} px, global batch {s['batch_size']}, "
-             f"{s['epochs']} epochs ({s['num_workers']} workers per process), data {s['root']}", "",
+             f"{s['epochs']} epochs ({s['num_workers']} workers per process), data {_short(s['root'])}", "",
              markdown_table(list(COLUMNS), table), ""]
     o = result.get("overhead")
     if o:
         lines.append(f"- Template overhead: Lightning baseline {o['lightning_img_s']:,.0f} images/s vs hand-written "
                      f"loop {o['plain_img_s']:,.0f} images/s: ratio {o['ratio']:.3f} "
-                     f"({o['overhead_pct']:+.1f}% time per image; goal: within 2%).")
+                     f"(the template spends {o['overhead_pct']:+.1f}% time per image against the hand-written loop; goal: "
+                     "within +2%).")
     else:
         lines.append("- Template overhead: not measured (the baseline or the hand-written loop did not run).")
     lines.append("- Ratios are from one run, side by side; absolute times on a CPU are not comparable across machines.")
