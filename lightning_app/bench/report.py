@@ -5,8 +5,10 @@ Every command writes ``OUT/<machine>.<kind>.{md,json,png}`` and then rebuilds
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import shlex
 import platform
 import re
 import socket
@@ -31,7 +33,7 @@ def cpu_model() -> str:
 
 def _version(module: str) -> str | None:
     try:
-        mod = __import__(module)
+        mod = importlib.import_module(module)
     except Exception:  # noqa: BLE001 - an optional library that fails to import is "absent"
         return None
     return getattr(mod, "__version__", "unknown")
@@ -151,7 +153,7 @@ def write_results(out_dir: str | os.PathLike, kind: str, markdown: str, data: di
     info = data.setdefault("machine", machine_info())
     name = machine or machine_name(info)
     data.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    data.setdefault("command", " ".join([os.path.basename(sys.executable), "-m", "lightning_app.bench", *sys.argv[1:]]))
+    data.setdefault("command", shlex.join(["python", "-m", "lightning_app.bench", *sys.argv[1:]]))
     if note:
         data["note"] = note
     paths = {"md": out / f"{name}.{kind}.md", "json": out / f"{name}.{kind}.json", "png": out / f"{name}.{kind}.png"}
