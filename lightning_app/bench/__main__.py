@@ -12,7 +12,8 @@ NOTE_HELP = "a line printed in bold above the table (e.g. 'contended smoke run, 
 
 def _columns(columns: dict[str, str]) -> str:
     return "columns:\n" + "\n".join(
-        textwrap.fill(f"{k}: {v}", width=100, initial_indent="  ", subsequent_indent="      ") for k, v in columns.items()
+        textwrap.fill(f"{k}: {v}", width=100, initial_indent="  ", subsequent_indent="      ")
+        for k, v in columns.items()
     )
 
 
@@ -47,12 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "~470x390 JPEGs, 1000 train images)")
     lo.add_argument("--train-per-class", type=int, default=None, help="built-in: train images per class")
     lo.add_argument("--val-per-class", type=int, default=None, help="built-in: val images per class")
-    lo.add_argument("--backends", default=",".join(BACKENDS), help=f"comma list from {','.join(BACKENDS)} (default: all)")
+    lo.add_argument("--backends", default=",".join(BACKENDS),
+                    help=f"comma list from {','.join(BACKENDS)} (default: all)")
     lo.add_argument("--batch-size", type=int, default=64, help="batch size (default: 64)")
     lo.add_argument("--num-workers", type=int, default=os.cpu_count() or 1, help="loader workers (default: all cores)")
     lo.add_argument("--image-size", type=int, default=224, help="train crop (default: 224)")
-    lo.add_argument("--downscale-size", type=int, default=256, help="Downscaled backend: shorter side <= N (default: 256)")
-    lo.add_argument("--max-batches", type=int, default=None, help="stop an epoch after N batches (default: whole epoch)")
+    lo.add_argument("--downscale-size", type=int, default=256,
+                    help="Downscaled backend: shorter side <= N (default: 256)")
+    lo.add_argument("--max-batches", type=int, default=None,
+                    help="stop an epoch after N batches (default: whole epoch)")
     lo.add_argument("--work-dir", default=None, help="where the LMDB and the downscaled copy are made, before the "
                     "clock (default: bench/out/work/<dataset name>)")
     lo.add_argument("--drop-caches", action="store_true", help="cold cache by /proc/sys/vm/drop_caches (root, "
@@ -82,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--batch-size", type=int, default=256, help="GLOBAL batch size (default: 256)")
     tr.add_argument("--num-workers", type=int, default=2, help="loader workers per process (default: 2)")
     tr.add_argument("--epochs", type=int, default=3, help="epochs per row, the first is warm-up (default: 3)")
-    tr.add_argument("--rows", default=None, help=f"comma list of rows to run (default: all); names: {','.join(ROW_NAMES)}")
+    tr.add_argument("--rows", default=None,
+                    help=f"comma list of rows to run (default: all); names: {','.join(ROW_NAMES)}")
     tr.add_argument("--timeout", type=int, default=900, help="seconds before a row is stopped and marked failed")
     _common(tr)
     return ap

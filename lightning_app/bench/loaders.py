@@ -1,4 +1,5 @@
-"""`bench loaders`: images/s and MB/s of every data backend's real train pipeline, cold and warm, with the bottleneck named.
+"""`bench loaders`: images/s and MB/s of every data backend's real train pipeline, cold and warm,
+with the bottleneck named.
 
 Each backend is a row. A backend whose module is not importable, or that cannot run here
 (DALI GPU without CUDA), stays in the table as skipped with the reason; one that fails is
@@ -174,7 +175,8 @@ def _downscaled(s: Settings) -> Prepared:
     params = inspect.signature(DownscaledDataModule.__init__).parameters
     if not (dst / "train").is_dir():
         # `python -m datamodules.downscale`, as a user makes the copy; the DataModule then finds it complete.
-        _run_tool(["datamodules.downscale", "--src", str(s.root), "--dst", str(dst), "--max-size", str(s.downscale_size)],
+        _run_tool(["datamodules.downscale", "--src", str(s.root), "--dst", str(dst),
+                   "--max-size", str(s.downscale_size)],
                   "downscaling")
     extra = {"max_size": s.downscale_size}
     for name in ("downscaled_dir", "dst", "cache_dir", "out_dir"):
@@ -380,7 +382,8 @@ def to_markdown(result: dict[str, Any]) -> str:
     for key, v in c["io"].items():
         lines.append(f"- IO ceiling ({key} files): {v['mb_s']:,.1f} MB/s, {v['images_s']:,.0f} files/s ({v['how']})")
     for key, v in c["decode"].items():
-        lines.append(f"- Decode ceiling ({key} images): {v['images_s']:,.0f} images/s, {v['mb_s']:,.1f} MB/s ({v['how']})")
+        lines.append(f"- Decode ceiling ({key} images): {v['images_s']:,.0f} images/s, "
+                     f"{v['mb_s']:,.1f} MB/s ({v['how']})")
     s = result["settings"]
     lines.append(f"- Cold cache by: {result['eviction']}")
     lines.append(f"- Dataset: {_short(s['root'])} (train split); batch {s['batch_size']}, {s['num_workers']} workers, "

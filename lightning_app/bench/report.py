@@ -99,7 +99,8 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     def cell(x: Any) -> str:
         return "" if x is None else str(x).replace("|", "\\|").replace("\n", " ")
 
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(":--" if i == 0 else "--:" for i in range(len(headers))) + "|"]
+    align = "|".join(":--" if i == 0 else "--:" for i in range(len(headers)))
+    lines = ["| " + " | ".join(headers) + " |", "|" + align + "|"]
     lines += ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
 
@@ -158,7 +159,8 @@ def write_results(out_dir: str | os.PathLike, kind: str, markdown: str, data: di
         data["note"] = note
     paths = {"md": out / f"{name}.{kind}.md", "json": out / f"{name}.{kind}.json", "png": out / f"{name}.{kind}.png"}
     header = f"## {kind}\n\n" + (f"> **{note}**\n\n" if note else "")
-    section = header + f"`{data['command']}` at {data['created']}\n\n" + markdown.strip() + f"\n\n![{kind}]({paths['png'].name})\n"
+    section = (header + f"`{data['command']}` at {data['created']}\n\n" + markdown.strip()
+               + f"\n\n![{kind}]({paths['png'].name})\n")
     _atomic_write(paths["md"], section)
     _atomic_write(paths["json"], json.dumps(data, indent=1, default=str) + "\n")
     bar_chart(paths["png"], **chart)

@@ -264,7 +264,8 @@ def plain_loop(spec: dict) -> dict:
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
     opt = torch.optim.SGD([{"params": decay, "weight_decay": spec["weight_decay"]},
                            {"params": no_decay, "weight_decay": 0.0}],
-                          lr=spec["lr"] * spec["batch_size"] / 256, momentum=spec["momentum"], nesterov=spec["nesterov"])
+                          lr=spec["lr"] * spec["batch_size"] / 256, momentum=spec["momentum"],
+                          nesterov=spec["nesterov"])
     total = len(loader) * spec["epochs"]
     warmup = min(total - 1, int(spec["warmup_epochs"] * total / spec["epochs"]))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(warmup, total))
@@ -413,8 +414,8 @@ def to_markdown(result: dict[str, Any]) -> str:
     if o:
         lines.append(f"- Template overhead: Lightning baseline {o['lightning_img_s']:,.0f} images/s vs hand-written "
                      f"loop {o['plain_img_s']:,.0f} images/s: ratio {o['ratio']:.3f} "
-                     f"(the template spends {o['overhead_pct']:+.1f}% time per image against the hand-written loop; goal: "
-                     "within +2%).")
+                     f"(the template spends {o['overhead_pct']:+.1f}% time per image against the "
+                     "hand-written loop; goal: within +2%).")
     else:
         lines.append("- Template overhead: not measured (the baseline or the hand-written loop did not run).")
     lines.append("- Ratios are from one run, side by side; absolute times on a CPU are not comparable across machines.")
