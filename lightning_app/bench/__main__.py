@@ -1,0 +1,139 @@
+"""`python -m lightning_app.bench {loaders,train}`: tables (Markdown), JSON and a PNG chart for this machine."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+NOTE_HELP = "a line printed in bold above the table (e.g. 'contended smoke run, not a result')"
+
+
+def _columns(columns: dict[str, str]) -> str:
+    return "columns:\n" + "\n".join(
+        textwrap.fill(f"{k}: {v}", width=100, initial_indent="  ", subsequent_indent="      ")
+        for k, v in columns.items()
+    )
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="bench/results", help="folder for <machine>.<kind>.md/.json/.png and the "
+                   "combined <machine>.md (default: bench/results)")
+    p.add_argument("--machine", default=None, help="file name for this machine (default: derived from CPU/GPU model)")
+    p.add_argument("--note", default=None, help=NOTE_HELP)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from lightning_app.bench.loaders import BACKENDS, COLUMNS as LOADER_COLUMNS
+    from lightning_app.bench.train import COLUMNS as TRAIN_COLUMNS, ROW_NAMES
+
+    ap = argparse.ArgumentParser(prog="python -m lightning_app.bench",
+                                 description="Benchmarks of this template on this machine. Results go to "
+                                             "OUT/<machine>.md (all sections), plus .json and .png per command.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    lo = sub.add_parser(
+        "loaders", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="images/s and MB/s of every data backend, cold and warm page cache, with the bottleneck named",
+        description="Times one epoch (or --max-batches) of each backend's real train_dataloader() on the same "
+                    "dataset, first with the backend's files evicted from the page cache (cold), then again (warm). "
+                    "Also measures, in the same run, the raw read rate of the files (IO ceiling, cold) and "
+                    "PIL decode-only on all cores (decode ceiling), and names each row's bottleneck. Backends "
+                    "that are not installed or cannot run here are listed as skipped with the reason.",
+        epilog=_columns(LOADER_COLUMNS))
+    lo.add_argument("--data-dir", default=None, help="your ImageFolder tree (ROOT/train/<class>/*, ROOT/val/...); "
+                    "default: the built-in dataset (--builtin)")
+    lo.add_argument("--builtin", default="imagenet", help="built-in preset when no --data-dir (default: imagenet, "
+                    "~470x390 JPEGs, 1000 train images)")
+    lo.add_argument("--train-per-class", type=int, default=None, help="built-in: train images per class")
+    lo.add_argument("--val-per-class", type=int, default=None, help="built-in: val images per class")
+    lo.add_argument("--backends", default=",".join(BACKENDS),
+                    help=f"comma list from {','.join(BACKENDS)} (default: all)")
+    lo.add_argument("--batch-size", type=int, default=64, help="batch size (default: 64)")
+    lo.add_argument("--num-workers", type=int, default=os.cpu_count() or 1, help="loader workers (default: all cores)")
+    lo.add_argument("--image-size", type=int, default=224, help="train crop (default: 224)")
+    lo.add_argument("--downscale-size", type=int, default=256,
+                    help="Downscaled backend: shorter side <= N (default: 256)")
+    lo.add_argument("--max-batches", type=int, default=None,
+                    help="stop an epoch after N batches (default: whole epoch)")
+    lo.add_argument("--work-dir", default=None, help="where the LMDB and the downscaled copy are made, before the "
+                    "clock (default: bench/out/work/<dataset name>)")
+    lo.add_argument("--drop-caches", action="store_true", help="cold cache by /proc/sys/vm/drop_caches (root, "
+                    "whole machine) instead of posix_fadvise on the dataset's files")
+    lo.add_argument("--ceiling-images", type=int, default=2000, help="images sampled for the decode ceiling")
+    lo.add_argument("--no-ceilings", action="store_true", help="skip the ceilings (no bottleneck column)")
+    lo.add_argument("--device", default=None, help="where batches go (default: cuda if available, else cpu)")
+    _common(lo)
+
+    tr = sub.add_parser(
+        "train", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="seconds and images/s for strategy x precision x cudnn.benchmark (+ channels_last, compile), "
+             "and the template's overhead against a hand-written PyTorch loop",
+        description="Runs each row as a real `python main.py fit` subprocess on the same data, batch and epochs "
+                    "(validation off), then a minimal hand-written PyTorch loop with the same model, data, "
+                    "optimizer, batch and precision. The first epoch is warm-up and is left out of images/s. "
+                    "Rows that cannot run here are listed as skipped with the reason.",
+        epilog=_columns(TRAIN_COLUMNS) + "\n\nrows: " + ", ".join(ROW_NAMES))
+    tr.add_argument("--data-dir", default=None, help="ImageFolder tree (default: built-in --builtin)")
+    tr.add_argument("--builtin", default="small", help="built-in preset (default: small, 32 px)")
+    tr.add_argument("--train-per-class", type=int, default=300, help="built-in: train images per class "
+                    "(default: 300, i.e. 3000 images an epoch, to keep the default run short on a CPU)")
+    tr.add_argument("--val-per-class", type=int, default=None, help="built-in: val images per class")
+    tr.add_argument("--arch", default="conv11", help="model (default: conv11, as the seed's 11-conv table)")
+    tr.add_argument("--width", type=int, default=32, help="conv11 width (default: 32; ignored for other archs)")
+    tr.add_argument("--image-size", type=int, default=32, help="train crop (default: 32)")
+    tr.add_argument("--batch-size", type=int, default=256, help="GLOBAL batch size (default: 256)")
+    tr.add_argument("--num-workers", type=int, default=2, help="loader workers per process (default: 2)")
+    tr.add_argument("--epochs", type=int, default=3, help="epochs per row, the first is warm-up (default: 3)")
+    tr.add_argument("--rows", default=None,
+                    help=f"comma list of rows to run (default: all); names: {','.join(ROW_NAMES)}")
+    tr.add_argument("--timeout", type=int, default=900, help="seconds before a row is stopped and marked failed")
+    _common(tr)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from lightning_app.bench import report
+
+    if args.command == "loaders":
+        import torch
+
+        from lightning_app.bench import loaders
+
+        root = Path(args.data_dir) if args.data_dir else loaders.default_root(
+            args.builtin, args.train_per_class, args.val_per_class)
+        work = Path(args.work_dir) if args.work_dir else Path("bench/out/work") / root.name
+        work.mkdir(parents=True, exist_ok=True)
+        wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
+        unknown = sorted(set(wanted) - set(loaders.BACKENDS))
+        if unknown:
+            print(f"--backends: unknown {unknown}; choose from {','.join(loaders.BACKENDS)}", file=sys.stderr)
+            return 2
+        settings = loaders.Settings(root=root, work=work, batch_size=args.batch_size, num_workers=args.num_workers,
+                                    image_size=args.image_size, downscale_size=args.downscale_size,
+                                    max_batches=args.max_batches, drop_caches=args.drop_caches,
+                                    device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        result = loaders.run(settings, wanted, measure_ceilings=not args.no_ceilings,
+                             ceiling_images=args.ceiling_images)
+        md = loaders.to_markdown(result)
+        paths = report.write_results(args.out, "loaders", md, result, loaders.chart(result), args.machine, args.note)
+    else:
+        from lightning_app.bench import train
+
+        rows = [r.strip() for r in args.rows.split(",")] if args.rows else None
+        unknown = sorted(set(rows or ()) - set(train.ROW_NAMES))
+        if unknown:
+            print(f"--rows: unknown {unknown}; choose from {','.join(train.ROW_NAMES)}", file=sys.stderr)
+            return 2
+        result = train.run(args, rows)
+        md = train.to_markdown(result)
+        paths = report.write_results(args.out, "train", md, result, train.chart(result), args.machine, args.note)
+    print(md)
+    print("\nwrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

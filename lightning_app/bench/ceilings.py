@@ -1,0 +1,118 @@
+"""The machine's ceilings for a set of files: raw read rate (IO, cold cache) and decode-only rate (CPU, all cores).
+
+A loader cannot read faster than the disk hands out the bytes, nor decode faster than every
+core decoding and nothing else; a backend's row is compared with these two numbers.
+"""
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Iterable, Sequence
+
+from datamodules.images import decode_rgb
+
+READ_BLOCK = 1 << 20
+
+
+@dataclass
+class Ceiling:
+    images_s: float
+    mb_s: float
+    images: int
+    seconds: float
+    how: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def evict_pages(paths: Iterable[str], drop_caches: bool = False) -> str:
+    """Drop the page cache of ``paths`` so the next read comes from the disk; return how.
+
+    Default: ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every file, which needs no privilege
+    and leaves the rest of the machine's cache alone. ``drop_caches=True`` first tries
+    ``echo 1 > /proc/sys/vm/drop_caches`` (root, whole machine) and falls back to fadvise.
+    """
+    paths = list(paths)
+    if drop_caches:
+        try:
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+            return "drop_caches"
+        except OSError:
+            pass
+    if not hasattr(os, "posix_fadvise"):
+        return "none (no posix_fadvise on this OS: the cold numbers are warm)"
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "posix_fadvise(DONTNEED)" + (" (drop_caches not permitted)" if drop_caches else "")
+
+
+def files_under(path: str) -> list[str]:
+    """Every regular file under ``path`` (or ``path`` itself): what to evict for an LMDB or a tree."""
+    if os.path.isfile(path):
+        return [path]
+    out = []
+    for d, _, names in os.walk(path):
+        out.extend(os.path.join(d, n) for n in names)
+    return out
+
+
+def _read_file(path: str) -> int:
+    n = 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            chunk = f.read(READ_BLOCK)
+            if not chunk:
+                return n
+            n += len(chunk)
+
+
+def read_rate(paths: Sequence[str], threads: int = 8, drop_caches: bool = False) -> Ceiling:
+    """Cold raw read rate: evict, then read every file whole with ``threads`` readers (no decoding)."""
+    how = evict_pages(paths, drop_caches)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(_read_file, paths, chunksize=16))
+    dt = max(time.perf_counter() - t0, 1e-9)
+    return Ceiling(len(paths) / dt, total / dt / 1e6, len(paths), dt, f"cold ({how}), {threads} reader threads")
+
+
+def _decode_chunk(paths: Sequence[str]) -> tuple[int, int]:
+    n = 0
+    for p in paths:
+        with open(p, "rb") as f:
+            data = f.read()
+        decode_rgb(data).load()
+        n += len(data)
+    return len(paths), n
+
+
+def decode_rate(paths: Sequence[str], workers: int | None = None) -> Ceiling:
+    """Decode-only rate on all cores: PIL decode + convert to RGB in a pool of os.cpu_count() processes.
+
+    The files are read once first so the timing is decoding, not IO.
+    """
+    workers = workers or os.cpu_count() or 1
+    for p in paths:
+        _read_file(p)
+    chunk = max(1, min(64, len(paths) // (workers * 4) or 1))
+    chunks = [list(paths[i:i + chunk]) for i in range(0, len(paths), chunk)]
+    with ProcessPoolExecutor(workers) as pool:
+        list(pool.map(_decode_chunk, chunks[:workers]))  # start the workers before the clock
+        t0 = time.perf_counter()
+        done = list(pool.map(_decode_chunk, chunks))
+        dt = max(time.perf_counter() - t0, 1e-9)
+    images = sum(d[0] for d in done)
+    total = sum(d[1] for d in done)
+    return Ceiling(images / dt, total / dt / 1e6, images, dt, f"PIL decode + RGB, {workers} processes, warm cache")

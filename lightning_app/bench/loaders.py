@@ -1,0 +1,409 @@
+"""`bench loaders`: images/s and MB/s of every data backend's real train pipeline, cold and warm,
+with the bottleneck named.
+
+Each backend is a row. A backend whose module is not importable, or that cannot run here
+(DALI GPU without CUDA), stays in the table as skipped with the reason; one that fails is
+listed as failed with the error. Packing (LMDB) and downscaling happen before the clock.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tqdm import tqdm
+
+from datamodules.base import BUILTIN_ROOT, REPO_ROOT
+from datamodules.index import load_indexes
+from lightning_app.bench import ceilings
+
+NEAR = 0.8  # a rate at >= 80% of a ceiling is bound by it
+BACKENDS = ("imagefolder", "lmdb", "downscaled", "dali-cpu", "dali-gpu")
+LABELS = {"imagefolder": "ImageFolder (PIL)", "lmdb": "LMDB (PIL)", "downscaled": "Downscaled (PIL)",
+          "dali-cpu": "DALI CPU", "dali-gpu": "DALI GPU (mixed)"}
+
+COLUMNS = {
+    "backend": "the DataModule whose train_dataloader() is timed (same tree, same batch, image size, workers)",
+    "cache": "cold: the backend's files evicted from the page cache first (method in the notes); "
+             "warm: the next epoch, files in RAM",
+    "images/s": "training images per second through the whole pipeline: read, decode, augment, collate, "
+                "copy to the device and normalise (on_after_batch_transfer)",
+    "MB/s": "megabytes (1e6) of encoded image bytes the backend reads, per second (images/s x mean stored size)",
+    "% IO ceiling": "MB/s as a share of the cold raw read rate of the backend's own files (cold rows only)",
+    "% decode ceiling": "images/s as a share of PIL decode-only on all cores for the same images (CPU-decoding rows)",
+    "bottleneck": f"IO if MB/s >= {NEAR:.0%} of the IO ceiling; CPU decode if images/s >= {NEAR:.0%} of the decode "
+                  "ceiling; GPU for GPU-decoding rows otherwise; else augmentation/collation overhead",
+}
+
+
+class Skip(Exception):
+    """A backend that cannot run here; the message is the reason shown in the table."""
+
+
+@dataclass
+class Settings:
+    root: Path
+    work: Path
+    batch_size: int = 64
+    num_workers: int = 2
+    image_size: int = 224
+    downscale_size: int = 256
+    max_batches: int | None = None
+    drop_caches: bool = False
+    device: str = "cpu"
+
+
+@dataclass
+class Prepared:
+    datamodule: Any
+    files: list[str]           # what to evict for a cold epoch
+    image_bytes: float          # mean stored bytes per train image
+    storage: str                # key of the IO ceiling (the files this backend reads)
+    images: str                 # key of the decode ceiling (the encoded images it decodes)
+    gpu_decode: bool = False
+    note: str = ""
+
+
+@dataclass
+class Row:
+    backend: str
+    cache: str
+    status: str = "ok"          # ok | skipped | failed
+    reason: str = ""
+    images_s: float | None = None
+    mb_s: float | None = None
+    io_frac: float | None = None
+    decode_frac: float | None = None
+    bottleneck: str | None = None
+    images: int = 0
+    seconds: float = 0.0
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------ bottleneck
+
+def classify(images_s: float, mb_s: float, io_mb_s: float | None, decode_images_s: float | None,
+             gpu_decode: bool = False, near: float = NEAR) -> tuple[str, float | None, float | None]:
+    """Name the bottleneck of one row from its rates and the ceilings (None = does not apply).
+
+    Returns (bottleneck, share of the IO ceiling, share of the decode ceiling).
+    """
+    io = mb_s / io_mb_s if io_mb_s else None
+    dec = images_s / decode_images_s if (decode_images_s and not gpu_decode) else None
+    bound = [(frac, name) for frac, name in ((io, "IO"), (dec, "CPU decode")) if frac is not None and frac >= near]
+    if bound:
+        return max(bound)[1], io, dec
+    if gpu_decode:
+        return "GPU", io, dec
+    return "augmentation/collation", io, dec
+
+
+# ------------------------------------------------------------------------------ backends
+
+def _kwargs(cls, s: Settings, **extra) -> dict:
+    """The shared DESIGN.md init args plus whichever of ``extra`` the class accepts."""
+    params = inspect.signature(cls.__init__).parameters
+    kw = dict(data_dir=str(s.root), batch_size=s.batch_size, num_workers=s.num_workers, image_size=s.image_size)
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    kw.update({k: v for k, v in extra.items() if k in params or takes_any})
+    return {k: v for k, v in kw.items() if k in params or takes_any}
+
+
+def _mean_size(paths: list[str]) -> float:
+    return sum(os.path.getsize(p) for p in paths) / max(1, len(paths))
+
+
+def _train_files(dm) -> list[str]:
+    index = dm.indexes["train"]
+    return [index.path(i) for i in range(len(index))]
+
+
+def _imagefolder(s: Settings) -> Prepared:
+    from datamodules import ImageFolderDataModule
+
+    dm = ImageFolderDataModule(**_kwargs(ImageFolderDataModule, s))
+    dm.setup("fit")
+    files = _train_files(dm)
+    return Prepared(dm, files, _mean_size(files), "tree", "original")
+
+
+def _run_tool(args: list[str], what: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()[-600:]}")
+
+
+def _lmdb(s: Settings) -> Prepared:
+    try:
+        import datamodules.lmdb  # noqa: F401
+        from datamodules import LMDBDataModule
+    except ImportError as e:
+        raise Skip(f"LMDB backend not importable ({e})") from None
+    dst = s.work / "train.lmdb"
+    if not (dst / "data.mdb").exists():
+        _run_tool(["datamodules.lmdb", "--src", str(s.root), "--dst", str(dst)], "packing the LMDB")
+    params = inspect.signature(LMDBDataModule.__init__).parameters
+    path_arg = next((p for p in ("lmdb_path", "lmdb", "path", "db_path") if p in params), None)
+    kw = _kwargs(LMDBDataModule, s, **({path_arg: str(dst)} if path_arg else {}))
+    if path_arg is None:
+        kw["data_dir"] = str(dst)
+    dm = LMDBDataModule(**kw)
+    dm.setup("fit")
+    from datamodules.lmdb import LMDBReader
+
+    reader = LMDBReader(str(dst))
+    n = reader.count("train")
+    size = sum(len(reader.get("train", i)[0]) for i in range(n)) / max(1, n)
+    return Prepared(dm, ceilings.files_under(str(dst)), size, "lmdb", "original",
+                    note=f"packed once before timing into {dst.name}")
+
+
+def _downscaled(s: Settings) -> Prepared:
+    try:
+        import datamodules.downscale  # noqa: F401
+        from datamodules import DownscaledDataModule
+    except ImportError as e:
+        raise Skip(f"Downscaled backend not importable ({e})") from None
+    dst = s.work / f"downscaled-{s.downscale_size}"
+    params = inspect.signature(DownscaledDataModule.__init__).parameters
+    if not (dst / "train").is_dir():
+        # `python -m datamodules.downscale`, as a user makes the copy; the DataModule then finds it complete.
+        _run_tool(["datamodules.downscale", "--src", str(s.root), "--dst", str(dst),
+                   "--max-size", str(s.downscale_size)],
+                  "downscaling")
+    extra = {"max_size": s.downscale_size}
+    for name in ("downscaled_dir", "dst", "cache_dir", "out_dir"):
+        if name in params:
+            extra[name] = str(dst)
+    kw = _kwargs(DownscaledDataModule, s, **extra)
+    if not any(k in params for k in ("downscaled_dir", "dst", "cache_dir", "out_dir")):
+        kw["data_dir"] = str(dst)  # the downscaled copy is itself an ImageFolder tree
+    dm = DownscaledDataModule(**kw)
+    dm.setup("fit")
+    files = _train_files(dm) if getattr(dm, "indexes", None) else ceilings.files_under(str(dst / "train"))
+    return Prepared(dm, files, _mean_size(files), "downscaled", "downscaled",
+                    note=f"shorter side <= {s.downscale_size} px, made once before timing")
+
+
+def _dali(s: Settings, gpu: bool) -> Prepared:
+    if gpu and not torch.cuda.is_available():
+        raise Skip("needs a CUDA GPU (nvJPEG decoding on the device)")
+    try:
+        import nvidia.dali  # noqa: F401
+        from datamodules import DALIDataModule
+    except ImportError as e:
+        raise Skip(f"DALI backend not importable ({e})") from None
+    params = inspect.signature(DALIDataModule.__init__).parameters
+    name = next((p for p in ("decoder_device", "device", "decoder", "dali_device") if p in params), None)
+    if name is None:
+        raise Skip("DALIDataModule has no decoder device argument this benchmark knows")
+    value = "cpu"
+    if gpu:  # DALIDataModule(dali_device="gpu") decodes with DALI's "mixed" (nvJPEG) operators
+        value = "gpu" if name == "dali_device" else "mixed"
+    dm = DALIDataModule(**_kwargs(DALIDataModule, s, **{name: value}))
+    dm.setup("fit")
+    files = _train_files(dm) if getattr(dm, "indexes", None) else []
+    return Prepared(dm, files, _mean_size(files), "tree", "original", gpu_decode=gpu, note=f"{name}={value!r}")
+
+
+FACTORIES: dict[str, Callable[[Settings], Prepared]] = {
+    "imagefolder": _imagefolder,
+    "lmdb": _lmdb,
+    "downscaled": _downscaled,
+    "dali-cpu": lambda s: _dali(s, gpu=False),
+    "dali-gpu": lambda s: _dali(s, gpu=True),
+}
+
+
+# ------------------------------------------------------------------------------ timing
+
+def _to_device(batch, device: torch.device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def _count(batch) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.ndim == 4 else 0
+    if isinstance(batch, (list, tuple)):
+        return next((n for n in map(_count, batch) if n), 0) if not all(isinstance(b, dict) for b in batch) \
+            else sum(_count(b) for b in batch)
+    if isinstance(batch, dict):
+        return next((n for n in map(_count, batch.values()) if n), 0)
+    return 0
+
+
+def time_epoch(dm, loader, device: torch.device, max_batches: int | None, desc: str) -> tuple[int, float]:
+    """One epoch of ``loader`` (the backend's train_dataloader(), made once as Lightning does) as training
+    iterates it: to the device, then the DataModule's on_after_batch_transfer. Returns (images, seconds)."""
+    try:
+        total = len(loader)
+    except TypeError:
+        total = None
+    if max_batches:
+        total = min(total, max_batches) if total else max_batches
+    images = 0
+    t0 = time.perf_counter()
+    with tqdm(total=total, desc=desc, unit="batch", leave=False, dynamic_ncols=True) as bar:
+        for i, batch in enumerate(loader):
+            batch = dm.on_after_batch_transfer(_to_device(batch, device), 0)
+            images += _count(batch)
+            bar.update(1)
+            if max_batches and i + 1 >= max_batches:
+                break
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return images, time.perf_counter() - t0
+
+
+def _start_workers(loader) -> None:
+    """Start a torch DataLoader's persistent workers before the clock, so cold and warm differ only in the cache.
+
+    One batch is read (its files are evicted again before the cold epoch). DALI iterators are
+    left alone: they cannot be stopped mid-epoch and reset cleanly.
+    """
+    from torch.utils.data import DataLoader
+
+    if isinstance(loader, DataLoader) and loader.persistent_workers:
+        next(iter(loader))
+
+
+def _shutdown(dm) -> None:
+    # Free the persistent workers (and DALI pipelines) before the next backend is timed.
+    for name in ("teardown",):
+        try:
+            getattr(dm, name)("fit")
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+
+def run(settings: Settings, backends: list[str], measure_ceilings: bool = True,
+        ceiling_images: int = 2000) -> dict[str, Any]:
+    """Time every backend in ``BACKENDS`` (those not in ``backends`` become 'not selected' rows)."""
+    device = torch.device(settings.device)
+    rows: list[Row] = []
+    index = load_indexes(settings.root)["train"]
+    tree = [index.path(i) for i in range(len(index))]
+    # The tree's ceilings are always measured: they are the machine's, whichever rows ran.
+    storages: dict[str, list[str]] = {"tree": tree}
+    image_sets: dict[str, list[str]] = {"original": tree}
+    evict_how = None
+    for name in BACKENDS:
+        label = LABELS[name]
+        if name not in backends:
+            rows += [Row(label, c, "skipped", "not selected (--backends)") for c in ("cold", "warm")]
+            continue
+        try:
+            p = FACTORIES[name](settings)
+        except Skip as e:
+            rows += [Row(label, c, "skipped", str(e)) for c in ("cold", "warm")]
+            continue
+        except Exception as e:  # noqa: BLE001 - a broken backend is a row that says why
+            rows += [Row(label, c, "failed", f"{type(e).__name__}: {e}") for c in ("cold", "warm")]
+            continue
+        storages.setdefault(p.storage, p.files)
+        if p.storage != "lmdb":
+            image_sets.setdefault(p.images, p.files)
+        try:
+            loader = p.datamodule.train_dataloader()
+            _start_workers(loader)
+            for cache in ("cold", "warm"):
+                if cache == "cold":
+                    evict_how = ceilings.evict_pages(p.files, settings.drop_caches)
+                images, seconds = time_epoch(p.datamodule, loader, device, settings.max_batches, f"{label} {cache}")
+                ips = images / max(seconds, 1e-9)
+                rows.append(Row(label, cache, images=images, seconds=seconds, images_s=ips,
+                                mb_s=ips * p.image_bytes / 1e6, note=p.note, extra={"storage": p.storage,
+                                "images_key": p.images, "gpu_decode": p.gpu_decode}))
+        except Exception as e:  # noqa: BLE001
+            rows = [r for r in rows if r.backend != label]
+            rows += [Row(label, c, "failed", f"{type(e).__name__}: {e}") for c in ("cold", "warm")]
+        finally:
+            _shutdown(p.datamodule)
+
+    ceil: dict[str, dict] = {"io": {}, "decode": {}}
+    if measure_ceilings:
+        for key, files in tqdm(list(storages.items()), desc="IO ceilings", leave=False):
+            ceil["io"][key] = ceilings.read_rate(files, drop_caches=settings.drop_caches).as_dict()
+        for key, files in tqdm([(k, f) for k, f in image_sets.items() if f], desc="decode ceilings", leave=False):
+            sample = files[:: max(1, len(files) // ceiling_images)][:ceiling_images]
+            ceil["decode"][key] = ceilings.decode_rate(sample).as_dict()
+    for r in rows:
+        if r.status != "ok":
+            continue
+        io = ceil["io"].get(r.extra["storage"], {}).get("mb_s") if r.cache == "cold" else None
+        dec = ceil["decode"].get(r.extra["images_key"], {}).get("images_s")
+        r.bottleneck, r.io_frac, r.decode_frac = classify(r.images_s, r.mb_s, io, dec, r.extra["gpu_decode"])
+    return {"rows": [r.__dict__ for r in rows], "ceilings": ceil, "eviction": evict_how or "none",
+            "settings": {k: str(v) for k, v in settings.__dict__.items()}}
+
+
+# ------------------------------------------------------------------------------ output
+
+def _fmt(x: float | None, spec: str = ",.0f") -> str:
+    return "" if x is None else format(x, spec)
+
+
+def _short(path: str) -> str:
+    """A path inside the repository, relative to it (results files are committed)."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return path
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    headers = list(COLUMNS)
+    table = []
+    for r in result["rows"]:
+        if r["status"] != "ok":
+            if r["cache"] == "cold":  # one line per backend that did not run
+                table.append([r["backend"], "", "", "", "", "", f"{r['status']}: {r['reason']}"])
+            continue
+        table.append([r["backend"], r["cache"], _fmt(r["images_s"]), _fmt(r["mb_s"], ",.1f"),
+                      _fmt(r["io_frac"] and 100 * r["io_frac"]), _fmt(r["decode_frac"] and 100 * r["decode_frac"]),
+                      r["bottleneck"]])
+    from lightning_app.bench.report import markdown_table
+
+    lines = [markdown_table(headers, table), ""]
+    c = result["ceilings"]
+    for key, v in c["io"].items():
+        lines.append(f"- IO ceiling ({key} files): {v['mb_s']:,.1f} MB/s, {v['images_s']:,.0f} files/s ({v['how']})")
+    for key, v in c["decode"].items():
+        lines.append(f"- Decode ceiling ({key} images): {v['images_s']:,.0f} images/s, "
+                     f"{v['mb_s']:,.1f} MB/s ({v['how']})")
+    s = result["settings"]
+    lines.append(f"- Cold cache by: {result['eviction']}")
+    lines.append(f"- Dataset: {_short(s['root'])} (train split); batch {s['batch_size']}, {s['num_workers']} workers, "
+                 f"crop {s['image_size']} px, device {s['device']}")
+    notes = sorted({f"{r['backend']}: {r['note']}" for r in result["rows"] if r.get("note")})
+    lines += [f"- {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def chart(result: dict[str, Any]) -> dict[str, Any]:
+    labels = list(dict.fromkeys(r["backend"] for r in result["rows"]))
+    series = {}
+    for cache in ("cold", "warm"):
+        by = {r["backend"]: r["images_s"] for r in result["rows"] if r["cache"] == cache}
+        series[cache] = [by.get(b) for b in labels]
+    return {"title": "Train pipeline throughput per backend (images/s)", "labels": labels, "series": series,
+            "ylabel": "images/s (higher is better)"}
+
+
+def default_root(preset: str, train_per_class: int | None, val_per_class: int | None) -> Path:
+    from datamodules.builtin import ensure_builtin
+
+    return Path(ensure_builtin(preset, root=BUILTIN_ROOT, train_per_class=train_per_class, val_per_class=val_per_class))

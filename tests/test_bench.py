@@ -1,0 +1,139 @@
+"""The benchmark tool: both subcommands end to end on tiny data, the bottleneck rule, --help."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from datamodules.builtin import generate
+from lightning_app.bench.__main__ import main
+from lightning_app.bench.loaders import BACKENDS, COLUMNS as LOADER_COLUMNS, classify
+from lightning_app.bench.train import COLUMNS as TRAIN_COLUMNS, RowSpec, row_specs, skip_reason
+
+
+@pytest.fixture(scope="module")
+def photo_data(tmp_path_factory) -> Path:
+    """ImageNet-like files (varied ~470x390 JPEGs), 2 per class: 20 train images."""
+    return generate(tmp_path_factory.mktemp("bench") / "img", "imagenet", train_per_class=2, val_per_class=1,
+                    progress=False)
+
+
+def _outputs(out: Path, kind: str) -> tuple[str, dict]:
+    md = list(out.glob(f"*.{kind}.md"))
+    assert len(md) == 1, md
+    stem = md[0].name[: -len(f".{kind}.md")]
+    png = out / f"{stem}.{kind}.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = (out / f"{stem}.md").read_text()
+    assert "CPU:" in summary and "Libraries:" in summary and f"## {kind}" in summary
+    return md[0].read_text(), json.loads((out / f"{stem}.{kind}.json").read_text())
+
+
+# ------------------------------------------------------------------------------ bottleneck rule
+
+def test_classify_io_bound_when_near_read_ceiling():
+    assert classify(images_s=500, mb_s=45, io_mb_s=50, decode_images_s=2000)[0] == "IO"
+
+
+def test_classify_decode_bound_when_near_decode_ceiling():
+    name, io, dec = classify(images_s=900, mb_s=80, io_mb_s=1000, decode_images_s=1000)
+    assert name == "CPU decode" and io == pytest.approx(0.08) and dec == pytest.approx(0.9)
+
+
+def test_classify_picks_the_closer_ceiling_when_both_are_near():
+    assert classify(images_s=950, mb_s=85, io_mb_s=100, decode_images_s=1000)[0] == "CPU decode"
+    assert classify(images_s=850, mb_s=99, io_mb_s=100, decode_images_s=1000)[0] == "IO"
+
+
+def test_classify_overhead_when_far_from_both_and_gpu_for_gpu_decoding():
+    assert classify(images_s=300, mb_s=27, io_mb_s=500, decode_images_s=1000)[0] == "augmentation/collation"
+    # warm rows have no IO ceiling; GPU-decoding rows have no CPU decode ceiling
+    assert classify(images_s=300, mb_s=27, io_mb_s=None, decode_images_s=None)[0] == "augmentation/collation"
+    assert classify(images_s=3000, mb_s=270, io_mb_s=1000, decode_images_s=1000, gpu_decode=True) == ("GPU", 0.27, None)
+    assert classify(images_s=3000, mb_s=950, io_mb_s=1000, decode_images_s=1000, gpu_decode=True)[0] == "IO"
+
+
+# ------------------------------------------------------------------------------ --help
+
+def test_help_explains_every_column(capsys):
+    for command, columns in (("loaders", LOADER_COLUMNS), ("train", TRAIN_COLUMNS)):
+        with pytest.raises(SystemExit) as e:
+            main([command, "--help"])
+        assert e.value.code == 0
+        text = capsys.readouterr().out
+        for column in columns:
+            assert f"{column}:" in text, (command, column)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "loaders" in capsys.readouterr().out
+
+
+def test_unknown_backend_is_a_clear_error(capsys, tmp_path, photo_data):
+    assert main(["loaders", "--data-dir", str(photo_data), "--backends", "nfs", "--out", str(tmp_path)]) == 2
+    assert "unknown ['nfs']" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ end to end
+
+def test_loaders_end_to_end(tmp_path, photo_data):
+    out = tmp_path / "out"
+    rc = main(["loaders", "--data-dir", str(photo_data), "--backends", "imagefolder,dali-gpu", "--batch-size", "4",
+               "--num-workers", "0", "--work-dir", str(tmp_path / "work"), "--out", str(out),
+               "--note", "test run"])
+    assert rc == 0
+    md, data = _outputs(out, "loaders")
+    assert {"rows", "ceilings", "eviction", "settings", "machine", "note"} <= set(data)
+    rows = {(r["backend"], r["cache"]): r for r in data["rows"]}
+    assert len({r["backend"] for r in data["rows"]}) == len(BACKENDS)  # every backend is a row
+    for cache in ("cold", "warm"):
+        r = rows[("ImageFolder (PIL)", cache)]
+        assert r["status"] == "ok" and r["images"] == 20  # 5 batches of 4
+        assert r["images_s"] > 0 and r["mb_s"] > 0
+        assert r["bottleneck"] in ("IO", "CPU decode", "augmentation/collation")
+        assert r["decode_frac"] > 0
+    assert rows[("ImageFolder (PIL)", "cold")]["io_frac"] > 0
+    assert rows[("ImageFolder (PIL)", "warm")]["io_frac"] is None
+    assert data["ceilings"]["io"]["tree"]["mb_s"] > 0 and data["ceilings"]["decode"]["original"]["images_s"] > 0
+    assert data["eviction"].startswith(("posix_fadvise", "drop_caches"))
+    skipped = [r for r in data["rows"] if r["status"] == "skipped"]
+    assert skipped and all(r["reason"] for r in skipped)
+    assert any(r["reason"] == "not selected (--backends)" for r in skipped)
+    if not torch.cuda.is_available():
+        assert "needs a CUDA GPU" in rows[("DALI GPU (mixed)", "cold")]["reason"]
+    for column in LOADER_COLUMNS:
+        assert column in md
+    assert "| ImageFolder (PIL) | cold |" in md and "Decode ceiling" in md and "**test run**" in md
+
+
+@pytest.mark.slow
+def test_train_end_to_end(tmp_path, tiny_data):
+    out = tmp_path / "out"
+    rc = main(["train", "--data-dir", str(tiny_data), "--rows", "baseline,plain-pytorch", "--epochs", "1",
+               "--batch-size", "48", "--num-workers", "0", "--width", "8", "--out", str(out)])
+    assert rc == 0
+    md, data = _outputs(out, "train")
+    assert {"rows", "overhead", "settings", "machine"} <= set(data)
+    rows = data["rows"]
+    assert rows[0]["row"] == "baseline" and rows[0]["status"] == "ok", rows[0]
+    assert rows[0]["speedup"] == pytest.approx(1.0)
+    assert rows[0]["devices"] == 1 and len(rows[0]["epoch_seconds"]) == 1
+    plain = rows[1]
+    assert plain["strategy"] == "plain" and plain["status"] == "ok", plain
+    assert data["overhead"]["ratio"] == pytest.approx(rows[0]["images_s"] / plain["images_s"])
+    assert len(rows) == len(row_specs(torch.cuda.is_available()))  # nothing hidden
+    for r in rows[2:]:
+        assert r["status"] == "skipped" and r["reason"], r
+    assert "Template overhead" in md and "| baseline |" in md
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only skip reasons")
+def test_rows_that_cannot_run_on_cpu_say_why():
+    assert "CUDA" in skip_reason(RowSpec("cudnn.benchmark", benchmark=True))
+    assert "bf16" in skip_reason(RowSpec("16-mixed", precision="16-mixed"))
+    assert "GPU" in skip_reason(RowSpec("dp", strategy="dp"))
+    assert skip_reason(RowSpec("baseline")) is None
+    assert skip_reason(RowSpec("bf16-mixed", precision="bf16-mixed")) is None
+    names = [r.name for r in row_specs(False)]
+    assert names[0] == "baseline" and names[1].startswith("plain-pytorch")
