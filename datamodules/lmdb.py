@@ -161,15 +161,20 @@ def read_meta(path: str | os.PathLike) -> dict:
             f"{str(path)!r} is not an LMDB database (expected a folder holding data.mdb, as written by "
             f"python -m datamodules.lmdb --src ROOT --dst {path})."
         )
-    try:
-        env = lmdb.open(str(path), readonly=True, lock=False, readahead=False, meminit=False, subdir=True)
-    except lmdb.Error as e:
-        raise DataError(f"cannot open LMDB database {str(path)!r}: {e}") from e
-    try:
-        with env.begin() as txn:
+    entry = _ENVS.get(str(path.absolute()))
+    if entry is not None and entry[0] == os.getpid():  # already open in this process: reuse it
+        with entry[1].begin() as txn:
             raw = txn.get(META_KEY)
-    finally:
-        env.close()
+    else:
+        try:
+            env = lmdb.open(str(path), readonly=True, lock=False, readahead=False, meminit=False, subdir=True)
+        except lmdb.Error as e:
+            raise DataError(f"cannot open LMDB database {str(path)!r}: {e}") from e
+        try:
+            with env.begin() as txn:
+                raw = txn.get(META_KEY)
+        finally:
+            env.close()
     if raw is None:
         raise DataError(
             f"LMDB database {str(path)!r} has no {META_KEY.decode()} record: it is incomplete (an interrupted "
@@ -195,6 +200,7 @@ def pack(
     workers: int | None = None,
     progress: bool = True,
     overwrite: bool = False,
+    commit_every: int = COMMIT_EVERY,
 ) -> Path:
     """Pack the ImageFolder tree `src` into the LMDB folder `dst` (atomically, resumably) and return `dst`.
 
@@ -233,7 +239,7 @@ def pack(
                       f"({sum(v['done'] for v in state['splits'].values())} images already done)", file=sys.stderr)
         try:
             for split in SPLITS:
-                _pack_split(env, state, split, indexes[split], workers, progress)
+                _pack_split(env, state, split, indexes[split], workers, progress, commit_every)
             bad = [(os.path.join(src, p), why) for s in SPLITS for p, why in indexes[s].bad_files + [
                 tuple(b) for b in state["splits"][s]["bad"]]]
             if bad and not skip_invalid:
@@ -251,6 +257,7 @@ def pack(
         finally:
             env.close()
         if dst.exists():
+            close_env(dst)
             old = dst.parent / f".{dst.name}.old-{os.getpid()}"
             os.rename(dst, old)
             shutil.rmtree(old, ignore_errors=True)
@@ -259,7 +266,7 @@ def pack(
 
 
 def _pack_split(env: lmdb.Environment, state: dict, split: str, index: Index, workers: int | None,
-                progress: bool) -> None:
+                progress: bool, commit_every: int) -> None:
     st = state["splits"][split]
     todo = index.samples[st["done"]:]
     if not todo:
@@ -278,7 +285,7 @@ def _pack_split(env: lmdb.Environment, state: dict, split: str, index: Index, wo
             st["count"] += 1
             st["reencoded"] += int(reencoded)
         st["done"] += 1
-        if len(pending) >= COMMIT_EVERY or pending_bytes >= COMMIT_BYTES:
+        if len(pending) >= commit_every or pending_bytes >= COMMIT_BYTES:
             _commit(env, pending + [(PROGRESS_KEY, json.dumps(state).encode())])
             pending, pending_bytes = [], 0
     _commit(env, pending + [(PROGRESS_KEY, json.dumps(state).encode())])
@@ -307,6 +314,30 @@ def _meta(src: Path, indexes: dict[str, Index], state: dict, fingerprint: str) -
 
 # ------------------------------------------------------------------------------ reading
 
+# One read-only environment per database and process, shared by every reader in it: py-lmdb
+# refuses to open a path twice in one process, and its record of open paths survives fork.
+_ENVS: dict[str, tuple[int, lmdb.Environment]] = {}
+
+
+def _shared_env(path: str) -> lmdb.Environment:
+    pid = os.getpid()
+    entry = _ENVS.get(path)
+    if entry is not None:
+        if entry[0] == pid:
+            return entry[1]
+        entry[1].close()  # inherited through fork: unusable here, and it blocks a new open
+    env = lmdb.open(path, readonly=True, lock=False, readahead=False, meminit=False, subdir=True)
+    _ENVS[path] = (pid, env)
+    return env
+
+
+def close_env(path: str | os.PathLike) -> None:
+    """Close this process's handle on a database (readers reopen it when next used)."""
+    entry = _ENVS.pop(str(Path(path).absolute()), None)
+    if entry is not None and entry[0] == os.getpid():
+        entry[1].close()
+
+
 class LMDBReader:
     """Random access to a packed database. Picklable; the environment opens lazily, once per process."""
 
@@ -316,7 +347,6 @@ class LMDBReader:
         self._meta: dict | None = meta
         self.classes: list[str] = list(meta["classes"])
         self._counts = {s: int(meta["splits"][s]["count"]) for s in meta["splits"]}
-        self._env: lmdb.Environment | None = None
         self._txn: lmdb.Transaction | None = None
         self._pid: int | None = None
 
@@ -332,15 +362,9 @@ class LMDBReader:
         return self._counts[split]
 
     def _transaction(self) -> lmdb.Transaction:
-        if self._pid != os.getpid():
-            if self._env is not None:
-                # Inherited through fork: py-lmdb still counts it as open in this process and
-                # would refuse a new open of the path, so close the inherited handle first.
-                self._txn.abort()
-                self._env.close()
-            self._env = lmdb.open(self.path, readonly=True, lock=False, readahead=False, meminit=False, subdir=True)
-            # One long read transaction: the database never changes while it is read.
-            self._txn = self._env.begin(buffers=False)
+        if self._pid != os.getpid() or self._txn is None:
+            # One long read transaction per process: the database never changes while it is read.
+            self._txn = _shared_env(self.path).begin(buffers=False)
             self._pid = os.getpid()
         return self._txn
 
@@ -348,23 +372,27 @@ class LMDBReader:
         """(encoded image bytes, label) of sample `i` of `split`."""
         if not 0 <= i < self.count(split):
             raise IndexError(f"sample {i} out of range for {split} ({self.count(split)} samples) in {self.path}")
-        value = self._transaction().get(sample_key(split, i))
+        key = sample_key(split, i)
+        try:
+            value = self._transaction().get(key)
+        except lmdb.Error:  # the shared environment was closed by close(): open it again
+            self._txn = None
+            value = self._transaction().get(key)
         if value is None:
-            raise DataError(f"LMDB database {self.path} lacks key {sample_key(split, i).decode()}: it is damaged; pack it again.")
+            raise DataError(f"LMDB database {self.path} lacks key {key.decode()}: it is damaged; pack it again.")
         return unpack_value(value)
 
     def source_path(self, split: str, i: int) -> str:
         return os.path.join(self.meta.get("source_root", ""), self.meta["splits"][split]["paths"][i])
 
     def close(self) -> None:
-        if self._env is not None and self._pid == os.getpid():
-            self._txn.abort()
-            self._env.close()
-        self._env = self._txn = self._pid = None
+        """Close this process's environment for this database (every reader of it reopens on next use)."""
+        self._txn = self._pid = None
+        close_env(self.path)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state.update(_env=None, _txn=None, _pid=None, _meta=None)  # the paths list can be large
+        state.update(_txn=None, _pid=None, _meta=None)  # the paths list can be large
         return state
 
     def __len__(self) -> int:
@@ -475,12 +503,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-invalid", action="store_true", help="leave undecodable files out (counted in the metadata)")
     ap.add_argument("--workers", type=int, default=None, help="decode processes (default: all CPU cores)")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --dst from another source")
+    ap.add_argument("--commit-every", type=int, default=COMMIT_EVERY,
+                    help=f"images per write transaction: the most a rerun redoes (default: {COMMIT_EVERY})")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     try:
         out = pack(a.src, a.dst, skip_invalid=a.skip_invalid, workers=a.workers, progress=not a.quiet,
-                   overwrite=a.overwrite)
+                   overwrite=a.overwrite, commit_every=max(1, a.commit_every))
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
