@@ -162,6 +162,7 @@ def downscale(
                 jobs.append((str(src / rel), str(out), max_size, quality))
                 rels.append(rel)
         counts = {"done": 0, "skipped": 0}
+        good = {split: 0 for split in SPLITS}
         bad = [(rel, why) for s in SPLITS for rel, why in indexes[s].bad_files]
         results = parallel_imap(_job, jobs, workers=workers, desc=f"downscale {max_size}px", progress=progress,
                                 nbytes=lambda r: r[2])
@@ -170,6 +171,7 @@ def downscale(
                 bad.append((rel, why))
             else:
                 counts[status] += 1
+                good[rel.split("/", 1)[0]] += 1
         bad_set = {rel for rel, _ in bad}
         _remove_stale(dst, set(rels) - bad_set)
         if bad and not skip_invalid:
@@ -179,7 +181,7 @@ def downscale(
                 "(the images done so far are kept and not redone)."
             )
         marker = {**params, "source_root": str(src), "source_fingerprint": fingerprint,
-                  "counts": {s: len(indexes[s].samples) - sum(p.startswith(s + "/") for p in bad_set) for s in SPLITS},
+                  "counts": good,
                   "skipped_files": [list(b) for b in bad],
                   "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         tmp = dst / f"{MARKER}.tmp"
