@@ -8,8 +8,8 @@ Format (version 1; the DALI and benchmark code read it too):
   values  b"FIC1" + label (uint32 little-endian) + encoded image: the original bytes of a plain
           RGB JPEG without EXIF rotation, otherwise a lossless PNG of `decode_rgb(file)`, so
           every decoder (PIL, DALI) gives the same RGB pixels as the ImageFolder backend
-  __meta__ UTF-8 JSON (classes, per-split counts, skipped files and paths in key order,
-          source root, creation time); written LAST: a database without it is incomplete.
+  __meta__ UTF-8 JSON (classes, per-split counts, skipped files, paths and labels in key
+          order, source root, creation time); written LAST: a database without it is incomplete.
 
 Packing writes to `.OUT.lmdb.partial` beside OUT.lmdb and renames it when complete. Every
 commit also records how far it got (`__progress__`, in the same transaction), so a rerun after
@@ -225,6 +225,16 @@ def pack(
         tmp = dst.parent / f".{dst.name}.partial"
         paths = [os.path.join(src, p) for s in SPLITS for p, _ in indexes[s].samples]
         map_size = max(source_size(paths) * 3, 1 << 20) + (256 << 20)
+        try:  # killed between the last commit and the rename: only the rename is left to do
+            finished = read_meta(tmp).get("source_fingerprint") == fingerprint
+        except DataError:
+            finished = False
+        if finished:
+            if dst.exists():
+                close_env(dst)
+                shutil.rmtree(dst)
+            os.rename(tmp, dst)
+            return dst
         resumed = _resume_state(tmp, fingerprint, map_size)
         if resumed is None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -296,10 +306,11 @@ def _meta(src: Path, indexes: dict[str, Index], state: dict, fingerprint: str) -
     for s in SPLITS:
         st = state["splits"][s]
         bad = {p for p, _ in st["bad"]}
-        paths = [p for p, _ in indexes[s].samples if p not in bad]
-        assert len(paths) == st["count"]
+        kept = [(p, label) for p, label in indexes[s].samples if p not in bad]
+        assert len(kept) == st["count"]
         skipped = [list(b) for b in indexes[s].bad_files] + st["bad"]
-        splits[s] = {"count": st["count"], "skipped": len(skipped), "paths": paths, "skipped_files": skipped}
+        splits[s] = {"count": st["count"], "skipped": len(skipped), "paths": [p for p, _ in kept],
+                     "labels": [label for _, label in kept], "skipped_files": skipped}
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -476,8 +487,12 @@ class LMDBDataModule(ImageDataModule):
     def load_indexes(self) -> dict[str, Index]:
         # The metadata replaces the directory walk; labels live in the values.
         meta = self.reader.meta
-        return {s: Index(str(self.root), s, self.classes, [(p, -1) for p in meta["splits"][s]["paths"]])
-                for s in SPLITS}
+        indexes = {}
+        for s in SPLITS:
+            paths = meta["splits"][s]["paths"]
+            labels = meta["splits"][s].get("labels") or [-1] * len(paths)  # optional: labels live in the values
+            indexes[s] = Index(str(self.root), s, self.classes, list(zip(paths, labels)))
+        return indexes
 
     def make_dataset(self, split: str, index: Index) -> Dataset:
         if split == "train":

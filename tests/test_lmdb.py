@@ -43,6 +43,7 @@ def test_pack_follows_the_format_contract(tiny_data, tiny_db):
                 samples = indexes[split].samples
                 assert meta["splits"][split]["count"] == len(samples) and meta["splits"][split]["skipped"] == 0
                 assert meta["splits"][split]["paths"] == [p for p, _ in samples]
+                assert meta["splits"][split]["labels"] == [label for _, label in samples]
                 for i, (rel, label) in enumerate(samples):
                     raw = txn.get(f"{split}/{i:08d}".encode())
                     assert raw[:4] == b"FIC1" and int.from_bytes(raw[4:8], "little") == label
@@ -219,3 +220,12 @@ def test_ddp_two_processes_with_workers(tiny_db, tmp_path):
             "--data.num_workers", "2", "--trainer.strategy", "ddp", "--trainer.devices", "2"]
     proc = run_main(args)
     assert "Done: best val/acc1" in proc.stdout + proc.stderr
+
+
+def test_killed_just_before_the_rename_only_renames(tiny_data, tmp_path):
+    dst = pack(tiny_data, tmp_path / "t.lmdb", progress=False)
+    before = _values(dst)
+    os.rename(dst, tmp_path / ".t.lmdb.partial")  # the state a kill between last commit and rename leaves
+    mtime = (tmp_path / ".t.lmdb.partial" / "data.mdb").stat().st_mtime_ns
+    assert pack(tiny_data, dst, progress=False) == dst
+    assert (dst / "data.mdb").stat().st_mtime_ns == mtime and _values(dst) == before
