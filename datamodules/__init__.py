@@ -10,6 +10,21 @@ __all__ = [
     "ImageDataModule",
     "ImageFolderDataModule",
     "Index",
+    "DownscaledDataModule",
+    "LMDBDataModule",
     "load_index",
     "load_indexes",
 ]
+
+
+def __getattr__(name: str):
+    # Imported lazily so that `python -m datamodules.lmdb` / `.downscale` do not import themselves twice.
+    if name == "LMDBDataModule":
+        from datamodules.lmdb import LMDBDataModule
+
+        return LMDBDataModule
+    if name == "DownscaledDataModule":
+        from datamodules.downscaled import DownscaledDataModule
+
+        return DownscaledDataModule
+    raise AttributeError(f"module 'datamodules' has no attribute {name!r}")

@@ -135,3 +135,18 @@ def quick_args(data_dir: Path, root: Path, epochs: int = 1, batch: int = 32, wid
         "--trainer.enable_progress_bar", "false",
         *(["--model.arch_kwargs", f"{{width: {width}}}"] if width else []),
     ]
+
+
+@pytest.fixture(scope="session")
+def slow_tree(tmp_path_factory) -> Path:
+    """200 noise PNGs of 320x240 (2 classes): slow enough to pack or downscale that a run can be killed midway."""
+    root = tmp_path_factory.mktemp("slow") / "tree"
+    rng = np.random.default_rng(2)
+    for split, n in (("train", 80), ("val", 20)):
+        for name in ("a", "b"):
+            d = root / split / name
+            d.mkdir(parents=True)
+            for i in range(n):
+                arr = rng.integers(0, 255, (240, 320, 3), dtype=np.uint8)
+                (d / f"{i:03d}.png").write_bytes(_png(Image.fromarray(arr)))
+    return root

@@ -1,0 +1,110 @@
+"""What the data tools share: a parallel, ordered decode pool with a progress bar, and a file lock.
+
+`parallel_imap` runs a picklable function over many files in worker processes and yields the
+results in input order (so a writer can number them), while a tqdm bar shows images/s and MB/s.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: callers rely on atomic renames only
+    fcntl = None
+
+
+def _mp_context() -> mp.context.BaseContext:
+    # fork where it exists: the jobs touch only files, PIL and numpy, and spawn would
+    # re-import the caller's __main__.
+    return mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+
+
+def default_workers(workers: int | None) -> int:
+    if workers:
+        return max(1, workers)
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def parallel_imap(
+    fn: Callable[[Any], Any],
+    items: list,
+    *,
+    workers: int | None = None,
+    desc: str = "",
+    nbytes: Callable[[Any], int] | None = None,
+    progress: bool = True,
+    chunksize: int = 8,
+) -> Iterator:
+    """`fn(item)` for every item, in order, computed by `workers` processes (1 = in this process).
+
+    `nbytes(result)` gives the bytes a result stands for (source bytes read), shown as MB/s.
+    """
+    workers = min(default_workers(workers), max(1, len(items)))
+    t0 = time.perf_counter()
+    done_bytes = 0
+    with tqdm(total=len(items), unit="img", desc=desc, disable=not progress, dynamic_ncols=True,
+              mininterval=0.5) as bar:
+        if workers == 1:
+            results: Iterable = map(fn, items)
+            pool = None
+        else:
+            pool = _mp_context().Pool(workers)
+            results = pool.imap(fn, items, chunksize=chunksize)
+        try:
+            last = t0
+            for n, result in enumerate(results, 1):
+                if nbytes is not None:
+                    done_bytes += nbytes(result)
+                now = time.perf_counter()
+                if nbytes is not None and (now - last > 0.5 or n == len(items)):
+                    last = now
+                    bar.set_postfix_str(f"{done_bytes / 1e6 / max(now - t0, 1e-9):.1f} MB/s", refresh=False)
+                bar.update(1)
+                yield result
+        finally:
+            if pool is not None:
+                pool.terminate()
+                pool.join()
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike) -> Iterator[None]:
+    """An exclusive lock held across processes (DDP ranks starting at once) while the block runs."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def list_bad(bad: list[tuple[str, str]], limit: int = 50) -> str:
+    lines = "\n".join(f"  {p}: {why}" for p, why in bad[:limit])
+    more = f"\n  ... and {len(bad) - limit} more" if len(bad) > limit else ""
+    return lines + more
+
+
+def source_size(paths: Iterable[str]) -> int:
+    total = 0
+    for p in paths:
+        try:
+            total += os.path.getsize(p)
+        except OSError:
+            pass
+    return total

@@ -1,0 +1,175 @@
+"""The downscale tool and DownscaledDataModule: sizes, orientation, reruns, kills, broken files, in-memory sharing."""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from datamodules.downscale import downscale, main, read_marker, target_size
+from datamodules.downscaled import DownscaledDataModule, InMemoryDataset
+from datamodules.images import decode_rgb
+from datamodules.index import DataError, load_indexes
+from tests.conftest import REPO, make_tree
+
+
+def test_target_size_keeps_aspect_and_never_upscales():
+    assert target_size(470, 390, 160) == (193, 160)
+    assert target_size(390, 470, 160) == (160, 193)
+    assert target_size(100, 50, 160) == (100, 50)
+    assert target_size(1200, 8, 4) == (600, 4)
+    assert target_size(1, 1, 1) == (1, 1)
+
+
+def _jpeg(arr: np.ndarray, **kw) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="JPEG", **kw)
+    return buf.getvalue()
+
+
+def test_sizes_orientation_and_formats(odd_tree, tmp_path):
+    rng = np.random.default_rng(0)
+    big = odd_tree / "train" / "bees" / "big.jpg"
+    big.write_bytes(_jpeg(rng.integers(0, 255, (300, 500, 3), dtype=np.uint8)))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    rotated = odd_tree / "train" / "bees" / "rotated_big.jpg"
+    rotated.write_bytes(_jpeg(rng.integers(0, 255, (200, 400, 3), dtype=np.uint8), exif=exif.tobytes()))
+    out = downscale(odd_tree, tmp_path / "small", 24, quality=85, progress=False)
+    assert (out / "train" / "empty").is_dir() and (out / "val" / "empty").is_dir()  # labels stay the same
+    src_idx, out_idx = load_indexes(odd_tree, cache=False), load_indexes(out, cache=False)
+    for split in ("train", "val"):
+        assert out_idx[split].samples == src_idx[split].samples  # same paths, same labels
+        for rel, _ in src_idx[split].samples:
+            expected = decode_rgb(odd_tree / rel)  # orientation applied
+            with Image.open(out / rel) as im:
+                assert im.format == "JPEG" and im.mode == "RGB" and im.getexif().get(0x0112, 1) == 1
+                assert im.size == target_size(*expected.size, 24), rel
+    assert Image.open(out / "train/bees/rotated_big.jpg").size == (24, 48)  # 400x200 turned upright, then scaled
+    assert Image.open(out / "train/bees/big.jpg").size == (40, 24)
+    # a plain RGB JPEG already small enough is copied byte for byte (no second JPEG loss)
+    assert (out / "train/ants/one_pixel.jpg").read_bytes() == (odd_tree / "train/ants/one_pixel.jpg").read_bytes()
+    # the downscaled pixels are close to a high-quality resize of the original
+    ref = decode_rgb(odd_tree / "train/bees/big.jpg").resize((40, 24), Image.LANCZOS)
+    got = decode_rgb(out / "train/bees/big.jpg")
+    assert np.abs(np.asarray(got, np.int16) - np.asarray(ref, np.int16)).mean() < 12
+    assert not list(out.rglob("*.tmp-*"))
+    assert read_marker(out)["counts"] == {"train": len(src_idx["train"]), "val": len(src_idx["val"])}
+
+
+def test_rerun_redoes_only_changed_sources_and_removes_deleted(tiny_data, tmp_path):
+    src = tmp_path / "src"
+    import shutil
+
+    shutil.copytree(tiny_data, src)
+    dst = downscale(src, tmp_path / "dst", 16, progress=False)
+    first = {p: p.stat().st_mtime_ns for p in dst.rglob("*.jpg")}
+    stamp = {p: os.stat(p).st_ino for p in first}
+    # change one source, delete another
+    changed = src / "train" / "bars" / "00000.jpg"
+    changed.write_bytes(_jpeg(np.zeros((64, 64, 3), np.uint8)))
+    os.utime(changed, ns=(time.time_ns() + 10**9,) * 2)
+    (src / "val" / "ring" / "00001.jpg").unlink()
+    downscale(src, dst, 16, progress=False)
+    after = {p: os.stat(p).st_ino for p in dst.rglob("*.jpg")}
+    assert dst / "val/ring/00001.jpg" not in after
+    rewritten = {p for p in after if after[p] != stamp.get(p)}
+    assert rewritten == {dst / "train/bars/00000.jpg"}
+    assert np.asarray(decode_rgb(dst / "train/bars/00000.jpg")).max() < 10
+    # other settings: everything is redone at the new size
+    downscale(src, dst, 8, progress=False)
+    assert Image.open(dst / "train/bars/00001.jpg").size == (8, 8)
+
+
+def test_broken_sources_fail_unless_skipped(tmp_path, capsys):
+    root = make_tree(tmp_path / "tree", {"a": 2, "b": 2})
+    good = (root / "train/a/000.jpg").read_bytes()
+    (root / "train/a/truncated.jpg").write_bytes(good[: len(good) // 2])
+    (root / "val/b/garbled.jpg").write_bytes(good[:20] + bytes(100) + b"\xff\xd9")
+    dst = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        main(["--src", str(root), "--dst", str(dst), "--max-size", "16", "--quiet", "--workers", "1"])
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert str(root / "train/a/truncated.jpg") in err and str(root / "val/b/garbled.jpg") in err
+    assert read_marker(dst) is None  # incomplete: no marker
+    main(["--src", str(root), "--dst", str(dst), "--max-size", "16", "--quiet", "--skip-invalid"])
+    marker = read_marker(dst)
+    assert sorted(p for p, _ in marker["skipped_files"]) == ["train/a/truncated.jpg", "val/b/garbled.jpg"]
+    assert marker["counts"] == {"train": 4, "val": 4}
+    assert not (dst / "val/b/garbled.jpg").exists()
+    with pytest.raises(DataError, match="cannot be decoded"):
+        DownscaledDataModule(str(root), max_size=16, cache_dir=str(tmp_path / "dm"), batch_size=2)
+    dm = DownscaledDataModule(str(root), max_size=16, cache_dir=str(tmp_path / "dm"), batch_size=2,
+                              skip_invalid=True, image_size=16)
+    dm.setup("fit")
+    assert len(dm.datasets["train"]) == 4
+
+
+def test_in_memory_dataset_is_one_shared_buffer(tiny_data, tmp_path):
+    dm = DownscaledDataModule(str(tiny_data), max_size=24, in_memory=True, cache_dir=str(tmp_path / "c"),
+                              batch_size=40, num_workers=2, image_size=24, val_image_size=24, val_crop_ratio=1.0)
+    assert dm.num_classes == 10 and dm.root == tmp_path / "c"
+    dm.setup("fit")
+    ds = dm.datasets["val"]
+    assert isinstance(ds, InMemoryDataset) and ds.buffer.is_shared()
+    assert ds.nbytes == sum((dm.root / rel).stat().st_size for rel, _ in dm.indexes["val"].samples)
+    # a pickled copy (what a spawned worker gets) points at the same memory
+    clone = pickle.loads(pickle.dumps(ds))
+    assert clone.buffer.untyped_storage().data_ptr() != 0 and torch.equal(clone.buffer[:100], ds.buffer[:100])
+    images, labels = next(iter(dm.val_dataloader()))
+    assert images.shape == (40, 3, 24, 24) and images.dtype == torch.uint8
+    assert labels.tolist() == dm.indexes["val"].labels[:40]
+    # same pixels as reading the downscaled files
+    rel = dm.indexes["val"].samples[0][0]
+    x, _ = ds[0]
+    assert torch.equal(x, torch.from_numpy(np.array(decode_rgb(dm.root / rel))).permute(2, 0, 1))
+
+
+def test_separate_train_and_val_resolutions(tiny_data, tmp_path):
+    dm = DownscaledDataModule(str(tiny_data), max_size=28, cache_dir=str(tmp_path / "c"), batch_size=40,
+                              num_workers=0, image_size=20, val_image_size=28, val_crop_ratio=1.0)
+    dm.setup("fit")
+    assert next(iter(dm.train_dataloader()))[0].shape[-2:] == (20, 20)
+    assert next(iter(dm.val_dataloader()))[0].shape[-2:] == (28, 28)
+    # a finished copy passed as data_dir is used as it is
+    again = DownscaledDataModule(str(tmp_path / "c"), max_size=32, batch_size=40)
+    assert again.root == tmp_path / "c"
+
+
+@pytest.mark.slow
+def test_killed_downscale_resumes_to_the_same_files(slow_tree, tmp_path):
+    dst = tmp_path / "small"
+    cmd = [sys.executable, "-m", "datamodules.downscale", "--src", str(slow_tree), "--dst", str(dst),
+           "--max-size", "48", "--workers", "1", "--quiet"]
+    proc = subprocess.Popen(["nice", "-n", "19", *cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while len(list(dst.glob("train/a/*.png"))) < 10 and proc.poll() is None:
+        assert time.monotonic() < deadline, "the downscaler never wrote an output"
+        time.sleep(0.02)
+    assert proc.poll() is None, "the downscaler finished before it could be interrupted: make slow_tree larger"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert read_marker(dst) is None
+    done_before = {p: p.stat().st_ino for p in dst.rglob("*.png")}
+    assert 10 <= len(done_before) < 200
+    downscale(slow_tree, dst, 48, workers=2, progress=False)
+    reference = downscale(slow_tree, tmp_path / "reference", 48, workers=2, progress=False)
+    files = sorted(p.relative_to(dst) for p in dst.rglob("*") if p.is_file() and not p.name.startswith("."))
+    assert files == sorted(p.relative_to(reference) for p in reference.rglob("*")
+                           if p.is_file() and not p.name.startswith("."))
+    assert len(files) == 200
+    for rel in files:
+        assert (dst / rel).read_bytes() == (reference / rel).read_bytes(), rel
+    assert not list(dst.rglob("*.tmp-*"))
+    kept = [p for p, ino in done_before.items() if p.stat().st_ino == ino]
+    assert len(kept) >= len(done_before) - 1  # finished files were not redone (one may have been mid-write)
