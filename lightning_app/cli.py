@@ -5,7 +5,7 @@ import os
 from pathlib import Path
 
 from pytorch_lightning import LightningDataModule
-from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities import rank_zero_info
@@ -26,7 +26,7 @@ class ClassifierCLI(LightningCLI):
             subclass_mode_data=True,
             parser_kwargs=default_config_kwargs(run),
             save_config_kwargs={"overwrite": True},
-            trainer_defaults={"callbacks": [LearningRateMonitor("step"), ThroughputMonitor()]},
+            trainer_defaults={"callbacks": [ThroughputMonitor()]},
             args=args,
             run=run,
         )

@@ -72,6 +72,7 @@ class ImageClassifier(pl.LightningModule):
         self.train_acc1(logits, labels)
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/acc1", self.train_acc1, on_step=True, on_epoch=True)
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> None:
