@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from pytorch_lightning import LightningDataModule
@@ -11,7 +12,9 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_app.callbacks import LogFriendlyProgressBar, ThroughputMonitor
+from lightning_app.faults import CheckpointOnSigterm, ReseedEveryEpoch, describe_distributed_failure
 from lightning_app.module import ImageClassifier
+from lightning_app.strategies import DDPStrategy  # importing registers --trainer.strategy dp and our ddp
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
@@ -26,7 +29,8 @@ class ClassifierCLI(LightningCLI):
             subclass_mode_data=True,
             parser_kwargs=default_config_kwargs(run),
             save_config_kwargs={"overwrite": True},
-            trainer_defaults={"callbacks": [LearningRateMonitor("step"), ThroughputMonitor()]},
+            trainer_defaults={"callbacks": [LearningRateMonitor("step"), ThroughputMonitor(), CheckpointOnSigterm(),
+                                            ReseedEveryEpoch()]},
             args=args,
             run=run,
         )
@@ -86,4 +90,11 @@ def default_config_kwargs(run: bool) -> dict:
 
 
 def main(args=None) -> ClassifierCLI:
-    return ClassifierCLI(args=args)
+    try:
+        return ClassifierCLI(args=args)
+    except Exception as error:
+        message = describe_distributed_failure(error, DDPStrategy.last_timeout_s)
+        if message is None:
+            raise
+        print(message, file=sys.stderr, flush=True)
+        raise SystemExit(1) from error
