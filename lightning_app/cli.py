@@ -12,7 +12,8 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_app.callbacks import LogFriendlyProgressBar, ThroughputMonitor
-from lightning_app.faults import CheckpointOnSigterm, ReseedEveryEpoch, describe_distributed_failure
+from lightning_app.faults import (CheckpointOnSigterm, ReseedEveryEpoch, ResumableCheckpoint,
+                                  describe_distributed_failure)
 from lightning_app.module import ImageClassifier
 from lightning_app.strategies import DDPStrategy  # importing registers --trainer.strategy dp and our ddp
 
@@ -40,7 +41,7 @@ class ClassifierCLI(LightningCLI):
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
         parser.link_arguments("data.image_size", "model.image_size", apply_on="instantiate")
         parser.link_arguments("data.batch_size", "model.global_batch_size", apply_on="instantiate")
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(ResumableCheckpoint, "checkpoint")
         parser.set_defaults({
             "checkpoint.monitor": "val/acc1",
             "checkpoint.mode": "max",

@@ -40,19 +40,23 @@ class CheckpointOnSigterm(pl.Callback):
 
 
 class ReseedEveryEpoch(pl.Callback):
-    """Makes each epoch's randomness a function of (seed, epoch, rank) alone.
+    """Makes each epoch's randomness (shuffle, augmentation) a function of (seed, epoch, rank) alone.
 
     Checkpoints do not hold the RNG states, so without this a run resumed at an epoch boundary
-    shuffles and augments differently from an uninterrupted one. The reseed happens just before
-    the epoch's DataLoader iterator is created: in on_fit_start (and again after the sanity check) for the first epoch of a run
-    (fresh or resumed: Lightning creates that iterator before on_train_epoch_start), else in
-    on_train_epoch_start. Inactive unless seed_everything was given.
+    shuffles and augments differently from an uninterrupted one. The reseed happens at the start
+    of every epoch, before its DataLoader iterator is created. For the first epoch of a run (fresh
+    or resumed) Lightning has already created that iterator, so it is created again after the
+    reseed. Inactive unless seed_everything was given. Persistent DataLoader workers keep their
+    own RNG across epochs: exact resumes need num_workers 0 or non-persistent workers.
     """
 
     def __init__(self) -> None:
-        self._seeded_epoch: int | None = None
+        self._first_epoch_of_run = True
 
-    def _reseed(self, trainer: pl.Trainer) -> None:
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._first_epoch_of_run = True
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         base = os.environ.get("PL_GLOBAL_SEED")
         if base is None:
             return
@@ -60,17 +64,11 @@ class ReseedEveryEpoch(pl.Callback):
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
-        self._seeded_epoch = trainer.current_epoch
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._reseed(trainer)
-
-    def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._reseed(trainer)  # validation loader workers draw from the global RNG
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._seeded_epoch != trainer.current_epoch:
-            self._reseed(trainer)
+        if self._first_epoch_of_run:
+            self._first_epoch_of_run = False
+            fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+            if fetcher is not None:
+                iter(fetcher)  # Lightning made this epoch's iterator before the hook: make it again
 
 
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "recv", "send",
@@ -94,3 +92,26 @@ def describe_distributed_failure(error: BaseException, timeout_s: float | None) 
         "Set the timeout with --trainer.strategy.timeout_s or FIC_DDP_TIMEOUT_S. "
         f"Original error: {str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__}"
     )
+
+
+class ResumableCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint whose last.ckpt is refreshed at every save point.
+
+    Lightning 2.6 writes last.ckpt at the end of an epoch only when a top-k checkpoint was
+    written in the same step: an epoch that does not improve the monitored metric leaves an
+    older last.ckpt behind, and `--ckpt_path last` silently resumes from that older epoch.
+    """
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if self._should_save_on_train_epoch_end(trainer):
+            self._refresh_last(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if not self._should_save_on_train_epoch_end(trainer):
+            self._refresh_last(trainer)
+
+    def _refresh_last(self, trainer: pl.Trainer) -> None:
+        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
