@@ -94,7 +94,7 @@ def main(args=None) -> ClassifierCLI:
     try:
         return ClassifierCLI(args=args)
     except Exception as error:
-        message = describe_distributed_failure(error, DDPStrategy.last_timeout_s)
+        message = describe_distributed_failure(error, DDPStrategy.last_timeout_s, DDPStrategy.last_rank)
         if message is None:
             raise
         print(message, file=sys.stderr, flush=True)

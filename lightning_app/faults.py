@@ -75,18 +75,19 @@ _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken p
               "timed out", "timeout", "nccl", "gloo", "socket", "store", "distbackenderror", "watchdog")
 
 
-def describe_distributed_failure(error: BaseException, timeout_s: float | None) -> str | None:
+def describe_distributed_failure(error: BaseException, timeout_s: float | None,
+                                 rank: tuple[int, int] | None = None) -> str | None:
     """A one-paragraph explanation when `error` is a lost peer or a collective timeout, else None."""
     if timeout_s is None:  # no DDP run was set up in this process
         return None
     text = f"{type(error).__name__}: {error}".lower()
     if not any(k in text for k in _PEER_LOST):
         return None
-    rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+    rank, world = rank if rank else (os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?"))
     limit = f"{timeout_s:g} s"
     kind = "timed out" if ("timeout" in text or "timed out" in text) else "lost a peer"
     return (
-        f"Distributed run failed on rank {rank} of {world}: {kind} (collective timeout {limit}). "
+        f"Distributed run failed on rank {rank} of {world} processes: {kind} (collective timeout {limit}). "
         "Another process (or node) died or stopped answering; its own log says why. "
         "Restart all processes with --ckpt_path last to resume. "
         "Set the timeout with --trainer.strategy.timeout_s or FIC_DDP_TIMEOUT_S. "

@@ -129,6 +129,7 @@ class DDPStrategy(_LightningDDP):
     """
 
     last_timeout_s: float | None = None
+    last_rank: tuple[int, int] | None = None
 
     def __init__(
         self,
@@ -154,6 +155,10 @@ class DDPStrategy(_LightningDDP):
         super().__init__(timeout=timedelta(seconds=timeout_s), **{**ddp_kwargs, **kwargs})
         self.timeout_s = timeout_s
         DDPStrategy.last_timeout_s = timeout_s  # for the error message if a peer is lost
+
+    def setup_distributed(self) -> None:
+        DDPStrategy.last_rank = (self.global_rank, self.world_size)
+        super().setup_distributed()
 
 
 def register() -> None:

@@ -95,4 +95,4 @@ def test_killing_one_node_ends_the_other_within_the_timeout(tiny_data, tmp_path)
     waited = time.monotonic() - died
     assert procs[0].returncode not in (0, None), out0[-3000:]
     assert waited < timeout_s + 60
-    assert "Distributed run failed on rank 0 of 2" in out0 and ("lost a peer" in out0 or "timed out" in out0), out0[-3000:]
+    assert "Distributed run failed on rank 0 of 2 processes" in out0 and ("lost a peer" in out0 or "timed out" in out0), out0[-3000:]
