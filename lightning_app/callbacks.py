@@ -30,6 +30,10 @@ class ThroughputMonitor(pl.Callback):
     def _reset_window(self) -> None:
         self._window = {"images": 0, "seconds": 0.0, "wait": 0.0}
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        # a run resumed mid-epoch gets no on_train_epoch_start for that epoch
+        self._last_end = time.perf_counter()
+
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._last_end = time.perf_counter()
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from pytorch_lightning import LightningDataModule
@@ -11,7 +12,10 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_app.callbacks import LogFriendlyProgressBar, ThroughputMonitor
+from lightning_app.faults import (CheckpointOnSigterm, ReseedEveryEpoch, ResumableCheckpoint,
+                                  describe_distributed_failure)
 from lightning_app.module import ImageClassifier
+from lightning_app.strategies import DDPStrategy  # importing registers --trainer.strategy dp and our ddp
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
@@ -26,7 +30,7 @@ class ClassifierCLI(LightningCLI):
             subclass_mode_data=True,
             parser_kwargs=default_config_kwargs(run),
             save_config_kwargs={"overwrite": True},
-            trainer_defaults={"callbacks": [ThroughputMonitor()]},
+            trainer_defaults={"callbacks": [ThroughputMonitor(), CheckpointOnSigterm(), ReseedEveryEpoch()]},
             args=args,
             run=run,
         )
@@ -36,7 +40,7 @@ class ClassifierCLI(LightningCLI):
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
         parser.link_arguments("data.image_size", "model.image_size", apply_on="instantiate")
         parser.link_arguments("data.batch_size", "model.global_batch_size", apply_on="instantiate")
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(ResumableCheckpoint, "checkpoint")
         parser.set_defaults({
             "checkpoint.monitor": "val/acc1",
             "checkpoint.mode": "max",
@@ -86,4 +90,11 @@ def default_config_kwargs(run: bool) -> dict:
 
 
 def main(args=None) -> ClassifierCLI:
-    return ClassifierCLI(args=args)
+    try:
+        return ClassifierCLI(args=args)
+    except Exception as error:
+        message = describe_distributed_failure(error, DDPStrategy.last_timeout_s, DDPStrategy.last_rank)
+        if message is None:
+            raise
+        print(message, file=sys.stderr, flush=True)
+        raise SystemExit(1) from error

@@ -26,6 +26,8 @@ class ImageClassifier(pl.LightningModule):
         label_smoothing: cross-entropy label smoothing.
         channels_last: NHWC memory format for the model and inputs (faster convs with AMP on tensor cores).
         compile: torch.compile the backbone (state-dict keys stay the same).
+        matmul_precision: float32 matmul precision, "highest" (true fp32), "high" (TF32 on Ampere+)
+            or "medium" (bf16); null leaves torch's setting alone. Applied in every process.
     """
 
     def __init__(
@@ -43,8 +45,11 @@ class ImageClassifier(pl.LightningModule):
         label_smoothing: float = 0.1,
         channels_last: bool = False,
         compile: bool = False,
+        matmul_precision: str | None = None,
     ) -> None:
         super().__init__()
+        if matmul_precision not in (None, "highest", "high", "medium"):
+            raise ValueError(f"model.matmul_precision must be highest, high, medium or null, got {matmul_precision!r}.")
         self.save_hyperparameters()
         self.backbone = create_model(arch, num_classes=num_classes, image_size=image_size, **(arch_kwargs or {}))
         if channels_last:
@@ -55,6 +60,8 @@ class ImageClassifier(pl.LightningModule):
         self.val_acc5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
 
     def configure_model(self) -> None:
+        if self.hparams.get("matmul_precision"):
+            torch.set_float32_matmul_precision(self.hparams.matmul_precision)
         if self.hparams.compile and not getattr(self, "_compiled", False):
             self.backbone.compile()  # in place: checkpoint keys do not gain "_orig_mod."
             self._compiled = True
@@ -62,7 +69,9 @@ class ImageClassifier(pl.LightningModule):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.hparams.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
-        return self.backbone(images)
+        # The dp strategy puts a DataParallel view of the backbone here (outside state_dict).
+        backbone = self.__dict__.get("data_parallel_backbone") or self.backbone
+        return backbone(images)
 
     # -- steps ----------------------------------------------------------------------------
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:

@@ -1,0 +1,175 @@
+"""Strategy names for `--trainer.strategy`: `dp` (DataParallel, which Lightning 2 removed) and a `ddp`
+with a short collective timeout and its bucket options reachable from YAML.
+
+Importing this module registers both names (lightning_app.cli imports it).
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+from pytorch_lightning.strategies import DDPStrategy as _LightningDDP
+from pytorch_lightning.strategies import SingleDeviceStrategy, StrategyRegistry
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+
+# Where ImageClassifier.forward looks for the DataParallel view of its backbone. It lives in the
+# module's __dict__, not in _modules, so state_dict keys stay exactly those of a single-device run.
+DP_ATTR = "data_parallel_backbone"
+DEFAULT_DDP_TIMEOUT_S = 300.0  # torch's default is 30 min: far too long to notice a dead peer
+
+
+class _AutocastReplica(nn.Module):
+    """Runs the wrapped net under the caller's autocast setting.
+
+    Autocast state is thread-local and DataParallel runs each replica in its own thread, which
+    re-enters autocast with the default dtype (float16): bf16-mixed would silently become fp16.
+    """
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+        self.amp: tuple[bool, torch.dtype] = (False, torch.float16)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        enabled, dtype = self.amp
+        with torch.autocast("cuda", dtype=dtype, enabled=enabled):
+            return self.net(images)
+
+
+class DataParallelView:
+    """Callable view of a backbone that splits each batch over several CUDA devices."""
+
+    def __init__(self, net: nn.Module, device_ids: list[int]) -> None:
+        self.replica = _AutocastReplica(net)
+        self.dp = nn.DataParallel(self.replica, device_ids=device_ids, output_device=device_ids[0])
+        self.device_ids = device_ids
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        enabled = torch.is_autocast_enabled("cuda")
+        self.replica.amp = (enabled, torch.get_autocast_dtype("cuda") if enabled else torch.float16)
+        return self.dp(images)
+
+
+class DataParallelStrategy(SingleDeviceStrategy):
+    """One process drives all chosen GPUs; each batch is split across them (nn.DataParallel).
+
+    Everything else is the single-device path: one process, the loss, logging, metrics, AMP and
+    checkpoints on the first device, state_dict keys unchanged (a DP checkpoint loads anywhere).
+    The LightningModule attribute named by `module_attr` (default "backbone") is replicated; the
+    module's forward must call `getattr(self, "data_parallel_backbone", None) or self.backbone`.
+    BatchNorm statistics are per GPU chunk; running statistics follow the first GPU's chunk.
+    """
+
+    strategy_name = "dp"
+
+    def __init__(self, module_attr: str = "backbone", **kwargs: Any) -> None:
+        super().__init__(device="cpu", **kwargs)
+        self.module_attr = module_attr
+        self._parallel_devices: list[torch.device] = []
+
+    # The accelerator connector fills this from --trainer.accelerator/--trainer.devices.
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device]) -> None:
+        self._parallel_devices = [torch.device(d) if not isinstance(d, torch.device) else d for d in devices]
+
+    @property
+    def cuda_devices(self) -> list[torch.device]:
+        return [d for d in self._parallel_devices if d.type == "cuda"]
+
+    @property
+    def root_device(self) -> torch.device:
+        cuda = self.cuda_devices
+        if cuda:
+            return cuda[0]
+        return self._parallel_devices[0] if self._parallel_devices else torch.device("cpu")
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        module = self.lightning_module
+        cuda = self.cuda_devices
+        if len(cuda) < 2:
+            why = "no CUDA device" if not cuda else "only one CUDA device chosen"
+            rank_zero_warn(f"strategy dp: {why}; training on the single device {self.root_device}.")
+            module.__dict__.pop(DP_ATTR, None)
+            return
+        net = getattr(module, self.module_attr, None)
+        if not isinstance(net, nn.Module):
+            raise AttributeError(
+                f"strategy dp replicates the LightningModule's `{self.module_attr}` attribute, but "
+                f"{type(module).__name__} has no such nn.Module; set DataParallelStrategy(module_attr=...)."
+            )
+        ids = [d.index for d in cuda]
+        module.__dict__[DP_ATTR] = DataParallelView(net, ids)
+        rank_zero_info(f"strategy dp: each batch is split over {len(ids)} GPUs {ids} in one process.")
+
+    def teardown(self) -> None:
+        if self.lightning_module is not None:
+            self.lightning_module.__dict__.pop(DP_ATTR, None)
+        super().teardown()
+
+
+class DDPStrategy(_LightningDDP):
+    """Lightning's DDP with a short collective timeout and DDP's bucket options as plain init args.
+
+    Args:
+        timeout_s: seconds a collective waits for its peers before the run fails (a dead or hung
+            peer then ends the run with an error instead of a 30-minute hang). Default 300, or the
+            env var FIC_DDP_TIMEOUT_S.
+        bucket_cap_mb: gradient bucket size for the all-reduce (torch's default 25).
+        gradient_as_bucket_view: gradients are views into the buckets (saves one copy of the grads).
+        static_graph: the graph is the same every step (lets DDP skip per-step bookkeeping).
+        find_unused_parameters: needed only when some parameters get no gradient in a step.
+    """
+
+    last_timeout_s: float | None = None
+    last_rank: tuple[int, int] | None = None
+
+    def __init__(
+        self,
+        timeout_s: float | None = None,
+        bucket_cap_mb: float | None = None,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        find_unused_parameters: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if timeout_s is None:
+            timeout_s = float(os.environ.get("FIC_DDP_TIMEOUT_S", DEFAULT_DDP_TIMEOUT_S))
+        if timeout_s <= 0:
+            raise ValueError(f"DDPStrategy timeout_s must be > 0 seconds, got {timeout_s}.")
+        ddp_kwargs: dict[str, Any] = {
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            "static_graph": static_graph,
+            "find_unused_parameters": find_unused_parameters,
+        }
+        if bucket_cap_mb is not None:
+            ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+        kwargs.setdefault("start_method", "popen")
+        super().__init__(timeout=timedelta(seconds=timeout_s), **{**ddp_kwargs, **kwargs})
+        self.timeout_s = timeout_s
+        DDPStrategy.last_timeout_s = timeout_s  # for the error message if a peer is lost
+
+    def setup_distributed(self) -> None:
+        DDPStrategy.last_rank = (self.global_rank, self.world_size)
+        super().setup_distributed()
+
+
+def register() -> None:
+    StrategyRegistry.register(
+        "dp", DataParallelStrategy, description="DataParallel: one process, each batch split over the GPUs",
+        override=True,
+    )
+    # Our `ddp` name: Lightning's DDP, plus the short timeout and options above.
+    StrategyRegistry.register(
+        "ddp", DDPStrategy, description="DDP with a short collective timeout (FIC_DDP_TIMEOUT_S)", override=True,
+    )
+
+
+register()

@@ -1,0 +1,98 @@
+"""Faults with real processes and real signals: SIGKILL + resume, SIGTERM checkpoint, a lost node."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, free_port, quick_args, run_main
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _args(data: Path, root: Path, epochs: int, extra: list[str] = ()) -> list[str]:
+    return ["fit", *quick_args(data, root, epochs=epochs, batch=40), "--trainer.deterministic", "true",
+            "--trainer.num_sanity_val_steps", "0", *extra]
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+
+
+def _signal_at(epoch: int, batch: int, sig: str, rank: int = -1) -> list[str]:
+    return ["--trainer.callbacks+=tests.fault_helpers.SignalAt", f"--trainer.callbacks.epoch={epoch}",
+            f"--trainer.callbacks.batch={batch}", f"--trainer.callbacks.sig={sig}", f"--trainer.callbacks.rank={rank}"]
+
+
+@pytest.mark.slow
+def test_sigkill_at_epoch_boundary_resumes_to_identical_weights(tiny_data, tmp_path):
+    # 240 train images, global batch 40: 6 steps per epoch
+    clean = run_main(_args(tiny_data, tmp_path / "clean", epochs=3))
+    assert clean.returncode == 0
+    killed = run_main(_args(tiny_data, tmp_path / "killed", epochs=3, extra=_signal_at(2, 0, "SIGKILL")), check=False)
+    assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
+    last = tmp_path / "killed" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 12  # end of epoch 1
+    run_main(_args(tiny_data, tmp_path / "killed", epochs=3, extra=["--ckpt_path", "last"]))
+    a = _weights(tmp_path / "clean" / "checkpoints" / "last.ckpt")
+    b = _weights(last)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=f"{k} differs after resume")
+
+
+@pytest.mark.slow
+def test_sigkill_mid_epoch_then_resume_finishes(tiny_data, tmp_path):
+    every = ["--checkpoint.every_n_train_steps", "2"]
+    killed = run_main(_args(tiny_data, tmp_path, epochs=2, extra=[*every, *_signal_at(1, 3, "SIGKILL")]), check=False)
+    assert killed.returncode == -9
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, map_location="cpu", weights_only=False)
+    assert saved["global_step"] == 8  # mid-epoch 1 (steps 6..11): the every-2-steps save before the kill
+    resumed = run_main(_args(tiny_data, tmp_path, epochs=2, extra=[*every, "--ckpt_path", "last"]))
+    assert "Done: best val/acc1" in resumed.stdout + resumed.stderr
+    final = torch.load(last, map_location="cpu", weights_only=False)
+    assert final["epoch"] == 2 - 1 or final["epoch"] == 2
+    # Lightning restarts the interrupted epoch's loader but keeps the step count: 12 steps in all
+    assert final["global_step"] == 12
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_data, tmp_path):
+    proc = run_main(_args(tiny_data, tmp_path, epochs=3, extra=_signal_at(1, 2, "SIGTERM")), check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "SIGTERM: saved" in out
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert saved["global_step"] == 6 + 3  # the batch that was running when the signal came finished
+    resumed = run_main(_args(tiny_data, tmp_path, epochs=3, extra=["--ckpt_path", "last"]))
+    assert "Done: best val/acc1" in resumed.stdout + resumed.stderr
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 18
+
+
+@pytest.mark.slow
+def test_killing_one_node_ends_the_other_within_the_timeout(tiny_data, tmp_path):
+    timeout_s = 20
+    args = [*_args(tiny_data, tmp_path, epochs=3), "--trainer.strategy", "ddp", "--trainer.devices", "1",
+            "--trainer.num_nodes", "2", *_signal_at(1, 1, "SIGKILL", rank=1)]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1",
+           "FIC_DDP_TIMEOUT_S": str(timeout_s)}
+    procs = [subprocess.Popen([sys.executable, "main.py", *args], cwd=REPO, env={**env, "NODE_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    out1 = procs[1].communicate(timeout=400)[0]
+    assert procs[1].returncode == -9, out1[-3000:]
+    died = time.monotonic()
+    try:
+        out0 = procs[0].communicate(timeout=timeout_s + 60)[0]
+    except subprocess.TimeoutExpired:
+        procs[0].kill()
+        pytest.fail(f"the surviving node hung for more than {timeout_s + 60} s after its peer died")
+    waited = time.monotonic() - died
+    assert procs[0].returncode not in (0, None), out0[-3000:]
+    assert waited < timeout_s + 60
+    assert "Distributed run failed on rank 0 of 2 processes" in out0 and ("lost a peer" in out0 or "timed out" in out0), out0[-3000:]
