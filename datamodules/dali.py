@@ -172,7 +172,7 @@ class DALIDataModule(ImageDataModule):
     def discover_classes(self) -> list[str]:
         if self.source == "folder":
             return super().discover_classes()
-        from datamodules.dali_pipelines import read_lmdb_meta
+        from datamodules.lmdb import read_meta as read_lmdb_meta
 
         if self.lmdb_path is None:
             if self.data_dir is None:

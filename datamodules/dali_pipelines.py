@@ -7,8 +7,6 @@ also see exactly which samples each rank read).
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,16 +85,12 @@ def external_pipeline(spec: PipelineSpec, source):
 
 
 # --- LMDB source ------------------------------------------------------------------------
-META_KEY = b"__meta__"
-MAGIC = b"FIC1"
-
-
 class LMDBSampleSource:
     """Per-sample callback for `fn.external_source(parallel=True, batch=False)`.
 
-    Picklable (it is sent to spawned workers); the LMDB environment opens lazily once per
-    process. Each epoch every rank draws the same global permutation (seeded by the epoch)
-    and takes its own slice of it: shards are disjoint every epoch and all ranks run
+    Picklable (it is sent to spawned workers); its `LMDBReader` opens the database lazily
+    once per process, on first use. Each epoch every rank draws the same global permutation (seeded by the
+    epoch) and takes its own slice of it: shards are disjoint every epoch and all ranks run
     `steps` batches. Past the real samples of the last (val) batch it repeats a sample; the
     loader trims those.
     """
@@ -104,19 +98,14 @@ class LMDBSampleSource:
     def __init__(self, path: str, split: str, count: int, shard_id: int, num_shards: int,
                  batch_size: int, steps: int, shuffle: bool, seed: int, epoch_offset: int = 0) -> None:
         self.path, self.split, self.count = path, split, count
+        self._reader = None
         self.shard_id, self.num_shards = shard_id, num_shards
         self.batch_size, self.steps, self.shuffle = batch_size, steps, shuffle
         self.seed, self.epoch_offset = seed, epoch_offset
-        self._env = None
-        self._pid = None
         self._order: tuple[int, np.ndarray] | None = None
 
     def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_env"] = None
-        state["_pid"] = None
-        state["_order"] = None
-        return state
+        return {**self.__dict__, "_order": None, "_reader": None}
 
     def shard(self, epoch: int) -> np.ndarray:
         """Index positions this rank reads in `epoch` (before padding)."""
@@ -127,46 +116,14 @@ class LMDBSampleSource:
             self._order = (epoch, order[self.shard_id::self.num_shards])
         return self._order[1]
 
-    def _txn(self):
-        if self._env is None or self._pid != os.getpid():
-            import lmdb
-
-            self._env = lmdb.open(self.path, subdir=os.path.isdir(self.path), readonly=True, lock=False,
-                                  readahead=False, meminit=False, max_readers=512)
-            self._pid = os.getpid()
-        return self._env.begin(buffers=False)
-
     def __call__(self, sample_info) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if sample_info.idx_in_epoch >= self.steps * self.batch_size:
             raise StopIteration
         shard = self.shard(sample_info.epoch_idx + self.epoch_offset)
         i = int(shard[min(sample_info.idx_in_epoch, len(shard) - 1)])
-        with self._txn() as txn:
-            value = txn.get(f"{self.split}/{i:08d}".encode())
-        if value is None or value[:4] != MAGIC:
-            raise KeyError(f"{self.path}: no valid record {self.split}/{i:08d}; re-pack it with python -m datamodules.lmdb")
-        label = int.from_bytes(value[4:8], "little")
-        return np.frombuffer(value, dtype=np.uint8, offset=8), np.array([i], dtype=np.int32), np.array([label], dtype=np.int32)
+        if self._reader is None:
+            from datamodules.lmdb import LMDBReader
 
-
-def read_lmdb_meta(path: str) -> dict:
-    """The __meta__ record of a packed database (see the LMDB format contract)."""
-    import lmdb
-
-    from datamodules.index import DataError
-
-    if not os.path.exists(path):
-        raise DataError(f"LMDB {path} does not exist; pack it with: python -m datamodules.lmdb --src ROOT --dst {path}")
-    env = lmdb.open(path, subdir=os.path.isdir(path), readonly=True, lock=False, readahead=False, meminit=False)
-    try:
-        with env.begin() as txn:
-            raw = txn.get(META_KEY)
-    finally:
-        env.close()  # never keep it open in this process: py-lmdb refuses a second open
-    if raw is None:
-        raise DataError(f"LMDB {path} is incomplete (no __meta__ record: packing did not finish); pack it again.")
-    meta = json.loads(raw.decode())
-    if meta.get("format") != "fast-image-classifier-lmdb" or meta.get("version") != 1:
-        raise DataError(f"{path} is not a fast-image-classifier LMDB (format {meta.get('format')!r}, "
-                        f"version {meta.get('version')!r}).")
-    return meta
+            self._reader = LMDBReader(self.path)
+        data, label = self._reader.get(self.split, i)
+        return np.frombuffer(data, dtype=np.uint8), np.array([i], dtype=np.int32), np.array([label], dtype=np.int32)
