@@ -23,6 +23,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -40,11 +41,13 @@ try:
 except ImportError:  # not POSIX: ensure_builtin then relies on the atomic rename only
     fcntl = None
 
-__all__ = ["CLASSES", "PRESETS", "Preset", "VERSION", "ensure_builtin", "generate", "main"]
+__all__ = ["CLASSES", "DEFAULT_ROOT", "PRESETS", "Preset", "VERSION", "dataset_name", "ensure_builtin", "generate", "main", "render"]
 
 # Bump when the drawing changes, so that old trees on disk are regenerated.
 VERSION = 1
 MARKER = ".complete"
+# Where the training code keeps it: <repo>/data/builtin (ignored by git).
+DEFAULT_ROOT = Path(__file__).resolve().parents[1] / "data" / "builtin"
 SPLITS = ("train", "val")
 
 # Sorted: the folder order is the label order.
@@ -272,9 +275,13 @@ def _same(a: dict | None, b: dict) -> bool:
 
 
 def _looks_generated(dst: Path) -> bool:
-    """Only a tree of folders and .jpg files (or a marker) may be deleted and regenerated."""
-    for _, _, files in os.walk(dst):
-        if any(not (f.endswith(".jpg") or f == MARKER) for f in files):
+    """Whether ``dst`` holds only what this module writes (split/class/NNNNN.jpg, the marker):
+    only such a folder may be deleted and regenerated, never a user's own dataset."""
+    for p in dst.rglob("*"):
+        parts = p.relative_to(dst).parts
+        ok = (parts == (MARKER,) or (parts[0] in SPLITS and (len(parts) == 1 or parts[1] in CLASSES)
+              and (len(parts) <= 2 or (len(parts) == 3 and re.fullmatch(r"\d{5,}\.jpg", parts[2])))))
+        if not ok:
             return False
     return True
 
@@ -409,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--dst", type=Path, default=None,
-                    help="output folder (default: data/builtin/<preset>, as the training code uses)")
+                    help="output folder (default: <repo>/data/builtin/<preset>, where the training code looks)")
     ap.add_argument("--preset", default="small", choices=list(PRESETS), help="dataset size (default: small)")
     ap.add_argument("--train-per-class", type=int, default=None, help="override the preset's train images per class")
     ap.add_argument("--val-per-class", type=int, default=None, help="override the preset's val images per class")
@@ -420,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
     kw = dict(train_per_class=a.train_per_class, val_per_class=a.val_per_class, seed=a.seed,
               workers=a.workers, progress=not a.quiet)
     t0 = time.perf_counter()
-    out = generate(a.dst, a.preset, **kw) if a.dst else ensure_builtin(a.preset, **kw)
+    out = generate(a.dst, a.preset, **kw) if a.dst else ensure_builtin(a.preset, DEFAULT_ROOT, **kw)
     m = _read_marker(out) or {}
     n_train, n_val = m.get("train_per_class", 0) * len(CLASSES), m.get("val_per_class", 0) * len(CLASSES)
     print(f"{out}: {n_train} train + {n_val} val images, {len(CLASSES)} classes "

@@ -71,13 +71,14 @@ def test_marker_reuse_and_regeneration(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-def test_refuses_to_delete_foreign_data(tmp_path):
+@pytest.mark.parametrize("foreign", ["train/notes.txt", "train/cats/img_001.jpg", "val/star/photo.jpg", "README"])
+def test_refuses_to_delete_foreign_data(tmp_path, foreign):
     dst = tmp_path / "mine"
-    (dst / "train").mkdir(parents=True)
-    (dst / "train" / "notes.txt").write_text("precious")
+    (dst / foreign).parent.mkdir(parents=True, exist_ok=True)
+    (dst / foreign).write_text("precious")
     with pytest.raises(FileExistsError):
         generate(dst, "tiny", progress=False)
-    assert (dst / "train" / "notes.txt").read_text() == "precious"
+    assert (dst / foreign).read_text() == "precious"
 
 
 def test_ensure_builtin_from_two_processes(tmp_path):
