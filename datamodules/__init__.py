@@ -1,30 +1,27 @@
-"""The data side: one validated Index per split, read by interchangeable backends."""
-from datamodules.base import ImageDataModule
-from datamodules.dali import DALIDataModule  # imports nvidia.dali only when instantiated
-from datamodules.imagefolder import ImageFolderDataModule
-from datamodules.index import DataError, Index, load_index, load_indexes
+"""The data side: one validated Index per split, read by interchangeable backends.
 
-__all__ = [
-    "DALIDataModule",
-    "DataError",
-    "ImageDataModule",
-    "ImageFolderDataModule",
-    "Index",
-    "DownscaledDataModule",
-    "LMDBDataModule",
-    "load_index",
-    "load_indexes",
-]
+Names are imported on first use, so `python -m datamodules.builtin` (and DataLoader or DALI
+workers that import a submodule) do not pay for importing Lightning, and the module tools do
+not import themselves twice.
+"""
+from importlib import import_module
+
+_EXPORTS = {
+    "DataError": "datamodules.index",
+    "Index": "datamodules.index",
+    "load_index": "datamodules.index",
+    "load_indexes": "datamodules.index",
+    "ImageDataModule": "datamodules.base",
+    "ImageFolderDataModule": "datamodules.imagefolder",
+    "LMDBDataModule": "datamodules.lmdb",
+    "DownscaledDataModule": "datamodules.downscaled",
+    "DALIDataModule": "datamodules.dali",  # imports nvidia.dali only when instantiated
+}
+
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
-    # Imported lazily so that `python -m datamodules.lmdb` / `.downscale` do not import themselves twice.
-    if name == "LMDBDataModule":
-        from datamodules.lmdb import LMDBDataModule
-
-        return LMDBDataModule
-    if name == "DownscaledDataModule":
-        from datamodules.downscaled import DownscaledDataModule
-
-        return DownscaledDataModule
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'datamodules' has no attribute {name!r}")
