@@ -313,7 +313,7 @@ def test_dali_trains_like_imagefolder_and_its_checkpoint_validates_there(learnab
     """Same budget on both backends; the DALI checkpoint then validated by the ImageFolder backend."""
     from lightning_app.cli import ClassifierCLI
 
-    common = quick_args(learnable_data, tmp_path, epochs=4, batch=64, width=16)
+    common = quick_args(learnable_data, tmp_path, epochs=8, batch=32, width=16)
     dali_cli = ClassifierCLI(args=["fit", "--config", "configs/data/dali.yaml", *common, "--data.num_threads", "2",
                                    "--trainer.default_root_dir", str(tmp_path / "dali")])
     folder_cli = ClassifierCLI(args=["fit", *common, "--trainer.default_root_dir", str(tmp_path / "folder")])
@@ -322,7 +322,7 @@ def test_dali_trains_like_imagefolder_and_its_checkpoint_validates_there(learnab
     ckpt = dali_cli.trainer.checkpoint_callback.best_model_path
     cross_acc = folder_cli.trainer.validate(folder_cli.model, datamodule=folder_cli.datamodule, ckpt_path=ckpt)[0]["val/acc1"]
     print(f"val/acc1: DALI {dali_acc:.4f}, ImageFolder {folder_acc:.4f}, DALI checkpoint on ImageFolder {cross_acc:.4f}")
-    assert dali_acc > 0.15, "DALI training did not clearly beat chance (0.1 on 300 images)"
+    assert dali_acc > 0.35 and folder_acc > 0.35, "a run did not learn: the comparison would measure noise"
     assert abs(dali_acc - folder_acc) < 0.08
     assert abs(cross_acc - dali_acc) <= 0.02
 

