@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from datamodules.base import BUILTIN_ROOT, REPO_ROOT
+from lightning_app.bench.report import repo_relative
 from datamodules.index import load_indexes
 from lightning_app.bench import ceilings
 
@@ -356,14 +357,6 @@ def _fmt(x: float | None, spec: str = ",.0f") -> str:
     return "" if x is None else format(x, spec)
 
 
-def _short(path: str) -> str:
-    """A path inside the repository, relative to it (results files are committed)."""
-    try:
-        return str(Path(path).resolve().relative_to(REPO_ROOT))
-    except ValueError:
-        return path
-
-
 def to_markdown(result: dict[str, Any]) -> str:
     headers = list(COLUMNS)
     table = []
@@ -386,7 +379,7 @@ def to_markdown(result: dict[str, Any]) -> str:
                      f"{v['mb_s']:,.1f} MB/s ({v['how']})")
     s = result["settings"]
     lines.append(f"- Cold cache by: {result['eviction']}")
-    lines.append(f"- Dataset: {_short(s['root'])} (train split); batch {s['batch_size']}, {s['num_workers']} workers, "
+    lines.append(f"- Dataset: {repo_relative(s['root'])} (train split); batch {s['batch_size']}, {s['num_workers']} workers, "
                  f"crop {s['image_size']} px, device {s['device']}")
     notes = sorted({f"{r['backend']}: {r['note']}" for r in result["rows"] if r.get("note")})
     lines += [f"- {n}" for n in notes]

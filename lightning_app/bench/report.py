@@ -147,6 +147,16 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def repo_relative(path: str) -> str:
+    """A path inside the repository, relative to it (results files are committed)."""
+    from datamodules.base import REPO_ROOT
+
+    try:
+        return str(Path(path).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return path
+
+
 def write_results(out_dir: str | os.PathLike, kind: str, markdown: str, data: dict[str, Any],
                   chart: dict[str, Any], machine: str | None = None, note: str | None = None) -> dict[str, Path]:
     """Write OUT/<machine>.<kind>.md/.json/.png and rebuild OUT/<machine>.md; return the paths."""

@@ -25,6 +25,7 @@ import pytorch_lightning as pl
 import torch
 
 from datamodules.base import BUILTIN_ROOT, REPO_ROOT
+from lightning_app.bench.report import repo_relative
 
 TIMES_ENV = "BENCH_EPOCH_TIMES"
 
@@ -384,14 +385,6 @@ def run(args, rows: list[str] | None = None) -> dict[str, Any]:
             "settings": {**cfg, "cuda": torch.cuda.is_available()}}
 
 
-def _short(path: str) -> str:
-    """A path inside the repository, relative to it (results files are committed)."""
-    try:
-        return str(Path(path).resolve().relative_to(REPO_ROOT))
-    except ValueError:
-        return path
-
-
 def to_markdown(result: dict[str, Any]) -> str:
     from lightning_app.bench.report import markdown_table
 
@@ -408,7 +401,7 @@ def to_markdown(result: dict[str, Any]) -> str:
                              f"{r['speedup']:.2f}x" if r["speedup"] else "",
                              "" if wait is None else f"{100 * wait:.0f}%"])
     lines = [f"{s['arch']} (width {s['width']}), {s['image_size']} px, global batch {s['batch_size']}, "
-             f"{s['epochs']} epochs ({s['num_workers']} workers per process), data {_short(s['root'])}", "",
+             f"{s['epochs']} epochs ({s['num_workers']} workers per process), data {repo_relative(s['root'])}", "",
              markdown_table(list(COLUMNS), table), ""]
     o = result.get("overhead")
     if o:
