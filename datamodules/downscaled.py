@@ -3,6 +3,11 @@
 The copy is made on first use (`datamodules.downscale`) in a cache folder. With
 `in_memory=True` all encoded images are read once into one shared-memory buffer that every
 DataLoader worker reads in place (fork or spawn), so no worker holds its own copy.
+
+Every file of a copy is a plain RGB JPEG written by the downscaler (orientation applied, no
+EXIF), so it is decoded straight to a uint8 tensor by torchvision's libjpeg-turbo decoder
+(the same pixels as PIL, about 3x faster on small images), and the crop and resize run on
+that tensor, which is about 2x faster than on a PIL image. Anything else falls back to PIL.
 """
 from __future__ import annotations
 
@@ -15,13 +20,79 @@ from typing import Callable
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+from torchvision.io import ImageReadMode, decode_jpeg
 
 from datamodules.base import REPO_ROOT, ImageDataModule, resolve_data_dir
 from datamodules.downscale import ensure_downscaled, read_marker
 from datamodules.images import decode_rgb
-from datamodules.imagefolder import IndexDataset
 from datamodules.index import DataError, Index, find_classes
-from datamodules.transforms import train_transform, val_transform
+from datamodules.transforms import TensorTrainTransform, val_transform
+
+
+READ_THREADS = 8
+
+
+def decode_copy(data: torch.Tensor) -> torch.Tensor:
+    """Encoded bytes of a downscaled copy (1-D uint8) -> RGB uint8 CHW tensor."""
+    try:
+        return decode_jpeg(data, mode=ImageReadMode.RGB)
+    except RuntimeError:  # not a JPEG after all: PIL reads everything else
+        return torch.from_numpy(np.array(decode_rgb(data.numpy().tobytes()))).permute(2, 0, 1)
+
+
+def _undecodable(path: Path, e: Exception) -> DataError:
+    return DataError(f"cannot decode image {path}: {e}. Delete the downscaled copy (or this file) and rerun.")
+
+
+_readers: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _reader_pool() -> ThreadPoolExecutor:
+    """This process's file-reading threads (made after any fork: a pool never crosses one)."""
+    global _readers
+    if _readers is None or _readers[0] != os.getpid():
+        _readers = (os.getpid(), ThreadPoolExecutor(READ_THREADS, thread_name_prefix="read"))
+    return _readers[1]
+
+
+def _read(path: Path) -> bytearray | Exception:
+    try:
+        with open(path, "rb") as f:
+            return bytearray(f.read())
+    except OSError as e:
+        return e
+
+
+class CopyDataset(Dataset):
+    """The files of a downscaled copy's Index, decoded to uint8 tensors.
+
+    A DataLoader fetches a whole batch with `__getitems__`: its files are read by READ_THREADS
+    threads at once, so on a cold page cache the read latencies overlap instead of adding up
+    (the small files of a copy are bound by latency, not by bandwidth).
+    """
+
+    def __init__(self, index: Index, transform: Callable) -> None:
+        self.index = index
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _sample(self, i: int, data: bytearray | Exception) -> tuple[torch.Tensor, int]:
+        try:
+            if isinstance(data, Exception):
+                raise data
+            image = decode_copy(torch.frombuffer(data, dtype=torch.uint8))
+        except Exception as e:  # noqa: BLE001 - name the file, whatever the reader or decoder raised
+            raise _undecodable(self.index.path(i), e) from e
+        return self.transform(image), self.index.samples[i][1]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self._sample(i, _read(self.index.path(i)))
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, int]]:
+        blobs = _reader_pool().map(_read, [self.index.path(i) for i in indices])
+        return [self._sample(i, data) for i, data in zip(indices, blobs)]
 
 
 class InMemoryDataset(Dataset):
@@ -59,9 +130,9 @@ class InMemoryDataset(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
         try:
-            image = decode_rgb(memoryview(self.buffer.numpy()[start:end]))
+            image = decode_copy(self.buffer[start:end])  # a view: no copy of the encoded bytes
         except Exception as e:  # noqa: BLE001 - name the file, whatever the decoder raised
-            raise DataError(f"cannot decode image {self.index.path(i)}: {e}. Delete the downscaled copy and rerun.") from e
+            raise _undecodable(self.index.path(i), e) from e
         return self.transform(image), int(self.labels[i])
 
 
@@ -112,7 +183,7 @@ class DownscaledDataModule(ImageDataModule):
 
     def make_dataset(self, split: str, index: Index) -> Dataset:
         if split == "train":
-            transform = train_transform(self.image_size, self.min_scale)
+            transform = TensorTrainTransform(self.image_size, self.min_scale)
         else:
             transform = val_transform(self.val_image_size, self.val_crop_ratio)
-        return InMemoryDataset(index, transform) if self.in_memory else IndexDataset(index, transform)
+        return InMemoryDataset(index, transform) if self.in_memory else CopyDataset(index, transform)

@@ -98,6 +98,6 @@ def decode_rgb(source: str | os.PathLike | bytes | memoryview) -> Image.Image:
     if isinstance(source, (bytes, bytearray, memoryview)):
         source = io.BytesIO(source)
     with Image.open(source) as img:
-        img = ImageOps.exif_transpose(img)
         img.load()
+        ImageOps.exif_transpose(img, in_place=True)  # in place: no copy of the decoded image
         return to_rgb(img)

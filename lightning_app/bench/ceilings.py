@@ -5,6 +5,7 @@ core decoding and nothing else; a backend's row is compared with these two numbe
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -88,20 +89,31 @@ def read_rate(paths: Sequence[str], threads: int = 8, drop_caches: bool = False)
     return Ceiling(len(paths) / dt, total / dt / 1e6, len(paths), dt, f"cold ({how}), {threads} reader threads")
 
 
-def _decode_chunk(paths: Sequence[str]) -> tuple[int, int]:
+def _decode_chunk(paths: Sequence[str], decoder: str = "pil") -> tuple[int, int]:
     n = 0
+    if decoder == "torchvision":
+        import torch
+
+        from datamodules.downscaled import decode_copy
+
+        torch.set_num_threads(1)  # as in a DataLoader worker
     for p in paths:
         with open(p, "rb") as f:
             data = f.read()
-        decode_rgb(data).load()
+        if decoder == "torchvision":
+            decode_copy(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        else:
+            decode_rgb(data).load()
         n += len(data)
     return len(paths), n
 
 
-def decode_rate(paths: Sequence[str], workers: int | None = None) -> Ceiling:
-    """Decode-only rate on all cores: PIL decode + convert to RGB in a pool of os.cpu_count() processes.
+def decode_rate(paths: Sequence[str], workers: int | None = None, decoder: str = "pil") -> Ceiling:
+    """Decode-only rate on all cores: decode to RGB in a pool of os.cpu_count() processes.
 
-    The files are read once first so the timing is decoding, not IO.
+    ``decoder`` is what the backend uses: "pil" (ImageFolder, LMDB) or "torchvision"
+    (libjpeg-turbo to a tensor: the Downscaled backend). The files are read once first so the
+    timing is decoding, not IO.
     """
     workers = workers or os.cpu_count() or 1
     for p in paths:
@@ -109,10 +121,12 @@ def decode_rate(paths: Sequence[str], workers: int | None = None) -> Ceiling:
     chunk = max(1, min(64, len(paths) // (workers * 4) or 1))
     chunks = [list(paths[i:i + chunk]) for i in range(0, len(paths), chunk)]
     with ProcessPoolExecutor(workers) as pool:
-        list(pool.map(_decode_chunk, chunks[:workers]))  # start the workers before the clock
+        decode = functools.partial(_decode_chunk, decoder=decoder)
+        list(pool.map(decode, chunks[:workers]))  # start the workers before the clock
         t0 = time.perf_counter()
-        done = list(pool.map(_decode_chunk, chunks))
+        done = list(pool.map(decode, chunks))
         dt = max(time.perf_counter() - t0, 1e-9)
     images = sum(d[0] for d in done)
     total = sum(d[1] for d in done)
-    return Ceiling(images / dt, total / dt / 1e6, images, dt, f"PIL decode + RGB, {workers} processes, warm cache")
+    return Ceiling(images / dt, total / dt / 1e6, images, dt, f"{'PIL' if decoder == 'pil' else 'torchvision'} decode + RGB, {workers} processes, "
+                   "warm cache")
