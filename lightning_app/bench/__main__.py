@@ -38,9 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="images/s and MB/s of every data backend, cold and warm page cache, with the bottleneck named",
         description="Times one epoch (or --max-batches) of each backend's real train_dataloader() on the same "
                     "dataset, first with the backend's files evicted from the page cache (cold), then again (warm, "
-                    "--warm-epochs epochs). Also measures, in the same run, the raw read rate of the files (IO "
-                    "ceiling, cold) and decode-only on all cores with the backend's decoder (decode ceiling), and names each row's bottleneck. Backends "
-                    "that are not installed or cannot run here are listed as skipped with the reason.",
+                    "--warm-epochs epochs), in --rounds rounds over all backends; each row is its median round. "
+                    "Also measures, in the same run, the raw read rate of the files (IO ceiling, cold) and "
+                    "decode-only on all cores with the backend's decoder (decode ceiling), and names each row's "
+                    "bottleneck. Backends that are not installed or cannot run here are listed as skipped with "
+                    "the reason.",
         epilog=_columns(LOADER_COLUMNS))
     lo.add_argument("--data-dir", default=None, help="your ImageFolder tree (ROOT/train/<class>/*, ROOT/val/...); "
                     "default: the built-in dataset (--builtin)")
@@ -56,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--downscale-size", type=int, default=160,
                     help="Downscaled backend: shorter side <= N (default: 160, as configs/data/downscaled.yaml)")
     lo.add_argument("--warm-epochs", type=int, default=2, help="warm epochs timed per backend (default: 2)")
+    lo.add_argument("--rounds", type=int, default=3, help="rounds over all backends; each row is its median round "
+                    "(default: 3)")
     lo.add_argument("--max-batches", type=int, default=None,
                     help="stop an epoch after N batches (default: whole epoch)")
     lo.add_argument("--work-dir", default=None, help="where the LMDB and the downscaled copy are made, before the "
@@ -115,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = loaders.Settings(root=root, work=work, batch_size=args.batch_size, num_workers=args.num_workers,
                                     image_size=args.image_size, downscale_size=args.downscale_size,
                                     max_batches=args.max_batches, drop_caches=args.drop_caches,
-                                    warm_epochs=args.warm_epochs,
+                                    warm_epochs=args.warm_epochs, rounds=args.rounds,
                                     device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         result = loaders.run(settings, wanted, measure_ceilings=not args.no_ceilings,
                              ceiling_images=args.ceiling_images)
