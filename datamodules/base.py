@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from datamodules.index import DataError, Index, find_classes, load_indexes
 from datamodules.transforms import normalize
@@ -149,10 +149,21 @@ class ImageDataModule(pl.LightningDataModule):
                 f"{split}/ of {self.root} has {len(self.datasets[split])} images, fewer than one global batch "
                 f"({self.batch_size}); lower --data.batch_size."
             )
+        sampler = None
+        if train:
+            # The same shuffle whatever the layout: with seed s, epoch e's global batch k is the same
+            # images on 1 process, N processes or N nodes (each rank takes every N-th of them).
+            # Lightning calls set_epoch on it, and leaves a DistributedSampler alone under DDP.
+            trainer = self.trainer
+            sampler = DistributedSampler(
+                self.datasets[split], num_replicas=self.world_size,
+                rank=trainer.global_rank if trainer is not None else 0, shuffle=True,
+                seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), drop_last=True,
+            )
         return DataLoader(
             self.datasets[split],
             batch_size=batch_size,
-            shuffle=train,
+            sampler=sampler,
             drop_last=train,  # equal steps on every rank, no tiny last batch in BatchNorm
             num_workers=workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),

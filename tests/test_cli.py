@@ -121,6 +121,18 @@ def test_ddp_two_processes_see_disjoint_data(tiny_data, tmp_path):
         assert runs[0, epoch]["steps"] == runs[1, epoch]["steps"] == (n // 2) // 16  # global 32 = 2 x 16
         assert runs[0, epoch]["world_size"] == 2
     assert runs[0, 0]["indices"] != runs[0, 1]["indices"]  # reshuffled each epoch
+    # One process with the same config and seed trains on the same global batches, in the same order.
+    one_out = tmp_path / "one"
+    one = run_main(["fit", *quick_args(tiny_data, tmp_path / "one_run", epochs=2, batch=32),
+                    "--trainer.callbacks+=tests.helpers.SampleRecorder", f"--trainer.callbacks.out_dir={one_out}"])
+    assert "Done: best val/acc1" in one.stdout + one.stderr
+    single = _recorded(one_out)
+    for epoch in (0, 1):
+        steps = runs[0, epoch]["steps"]
+        assert single[0, epoch]["steps"] == steps
+        for k in range(steps):
+            union = set(runs[0, epoch]["indices"][16 * k:16 * (k + 1)]) | set(runs[1, epoch]["indices"][16 * k:16 * (k + 1)])
+            assert union == set(single[0, epoch]["indices"][32 * k:32 * (k + 1)]), f"epoch {epoch} step {k} differs"
 
 
 @pytest.mark.slow
