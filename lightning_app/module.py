@@ -80,7 +80,7 @@ class ImageClassifier(pl.LightningModule):
         loss = F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing)
         self.train_acc1(logits, labels)
         self.log("train/loss", loss, prog_bar=True)
-        self.log("train/acc1", self.train_acc1, on_step=True, on_epoch=True)
+        self.log("train/acc1", self.train_acc1, on_step=True, on_epoch=False)  # tag train/acc1, as DESIGN.md
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
         return loss
 

@@ -80,7 +80,7 @@ def test_killing_one_node_ends_the_other_within_the_timeout(tiny_data, tmp_path)
     timeout_s = 20
     args = [*_args(tiny_data, tmp_path, epochs=3), "--trainer.strategy", "ddp", "--trainer.devices", "1",
             "--trainer.num_nodes", "2", *_signal_at(1, 1, "SIGKILL", rank=1)]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1",
            "FIC_DDP_TIMEOUT_S": str(timeout_s)}
     procs = [subprocess.Popen([sys.executable, "main.py", *args], cwd=REPO, env={**env, "NODE_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]

@@ -97,7 +97,7 @@ def test_same_config_trains_on_1_process_2_processes_and_2_nodes(learnable_data,
     one = _done((p := run_main([*args("one"), "--trainer.devices", "1"], timeout=900)).stdout + p.stderr)
     two = _done((p := run_main([*args("two"), "--trainer.strategy", "ddp", "--trainer.devices", "2"],
                                timeout=900)).stdout + p.stderr)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
     node_args = [*args("nodes"), "--trainer.strategy", "ddp", "--trainer.devices", "1", "--trainer.num_nodes", "2"]
     procs = [subprocess.Popen([sys.executable, "main.py", *node_args], cwd=REPO, env={**env, "NODE_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
