@@ -106,7 +106,7 @@ def _recorded(out: Path) -> dict[tuple[int, int], dict]:
 @pytest.mark.slow
 def test_ddp_two_processes_see_disjoint_data(tiny_data, tmp_path):
     out = tmp_path / "samples"
-    args = ["fit", *quick_args(tiny_data, tmp_path, epochs=2, batch=32),
+    args = ["fit", *quick_args(tiny_data, tmp_path, epochs=2, batch=32), "--trainer.log_every_n_steps", "1",
             "--trainer.strategy", "ddp", "--trainer.devices", "2",
             "--trainer.callbacks+=tests.helpers.SampleRecorder", f"--trainer.callbacks.out_dir={out}"]
     proc = run_main(args)
@@ -124,6 +124,7 @@ def test_ddp_two_processes_see_disjoint_data(tiny_data, tmp_path):
     # One process with the same config and seed trains on the same global batches, in the same order.
     one_out = tmp_path / "one"
     one = run_main(["fit", *quick_args(tiny_data, tmp_path / "one_run", epochs=2, batch=32),
+                    "--trainer.log_every_n_steps", "1",
                     "--trainer.callbacks+=tests.helpers.SampleRecorder", f"--trainer.callbacks.out_dir={one_out}"])
     assert "Done: best val/acc1" in one.stdout + one.stderr
     single = _recorded(one_out)
@@ -133,6 +134,10 @@ def test_ddp_two_processes_see_disjoint_data(tiny_data, tmp_path):
         for k in range(steps):
             union = set(runs[0, epoch]["indices"][16 * k:16 * (k + 1)]) | set(runs[1, epoch]["indices"][16 * k:16 * (k + 1)])
             assert union == set(single[0, epoch]["indices"][32 * k:32 * (k + 1)]), f"epoch {epoch} step {k} differs"
+    # ... with the same learning rate at every step (that of the global batch, warm-up and decay included)
+    lrs = [[(e.step, round(e.value, 9)) for e in event_file_scalars(root / "version_0").Scalars("train/lr")]
+           for root in (tmp_path, tmp_path / "one_run")]
+    assert len(lrs[0]) == 2 * steps and lrs[0] == lrs[1]
 
 
 @pytest.mark.slow

@@ -82,22 +82,36 @@ def _done(out: str) -> tuple[float, float]:
     return float(m.group(1)), float(m.group(2).replace(",", ""))
 
 
-@pytest.mark.slow
-def test_same_config_trains_on_1_process_2_processes_and_2_nodes(learnable_data, tmp_path):
-    """The same config trains on 1 process, 2 processes and 2 nodes (global batch split, LR scaled).
+@pytest.fixture(scope="module")
+def comparison_data(tmp_path_factory):
+    """3,000 train and 5,000 val images of the built-in task: a big enough val split that one run's
+    accuracy is measured to a few tenths of a point."""
+    from datamodules.builtin import generate
 
-    At this CI-sized budget (1,200 images, 8 epochs) a run reaches about 0.45 and the seed spread
-    is several points, so the accuracies are printed, not compared; the comparison on the full
-    quickstart config is a measurement (see the README).
+    return generate(tmp_path_factory.mktemp("builtin") / "compare", "small", train_per_class=300,
+                    val_per_class=500, progress=False)
+
+
+@pytest.mark.slow
+def test_1_process_2_processes_and_2_nodes_reach_the_same_accuracy(comparison_data, tmp_path):
+    """The same config and epochs on 1 process, 2 DDP processes and 2 simulated nodes: within 2 points.
+
+    The budget (25 epochs, 75,000 images) is where this small net levels off (about 0.89-0.91
+    top-1); earlier in training one seed to the next moves the result by 3-4 points, which would
+    hide a real loss. The mechanics behind the equality (the same global batches in the same
+    order, the same number of steps, the learning rate of the global batch) are checked exactly in
+    tests/test_cli.py; this is the end-to-end result.
     """
     def args(name):
-        return ["fit", *quick_args(learnable_data, tmp_path / name, epochs=8, batch=32, width=16),
-                "--trainer.num_sanity_val_steps", "0"]
+        return ["fit", *quick_args(comparison_data, tmp_path / name, epochs=25, batch=128, width=8),
+                "--data.num_workers", "1", "--seed_everything", "1", "--trainer.num_sanity_val_steps", "0",
+                "--trainer.check_val_every_n_epoch", "5"]
 
     one = _done((p := run_main([*args("one"), "--trainer.devices", "1"], timeout=900)).stdout + p.stderr)
     two = _done((p := run_main([*args("two"), "--trainer.strategy", "ddp", "--trainer.devices", "2"],
                                timeout=900)).stdout + p.stderr)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port()),
+           "PYTHONUNBUFFERED": "1"}
     node_args = [*args("nodes"), "--trainer.strategy", "ddp", "--trainer.devices", "1", "--trainer.num_nodes", "2"]
     procs = [subprocess.Popen([sys.executable, "main.py", *node_args], cwd=REPO, env={**env, "NODE_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
@@ -105,8 +119,10 @@ def test_same_config_trains_on_1_process_2_processes_and_2_nodes(learnable_data,
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:]
     nodes = _done(outs[0])
     print(f"\nval/acc1 and images/s: 1 process {one}, 2 processes {two}, 2 nodes {nodes}")
-    for name, got in (("1 process", one), ("2 processes", two), ("2 nodes", nodes)):
-        assert got[0] > 0.2, f"{name} reached only val/acc1 {got[0]:.4f} (chance: 0.1)"
+    assert one[0] > 0.8, f"1 process reached only val/acc1 {one[0]:.4f}: the budget no longer trains this net"
+    for name, got in (("2 processes", two), ("2 nodes", nodes)):
+        assert abs(got[0] - one[0]) <= 0.02, (
+            f"{name} reached val/acc1 {got[0]:.4f}, 1 process {one[0]:.4f}: more than 2 points apart")
 
 
 # -- GPU paths: these skip with the reason on a machine without CUDA ------------------------------
