@@ -111,7 +111,7 @@ def test_loaders_end_to_end(tmp_path, photo_data):
 def test_train_end_to_end(tmp_path, tiny_data):
     out = tmp_path / "out"
     rc = main(["train", "--data-dir", str(tiny_data), "--rows", "baseline,plain-pytorch", "--epochs", "1",
-               "--batch-size", "48", "--num-workers", "0", "--width", "8", "--out", str(out)])
+               "--batch-size", "48", "--num-workers", "0", "--width", "8", "--overhead-pairs", "2", "--out", str(out)])
     assert rc == 0
     md, data = _outputs(out, "train")
     assert {"rows", "overhead", "settings", "machine"} <= set(data)
@@ -121,7 +121,9 @@ def test_train_end_to_end(tmp_path, tiny_data):
     assert rows[0]["devices"] == 1 and len(rows[0]["epoch_seconds"]) == 1
     plain = rows[1]
     assert plain["strategy"] == "plain" and plain["status"] == "ok", plain
-    assert data["overhead"]["ratio"] == pytest.approx(rows[0]["images_s"] / plain["images_s"])
+    pairs = data["overhead"]["pairs"]
+    assert len(pairs) == 2 and pairs[0] == {"lightning_img_s": rows[0]["images_s"], "plain_img_s": plain["images_s"]}
+    assert data["overhead"]["ratio"] in [pytest.approx(q["lightning_img_s"] / q["plain_img_s"]) for q in pairs]
     assert len(rows) == len(row_specs(torch.cuda.is_available()))  # nothing hidden
     for r in rows[2:]:
         assert r["status"] == "skipped" and r["reason"], r

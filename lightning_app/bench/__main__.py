@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--batch-size", type=int, default=256, help="GLOBAL batch size (default: 256)")
     tr.add_argument("--num-workers", type=int, default=2, help="loader workers per process (default: 2)")
     tr.add_argument("--epochs", type=int, default=3, help="epochs per row, the first is warm-up (default: 3)")
+    tr.add_argument("--overhead-pairs", type=int, default=3, help="(baseline, hand-written loop) pairs run back to "
+                    "back for the overhead ratio, the median pair reported (default: 3; the table's pair is the first)")
     tr.add_argument("--rows", default=None,
                     help=f"comma list of rows to run (default: all); names: {','.join(ROW_NAMES)}")
     tr.add_argument("--timeout", type=int, default=900, help="seconds before a row is stopped and marked failed")
