@@ -393,21 +393,23 @@ def run(args, rows: list[str] | None = None) -> dict[str, Any]:
 
 def _overhead_pairs(results: list[Result], commands: dict[str, list[str]], tmp: Path, args) -> list[tuple]:
     """(Lightning, hand-written) images/s pairs: the table's pair, then --overhead-pairs - 1 more, run back
-    to back, so that a slow spell of the machine lands in one pair, not in the ratio."""
+    to back, so that a slow spell of the machine lands in one pair, not in the ratio. The extra pairs
+    alternate which runs first (plain first, then baseline first, ...): a machine that speeds up or
+    slows down within a pair then favours neither side."""
     base, plain = results[0], next((r for r in results if r.strategy == "plain"), None)
     if not (plain and plain.images_s and base.images_s):
         return []
     pairs = [(base.images_s, plain.images_s)]
     for i in range(max(1, args.overhead_pairs) - 1):
-        got = []
-        for key in ("baseline", "plain"):
+        got = {}
+        for key in (("plain", "baseline") if i % 2 == 0 else ("baseline", "plain")):
             data, _, _ = _run(commands[key], tmp / f"pair{i}-{key}.json", args.timeout)
             if data is None:
                 return pairs
             r = Result(key, "", "", False, False, False)
             _fill(r, data)
-            got.append(r.images_s)
-        pairs.append(tuple(got))
+            got[key] = r.images_s
+        pairs.append((got["baseline"], got["plain"]))
     return pairs
 
 
