@@ -5,6 +5,8 @@ copy and pin than float32) and `normalize` runs there, in `on_after_batch_transf
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torchvision.transforms import RandomResizedCrop, v2
@@ -31,11 +33,11 @@ class TensorTrainTransform:
 
     def __init__(self, image_size: int, min_scale: float = 0.25) -> None:
         self.size = (image_size, image_size)
-        self.scale = (min_scale, 1.0)
-        self.ratio = (3 / 4, 4 / 3)
+        self.scale = [min_scale, 1.0]
+        self.ratio = [3 / 4, 4 / 3]
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
-        top, left, h, w = RandomResizedCrop.get_params(image, list(self.scale), list(self.ratio))
+        top, left, h, w = RandomResizedCrop.get_params(image, self.scale, self.ratio)
         crop = image[None, :, top:top + h, left:left + w]
         if torch.rand(()) < 0.5:
             crop = crop.flip(-1)  # on the crop, which is smaller than the output
@@ -57,7 +59,14 @@ def normalize(images: torch.Tensor) -> torch.Tensor:
     """uint8 NCHW in [0, 255] -> float, normalised with the ImageNet mean and std."""
     if images.dtype != torch.uint8:
         return images
-    mean = torch.tensor(IMAGENET_MEAN, device=images.device).view(1, 3, 1, 1) * 255
-    inv_std = 1 / (torch.tensor(IMAGENET_STD, device=images.device).view(1, 3, 1, 1) * 255)
+    mean, inv_std = _stats(images.device)
     # In place on the one new float tensor, and a multiply rather than a divide: 3.5x faster on a CPU.
     return images.float().sub_(mean).mul_(inv_std)
+
+
+@functools.lru_cache(maxsize=None)
+def _stats(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean and 1/std in [0, 255] units on ``device``, made once: not a host-to-device copy per batch."""
+    with torch.inference_mode(False):  # normal tensors even if the first call comes from validation
+        mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
+        return mean, 1 / (torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255)

@@ -128,5 +128,5 @@ def decode_rate(paths: Sequence[str], workers: int | None = None, decoder: str =
         dt = max(time.perf_counter() - t0, 1e-9)
     images = sum(d[0] for d in done)
     total = sum(d[1] for d in done)
-    return Ceiling(images / dt, total / dt / 1e6, images, dt, f"{'PIL' if decoder == 'pil' else 'torchvision'} decode + RGB, {workers} processes, "
-                   "warm cache")
+    name = "PIL" if decoder == "pil" else "torchvision"
+    return Ceiling(images / dt, total / dt / 1e6, images, dt, f"{name} decode + RGB, {workers} processes, warm cache")

@@ -71,6 +71,7 @@ class Prepared:
     storage: str                # key of the IO ceiling (the files this backend reads)
     images: str                 # key of the decode ceiling (the encoded images it decodes)
     gpu_decode: bool = False
+    decoder: str = "pil"        # what its decode ceiling is measured with: "pil" or "torchvision"
     note: str = ""
 
 
@@ -192,7 +193,7 @@ def _downscaled(s: Settings) -> Prepared:
     dm = DownscaledDataModule(**kw)
     dm.setup("fit")
     files = _train_files(dm) if getattr(dm, "indexes", None) else ceilings.files_under(str(dst / "train"))
-    return Prepared(dm, files, _mean_size(files), "downscaled", "downscaled",
+    return Prepared(dm, files, _mean_size(files), "downscaled", "downscaled", decoder="torchvision",
                     note=f"shorter side <= {s.downscale_size} px, made once before timing")
 
 
@@ -332,7 +333,7 @@ def run(settings: Settings, backends: list[str], measure_ceilings: bool = True,
     tree = [index.path(i) for i in range(len(index))]
     # The tree's ceilings are always measured: they are the machine's, whichever rows ran.
     storages: dict[str, list[str]] = {"tree": tree}
-    image_sets: dict[str, list[str]] = {"original": tree}
+    image_sets: dict[str, tuple[list[str], str]] = {"original": (tree, "pil")}  # key -> (files, decoder)
     evict_how = None
     outcome: dict[str, Any] = {}   # label -> Prepared, or the (status, reason) of a backend that cannot run
     for name in BACKENDS:
@@ -351,7 +352,7 @@ def run(settings: Settings, backends: list[str], measure_ceilings: bool = True,
         outcome[label] = p
         storages.setdefault(p.storage, p.files)
         if p.storage != "lmdb":
-            image_sets.setdefault(p.images, p.files)
+            image_sets.setdefault(p.images, (p.files, p.decoder))
 
     timings: dict[str, list[dict]] = {label: [] for label, p in outcome.items() if isinstance(p, Prepared)}
     for _ in tqdm(range(max(1, settings.rounds)), desc="rounds", unit="round", leave=False):
@@ -382,9 +383,9 @@ def run(settings: Settings, backends: list[str], measure_ceilings: bool = True,
     if measure_ceilings:
         for key, files in tqdm(list(storages.items()), desc="IO ceilings", leave=False):
             ceil["io"][key] = ceilings.read_rate(files, drop_caches=settings.drop_caches).as_dict()
-        for key, files in tqdm([(k, f) for k, f in image_sets.items() if f], desc="decode ceilings", leave=False):
+        for key, (files, decoder) in tqdm([(k, v) for k, v in image_sets.items() if v[0]], desc="decode ceilings",
+                                          leave=False):
             sample = files[:: max(1, len(files) // ceiling_images)][:ceiling_images]
-            decoder = "torchvision" if key == "downscaled" else "pil"  # what that backend decodes with
             ceil["decode"][key] = ceilings.decode_rate(sample, decoder=decoder).as_dict()
     for r in rows:
         if r.status != "ok":

@@ -222,12 +222,18 @@ def _run(cmd: list[str], times: Path, timeout: int) -> tuple[dict | None, float,
     return json.loads(times.read_text()), wall, ""
 
 
+def _steady_images_s(epochs: list[dict]) -> float:
+    """Images/s over the epochs after the first (warm-up), or over the only one."""
+    steady = epochs[1:] or epochs
+    return sum(e["images"] for e in steady) / max(1e-9, sum(e["seconds"] for e in steady))
+
+
 def _fill(res: Result, data: dict) -> None:
     epochs = data["epochs"]
     res.epoch_seconds = [round(e["seconds"], 3) for e in epochs]
     res.seconds = sum(e["seconds"] for e in epochs)
     steady = epochs[1:] or epochs
-    res.images_s = sum(e["images"] for e in steady) / max(1e-9, sum(e["seconds"] for e in steady))
+    res.images_s = _steady_images_s(epochs)
     res.devices = data.get("world_size", 1)
     if all("wait" in e for e in steady):
         res.data_wait_frac = sum(e["wait"] for e in steady) / max(1e-9, sum(e["seconds"] for e in steady))
@@ -406,9 +412,7 @@ def _overhead_pairs(results: list[Result], commands: dict[str, list[str]], tmp: 
             data, _, _ = _run(commands[key], tmp / f"pair{i}-{key}.json", args.timeout)
             if data is None:
                 return pairs
-            r = Result(key, "", "", False, False, False)
-            _fill(r, data)
-            got[key] = r.images_s
+            got[key] = _steady_images_s(data["epochs"])
         pairs.append((got["baseline"], got["plain"]))
     return pairs
 
