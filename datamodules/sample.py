@@ -117,9 +117,13 @@ class SampleDataset(Dataset):
         size = self.size()
         images = new_batch(len(indices), size)
         seeds = torch.randint(2**62, (len(indices),)).tolist()
+        # Inference mode is per thread: under trainer.validate with num_workers=0 the batch is an
+        # inference tensor, which the sample threads may only write in inference mode too.
+        inference = torch.is_inference_mode_enabled()
 
         def fill(k: int) -> None:
-            images[k].copy_(self.sample(indices[k], size, random.Random(seeds[k])))
+            with torch.inference_mode(inference):
+                images[k].copy_(self.sample(indices[k], size, random.Random(seeds[k])))
 
         # list() re-raises the first failure (a DataError naming the sample) here, in this thread.
         list(sample_pool().map(fill, range(len(indices))))

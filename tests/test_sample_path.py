@@ -132,6 +132,9 @@ def test_a_batch_is_one_tensor_with_the_indexs_labels_and_seeded_crops(tiny_data
     val = dm.datasets["val"]
     batch, _ = val.__getitems__([3, 4])
     assert torch.equal(batch[1], val[4][0])
+    with torch.inference_mode():  # trainer.validate with num_workers=0: the sample threads write an inference tensor
+        again, _ = val.__getitems__([3, 4])
+    assert torch.equal(again, batch)
 
 
 def test_set_train_size_reaches_persistent_workers_and_augment_runs_in_them(tiny_data):
