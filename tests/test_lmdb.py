@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from datamodules.images import decode_rgb
 from datamodules.index import DataError, load_indexes
 from datamodules.lmdb import FORMAT, LMDBDataModule, LMDBReader, main, pack, read_meta, sample_key, unpack_value
+from datamodules.sample import built_batch
 from tests.conftest import REPO, make_tree, quick_args, run_main
 
 
@@ -162,7 +163,7 @@ def test_datamodule_matches_imagefolder_labels_with_workers(tiny_data, tiny_db):
         n += len(y)
     assert labels == load_indexes(tiny_data)["val"].labels
     batches = list(dm.train_dataloader())
-    assert len(batches) == 3 and sorted(sum((b[1].tolist() for b in batches), [])) == sorted(
+    assert len(batches) == 3 and sorted(torch.cat([b[1] for b in batches]).tolist()) == sorted(
         load_indexes(tiny_data)["train"].labels)
     dm.reader.close()
 
@@ -171,7 +172,8 @@ def test_datamodule_matches_imagefolder_labels_with_workers(tiny_data, tiny_db):
 def test_spawned_workers_open_their_own_environment(tiny_db):
     dm = LMDBDataModule(str(tiny_db), batch_size=40, num_workers=1, image_size=32)
     dm.setup("validate")
-    loader = DataLoader(dm.datasets["val"], batch_size=40, num_workers=1, multiprocessing_context="spawn")
+    loader = DataLoader(dm.datasets["val"], batch_size=40, num_workers=1, multiprocessing_context="spawn",
+                        collate_fn=built_batch)  # the dataset writes whole batches itself
     labels = torch.cat([y for _, y in loader])
     assert labels.tolist() == [dm.reader.get("val", i)[1] for i in range(80)]
     dm.reader.close()
