@@ -16,7 +16,7 @@ def test_batches_are_normalised_on_transfer_and_labelled_by_the_index(tiny_data)
     images, labels = next(iter(dm.train_dataloader()))
     assert images.dtype == torch.uint8 and images.shape == (16, 3, 24, 24)
     assert labels.dtype == torch.int64
-    x, y = dm.on_after_batch_transfer((images, labels), 0)
+    x, _ = dm.on_after_batch_transfer((images, labels), 0)
     expected = (images[:, 0].float() / 255 - IMAGENET_MEAN[0]) / IMAGENET_STD[0]
     assert torch.allclose(x[:, 0], expected, atol=1e-5)
     val_images, val_labels = next(iter(dm.val_dataloader()))

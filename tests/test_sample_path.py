@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,7 +88,7 @@ def test_imagenet_size_images_decode_exactly_and_val_matches_torchvision_within_
     index = load_indexes(imagenet_size, cache=False)["train"]
     diffs = []
     for i in range(len(index)):
-        data = open(index.path(i), "rb").read()
+        data = Path(index.path(i)).read_bytes()
         image = decode(bytearray(data))
         assert torch.equal(image, reference(data)), index.path(i)
         for size, ratio in ((224, 0.875), (64, 1.0)):
