@@ -133,7 +133,8 @@ class ImageDataModule(pl.LightningDataModule):
         if self.num_workers != "auto":
             return int(self.num_workers)
         trainer = self.trainer
-        per_node = trainer.num_devices if trainer is not None else 1
+        # Training processes on this node: devices under DDP, but one under dp (world_size 1, N devices).
+        per_node = max(1, trainer.world_size // max(1, trainer.num_nodes)) if trainer is not None else 1
         return cpus_per_process(per_node)
 
     # -- shared behaviour -----------------------------------------------------------------

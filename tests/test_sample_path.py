@@ -165,3 +165,15 @@ def test_num_workers_auto_is_this_processs_share_of_the_cpus(tiny_data):
     dm.setup("fit")
     assert dm.train_dataloader().num_workers == cpus_per_process(1)
     assert ImageFolderDataModule(data_dir=str(tiny_data), num_workers=0).workers() == 0
+
+
+@pytest.mark.parametrize(("strategy", "processes"), [("ddp", 2), ("dp", 1)])
+def test_num_workers_auto_divides_the_cpus_by_the_training_processes_on_the_node(tiny_data, strategy, processes):
+    import pytorch_lightning as pl
+
+    import lightning_app.cli  # noqa: F401 - registers the template's "dp" strategy
+
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False)
+    dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=8)
+    dm.trainer = trainer
+    assert dm.workers() == cpus_per_process(processes)
