@@ -42,10 +42,10 @@ class Source(Protocol):
 
 
 class FileSource:
-    """One file per sample: the paths of an Index."""
+    """One file per sample: the paths of an Index (or a list of paths); `fix` ends an error message."""
 
-    def __init__(self, index: Index, fix: str) -> None:
-        self.paths = [index.path(i) for i in range(len(index))]
+    def __init__(self, index: Index | Sequence[str], fix: str) -> None:
+        self.paths = [index.path(i) for i in range(len(index))] if isinstance(index, Index) else list(index)
         self.fix = fix
 
     def read(self, i: int) -> bytearray:

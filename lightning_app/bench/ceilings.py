@@ -136,3 +136,52 @@ def decode_rate(paths: Sequence[str], workers: int | None = None, decoder: str =
     total = sum(d[1] for d in done)
     name = "PIL" if decoder == "pil" else "torchvision (libjpeg-turbo; PIL for non-plain JPEGs)"
     return Ceiling(images / dt, total / dt / 1e6, images, dt, f"{name} decode + RGB, {workers} processes, {how}")
+
+
+def stage_times(paths: Sequence[str], image_size: int = 224, min_scale: float = 0.25,
+                repeats: int = 3) -> dict[str, float]:
+    """Microseconds per image of each stage of the shared sample path, on one thread, warm cache.
+
+    Ratios between stages hold on a busy machine too; they say where a backend's time goes.
+    Best of `repeats` passes over `paths`.
+    """
+    import random
+
+    import torch
+
+    from datamodules.crop import TrainCrop
+    from datamodules.decode import decode
+    from datamodules.sample import FileSource, new_batch
+    from datamodules.transforms import train_transform
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a DataLoader worker
+    try:
+        source = FileSource(paths, "")
+        data = [source.read(i) for i in range(len(paths))]
+        images = [decode(d) for d in data]
+        crop, rng = TrainCrop(min_scale), random.Random(0)
+        crops = [crop(im, image_size, rng) for im in images]
+        batch = new_batch(len(paths), image_size)
+        pils = [decode_rgb(bytes(d)) for d in data]
+        old = train_transform(image_size, min_scale)
+        stages = {
+            "read (file, warm)": lambda i: source.read(i),
+            "decode: sample path (libjpeg-turbo / PIL)": lambda i: decode(data[i]),
+            "decode: PIL (decode_rgb)": lambda i: decode_rgb(bytes(data[i])),
+            "crop + flip + resize (TrainCrop)": lambda i: crop(images[i], image_size, rng),
+            "batch write (one copy into the batch)": lambda i: batch[i].copy_(crops[i]),
+            "before: PIL crop + flip + resize + PILToTensor": lambda i: old(pils[i]),
+        }
+        out = {}
+        for name, fn in stages.items():
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for i in range(len(paths)):
+                    fn(i)
+                best = min(best, (time.perf_counter() - t0) / max(1, len(paths)))
+            out[name] = best * 1e6
+        return out
+    finally:
+        torch.set_num_threads(threads)

@@ -403,6 +403,7 @@ def run(settings: Settings, backends: list[str], measure_ceilings: bool = True,
             sample = files[:: max(1, len(files) // ceiling_images)][:ceiling_images]
             rate = ceilings.decode_rate(sample, decoder=decoder, cold=cache == "cold", drop_caches=settings.drop_caches)
             ceil["decode"].setdefault(key, {}).setdefault(decoder, {})[cache] = rate.as_dict()
+        ceil["stages_us"] = ceilings.stage_times(tree[:: max(1, len(tree) // 100)][:100], settings.image_size)
     pil = ceil["decode"].get("original", {}).get("pil", {}).get("warm", {}).get("images_s")
     for r in rows:
         if r.status != "ok":
@@ -468,6 +469,9 @@ def to_markdown(result: dict[str, Any]) -> str:
                          f"cold {cold['images_s'] if cold else float('nan'):,.0f} | "
                          f"warm {warm['images_s'] if warm else float('nan'):,.0f} images/s "
                          f"({(warm or cold)['how']}; cold: evicted first)")
+    if c.get("stages_us"):
+        lines.append("- Stages of the sample path, one thread, original images, warm (microseconds per image): "
+                     + "; ".join(f"{k} {v:,.0f}" for k, v in c["stages_us"].items()))
     s = result["settings"]
     lines.append(f"- Cold cache by: {result['eviction']}")
     lines.append(f"- Dataset: {repo_relative(s['root'])} (train split); batch {s['batch_size']}, {s['num_workers']} workers, "
