@@ -1,7 +1,8 @@
 """Crop and flip: a decoded uint8 CHW image -> one uint8 CHW sample of the batch's size.
 
 Train: a random-resized-crop box drawn from the image's size (torchvision's RandomResizedCrop
-algorithm), a horizontal flip on the crop, then an antialiased bilinear resize. Val: the
+algorithm), an antialiased bilinear resize, and a horizontal flip (of the crop or of the output,
+whichever is smaller). Val: the
 shorter side resized to size / crop_ratio, then the centre crop (torchvision's Resize(int) +
 CenterCrop geometry). Both resize a channels-last uint8 tensor, which takes PyTorch's
 vectorised uint8 RGB kernel (aten/src/ATen/native/cpu/UpSampleKernel.cpp,
@@ -63,9 +64,15 @@ class TrainCrop:
     def __call__(self, image: torch.Tensor, size: int, rng: random.Random) -> torch.Tensor:
         top, left, h, w = random_resized_box(image.shape[-2], image.shape[-1], rng, self.scale)
         crop = image[:, top:top + h, left:left + w]
-        if rng.random() < 0.5:
-            crop = crop.flip(-1)  # on the crop, which is usually smaller than the output
+        flip = rng.random() < 0.5
+        # Flipping commutes with the resize (its sampling grid is symmetric), so flip whichever of the
+        # crop and the output has fewer pixels: for ImageNet-size images at 224 px that is the output
+        # (a flip of the crop cost about half as much as the resize itself).
+        if flip and h * w < size * size:
+            crop, flip = crop.flip(-1), False
         out = resize(crop, size, size)
+        if flip:
+            out = out.flip(-1)
         return self.augment(out) if self.augment is not None else out
 
 

@@ -13,7 +13,7 @@ from PIL import Image
 from datamodules import ImageFolderDataModule
 from datamodules.builtin import generate
 from datamodules.cpus import cpus_per_process
-from datamodules.crop import TrainCrop, ValCrop
+from datamodules.crop import TrainCrop, ValCrop, resize
 from datamodules.decode import decode, fast_jpeg
 from datamodules.images import decode_rgb
 from datamodules.index import load_indexes
@@ -113,6 +113,8 @@ def test_train_crop_scales_flips_and_augments():
     rows = out[0].int()
     assert (rows == rows[:1]).all()  # still a ramp: every row the same
     assert (rows.diff(dim=1) >= 0).all() or (rows.diff(dim=1) <= 0).all()  # monotonic, one way or flipped
+    big = torch.randint(0, 256, (3, 90, 110), dtype=torch.uint8)  # the flip may run after the resize: same pixels
+    assert torch.equal(resize(big.flip(-1), 32, 32), resize(big, 32, 32).flip(-1))
     inverted = TrainCrop(min_scale=1.0, augment=lambda x: 255 - x)(image, 24, random.Random(1))
     assert torch.equal(inverted, 255 - image) or torch.equal(inverted, 255 - image.flip(-1))
 
