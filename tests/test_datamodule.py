@@ -75,9 +75,10 @@ def test_decode_error_in_a_worker_names_the_file(tiny_data, tmp_path):
     dm = ImageFolderDataModule(data_dir=str(root), batch_size=8, num_workers=1, image_size=32,
                                persistent_workers=False)
     dm.setup("fit")
-    with pytest.raises(DataError, match=r"cannot decode image .*star/00001\.jpg"):
+    with pytest.raises(DataError, match=r"cannot decode image .*star/00001\.jpg") as e:
         for _ in dm.val_dataloader():
             pass
+    assert "Traceback" not in str(e.value) and "in DataLoader worker process 0" in str(e.value)
 
 
 def test_fewer_images_than_a_batch_is_a_clear_error(tiny_data):
