@@ -18,7 +18,17 @@ from torch.utils.data import DataLoader
 
 from datamodules.images import decode_rgb
 from datamodules.index import DataError, load_indexes
-from datamodules.lmdb import FORMAT, LMDBDataModule, LMDBReader, main, pack, read_meta, sample_key, unpack_value
+from datamodules.lmdb import (
+    FORMAT,
+    LMDBDataModule,
+    LMDBReader,
+    LMDBSource,
+    main,
+    pack,
+    read_meta,
+    sample_key,
+    unpack_value,
+)
 from datamodules.sample import built_batch
 from tests.conftest import REPO, make_tree, quick_args, run_main
 
@@ -231,3 +241,16 @@ def test_killed_just_before_the_rename_only_renames(tiny_data, tmp_path):
     mtime = (tmp_path / ".t.lmdb.partial" / "data.mdb").stat().st_mtime_ns
     assert pack(tiny_data, dst, progress=False) == dst
     assert (dst / "data.mdb").stat().st_mtime_ns == mtime and _values(dst) == before
+
+
+def test_prefetch_targets_the_values_own_bytes_in_data_mdb(tiny_db):
+    source = LMDBSource(LMDBReader(tiny_db), "val")
+    view = source.read(5)  # opens the map, then prefetches the value
+    prefetch = source.prefetch
+    if prefetch._base is None:
+        pytest.skip("no /proc/self/maps or posix_fadvise here: prefetching is off")
+    offset = np.frombuffer(view, dtype=np.uint8).ctypes.data - prefetch._base
+    with open(tiny_db / "data.mdb", "rb") as f:
+        f.seek(offset)
+        assert f.read(len(view)) == bytes(view)
+    source.reader.close()
