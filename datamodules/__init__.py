@@ -18,7 +18,7 @@ _EXPORTS = {
     "DALIDataModule": "datamodules.dali",  # imports nvidia.dali only when instantiated
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_EXPORTS)  # noqa: PLE0605 - a list, built from the table above
 
 
 def __getattr__(name: str):

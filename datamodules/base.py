@@ -1,19 +1,25 @@
 """What every backend shares: the init args of DESIGN.md, the Index, the global batch size.
 
-A backend subclasses `ImageDataModule` and implements `make_dataset(split, index)` (or
-overrides the dataloader methods entirely, as DALI does).
+A backend subclasses `ImageDataModule`, declares only its own init args (the rest pass through
+**kwargs; LightningCLI resolves them from this signature) and implements `make_dataset(split,
+index)`, usually as `self.sample_dataset(split, source, labels)`: the shared sample path of
+sample.py. DALI overrides the dataloader methods entirely.
 """
 from __future__ import annotations
 
 import os
 import warnings
 from pathlib import Path
+from typing import Literal
 
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from datamodules.cpus import cpus_per_process
+from datamodules.crop import Augment, TrainCrop, ValCrop
 from datamodules.index import DataError, Index, find_classes, load_indexes
+from datamodules.sample import SampleDataset, Source, built_batch
 from datamodules.transforms import normalize
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +42,8 @@ class ImageDataModule(pl.LightningDataModule):
         data_dir: root holding train/ and val/ (ImageFolder layout); None = the built-in dataset.
         builtin: preset of the built-in dataset used when data_dir is None.
         batch_size: GLOBAL batch size, split evenly across all processes (devices x nodes).
-        num_workers: DataLoader worker processes per training process.
+        num_workers: DataLoader worker processes per training process; "auto" = this process's
+            share of the CPUs it may run on (affinity mask / processes on the node), see `workers()`.
         image_size: training crop size (px).
         val_image_size: validation crop size (px); default: image_size.
         val_crop_ratio: validation resizes the shorter side to val_image_size / val_crop_ratio.
@@ -51,7 +58,7 @@ class ImageDataModule(pl.LightningDataModule):
         data_dir: str | None = None,
         builtin: str = "small",
         batch_size: int = 256,
-        num_workers: int = 4,
+        num_workers: int | Literal["auto"] = "auto",
         image_size: int = 224,
         val_image_size: int | None = None,
         val_crop_ratio: float = 0.875,
@@ -63,6 +70,8 @@ class ImageDataModule(pl.LightningDataModule):
         super().__init__()
         if batch_size < 1:
             raise DataError(f"data.batch_size must be >= 1, got {batch_size}.")
+        if num_workers != "auto" and (not isinstance(num_workers, int) or num_workers < 0):
+            raise DataError(f'data.num_workers must be "auto" or an integer >= 0, got {num_workers!r}.')
         if not 0 < min_scale <= 1:
             raise DataError(f"data.min_scale must be in (0, 1], got {min_scale}.")
         self.save_hyperparameters()
@@ -77,6 +86,10 @@ class ImageDataModule(pl.LightningDataModule):
         self.persistent_workers = persistent_workers
         self.skip_invalid = skip_invalid
         self.builtin = builtin
+        # The train crop size lives in shared memory: persistent (forked or spawned) DataLoader workers
+        # read it once per batch, so set_train_size reaches them between epochs.
+        self._train_size = torch.tensor([image_size], dtype=torch.int64).share_memory_()
+        self.train_augment: Augment | None = None  # per-sample hook after crop+flip; set before setup()
         # Read now (cheaply, and before any process group starts) so a bad layout fails
         # at once and num_classes can be linked to the model.
         self.classes = self.discover_classes()
@@ -93,6 +106,36 @@ class ImageDataModule(pl.LightningDataModule):
 
     def make_dataset(self, split: str, index: Index) -> Dataset:
         raise NotImplementedError
+
+    def sample_dataset(self, split: str, source: Source, labels: list[int]) -> SampleDataset:
+        """The shared sample path over `source`: train = random crop + flip (+ train_augment), else val crop."""
+        if split == "train":
+            return SampleDataset(source, labels, TrainCrop(self.min_scale, self.train_augment), self._train_size)
+        return SampleDataset(source, labels, ValCrop(self.val_crop_ratio), self.val_image_size)
+
+    def set_train_size(self, size: int) -> None:
+        """Change the train crop size from the next batch a worker starts (call at an epoch's start).
+
+        Batches already prefetched keep the old size; a batch never mixes sizes.
+        """
+        if size < 1:
+            raise DataError(f"train size must be >= 1, got {size}.")
+        self.image_size = int(size)
+        self._train_size[0] = int(size)
+
+    def workers(self) -> int:
+        """num_workers, with "auto" resolved: the usable CPUs (affinity mask) over the processes on this node.
+
+        One worker process per CPU: decoding is CPU work, and separate processes keep the Python
+        parts of every sample off one GIL. Inside a worker, sample.SAMPLE_THREADS threads overlap
+        file reads (and GIL-free decodes) so a cold cache does not leave a CPU idle.
+        """
+        if self.num_workers != "auto":
+            return int(self.num_workers)
+        trainer = self.trainer
+        # Training processes on this node: devices under DDP, but one under dp (world_size 1, N devices).
+        per_node = max(1, trainer.world_size // max(1, trainer.num_nodes)) if trainer is not None else 1
+        return cpus_per_process(per_node)
 
     # -- shared behaviour -----------------------------------------------------------------
     @property
@@ -142,7 +185,7 @@ class ImageDataModule(pl.LightningDataModule):
         self.datasets = {split: self.make_dataset(split, index) for split, index in indexes.items()}
 
     def _loader(self, split: str, train: bool) -> DataLoader:
-        workers = self.num_workers
+        workers = self.workers()
         batch_size = self.per_process_batch_size
         if train and len(self.datasets[split]) < batch_size * self.world_size:
             raise DataError(
@@ -158,11 +201,13 @@ class ImageDataModule(pl.LightningDataModule):
             sampler = DistributedSampler(
                 self.datasets[split], num_replicas=self.world_size,
                 rank=trainer.global_rank if trainer is not None else 0, shuffle=True,
-                seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), drop_last=True,
+                seed=int(os.environ.get("PL_GLOBAL_SEED", "0")), drop_last=True,
             )
+        dataset = self.datasets[split]
         return DataLoader(
-            self.datasets[split],
+            dataset,
             batch_size=batch_size,
+            collate_fn=built_batch if isinstance(dataset, SampleDataset) else None,
             sampler=sampler,
             drop_last=train,  # equal steps on every rank, no tiny last batch in BatchNorm
             num_workers=workers,

@@ -34,7 +34,7 @@ PARAMS_FILE = ".downscale.json"
 MARKER = ".complete"
 FORMAT = "fast-image-classifier-downscaled"
 
-__all__ = ["downscale", "ensure_downscaled", "read_marker", "target_size", "main"]
+__all__ = ["downscale", "ensure_downscaled", "main", "read_marker", "target_size"]
 
 
 def target_size(width: int, height: int, max_size: int) -> tuple[int, int]:

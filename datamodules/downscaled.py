@@ -4,10 +4,9 @@ The copy is made on first use (`datamodules.downscale`) in a cache folder. With
 `in_memory=True` all encoded images are read once into one shared-memory buffer that every
 DataLoader worker reads in place (fork or spawn), so no worker holds its own copy.
 
-Every file of a copy is a plain RGB JPEG written by the downscaler (orientation applied, no
-EXIF), so it is decoded straight to a uint8 tensor by torchvision's libjpeg-turbo decoder
-(the same pixels as PIL, about 3x faster on small images), and the crop and resize run on
-that tensor, which is about 2x faster than on a PIL image. Anything else falls back to PIL.
+Only the source of the bytes differs from ImageFolder: decoding, crop and batching are the
+shared sample path (sample.py). Every file of a copy is a plain RGB JPEG written by the
+downscaler (orientation applied, no EXIF), so it always takes the libjpeg-turbo decoder.
 """
 from __future__ import annotations
 
@@ -15,125 +14,50 @@ import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from torchvision.io import ImageReadMode, decode_jpeg
 
 from datamodules.base import REPO_ROOT, ImageDataModule, resolve_data_dir
 from datamodules.downscale import ensure_downscaled, read_marker
-from datamodules.images import decode_rgb
 from datamodules.index import DataError, Index, find_classes
-from datamodules.transforms import TensorTrainTransform, val_transform
+from datamodules.sample import FileSource
+
+FIX = "Delete the downscaled copy (or this file) and rerun."
 
 
-READ_THREADS = 8
-
-
-def decode_copy(data: torch.Tensor) -> torch.Tensor:
-    """Encoded bytes of a downscaled copy (1-D uint8) -> RGB uint8 CHW tensor."""
-    try:
-        return decode_jpeg(data, mode=ImageReadMode.RGB)
-    except RuntimeError:  # not a JPEG after all: PIL reads everything else
-        return torch.from_numpy(np.array(decode_rgb(data.numpy().tobytes()))).permute(2, 0, 1)
-
-
-def _undecodable(path: Path, e: Exception) -> DataError:
-    return DataError(f"cannot decode image {path}: {e}. Delete the downscaled copy (or this file) and rerun.")
-
-
-_readers: tuple[int, ThreadPoolExecutor] | None = None
-
-
-def _reader_pool() -> ThreadPoolExecutor:
-    """This process's file-reading threads (made after any fork: a pool never crosses one)."""
-    global _readers
-    if _readers is None or _readers[0] != os.getpid():
-        _readers = (os.getpid(), ThreadPoolExecutor(READ_THREADS, thread_name_prefix="read"))
-    return _readers[1]
-
-
-def _read(path: Path) -> bytearray | Exception:
-    try:
-        with open(path, "rb") as f:
-            return bytearray(f.read())
-    except OSError as e:
-        return e
-
-
-class CopyDataset(Dataset):
-    """The files of a downscaled copy's Index, decoded to uint8 tensors.
-
-    A DataLoader fetches a whole batch with `__getitems__`: its files are read by READ_THREADS
-    threads at once, so on a cold page cache the read latencies overlap instead of adding up
-    (the small files of a copy are bound by latency, not by bandwidth).
-    """
-
-    def __init__(self, index: Index, transform: Callable) -> None:
-        self.index = index
-        self.transform = transform
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def _sample(self, i: int, data: bytearray | Exception) -> tuple[torch.Tensor, int]:
-        try:
-            if isinstance(data, Exception):
-                raise data
-            image = decode_copy(torch.frombuffer(data, dtype=torch.uint8))
-        except Exception as e:  # noqa: BLE001 - name the file, whatever the reader or decoder raised
-            raise _undecodable(self.index.path(i), e) from e
-        return self.transform(image), self.index.samples[i][1]
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        return self._sample(i, _read(self.index.path(i)))
-
-    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, int]]:
-        blobs = _reader_pool().map(_read, [self.index.path(i) for i in indices])
-        return [self._sample(i, data) for i, data in zip(indices, blobs)]
-
-
-class InMemoryDataset(Dataset):
+class MemorySource:
     """The files of an Index held encoded in RAM: one uint8 tensor in shared memory plus offsets."""
 
-    def __init__(self, index: Index, transform: Callable, threads: int = 8) -> None:
-        self.index = index
-        self.labels = torch.tensor(index.labels, dtype=torch.int64)
-        self.transform = transform
-        paths = [index.path(i) for i in range(len(index))]
-        sizes = np.fromiter((os.path.getsize(p) for p in paths), dtype=np.int64, count=len(paths))
-        offsets = np.zeros(len(paths) + 1, dtype=np.int64)
+    def __init__(self, index: Index, threads: int = 8) -> None:
+        self.paths = [index.path(i) for i in range(len(index))]
+        sizes = np.fromiter((os.path.getsize(p) for p in self.paths), dtype=np.int64, count=len(self.paths))
+        offsets = np.zeros(len(self.paths) + 1, dtype=np.int64)
         np.cumsum(sizes, out=offsets[1:])
         # Shared memory: forked workers see the same pages, and spawned ones receive a handle, not a copy.
         self.buffer = torch.empty(int(offsets[-1]), dtype=torch.uint8).share_memory_()
-        self.offsets = torch.from_numpy(offsets)
+        self.offsets = offsets
         view = self.buffer.numpy()
 
         def load(i: int) -> None:
-            with open(paths[i], "rb") as f:
+            with open(self.paths[i], "rb") as f:
                 n = f.readinto(memoryview(view[offsets[i]:offsets[i + 1]]))
             if n != sizes[i]:
-                raise DataError(f"{paths[i]} changed size while it was loaded into memory; run again.")
+                raise DataError(f"{self.paths[i]} changed size while it was loaded into memory; run again.")
 
         with ThreadPoolExecutor(threads) as pool:  # file reads release the GIL
-            list(pool.map(load, range(len(paths))))
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
+            list(pool.map(load, range(len(self.paths))))
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel()
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
-        try:
-            image = decode_copy(self.buffer[start:end])  # a view: no copy of the encoded bytes
-        except Exception as e:  # noqa: BLE001 - name the file, whatever the decoder raised
-            raise _undecodable(self.index.path(i), e) from e
-        return self.transform(image), int(self.labels[i])
+    def read(self, i: int) -> torch.Tensor:
+        return self.buffer[int(self.offsets[i]):int(self.offsets[i + 1])]  # a view: no copy of the bytes
+
+    def describe(self, i: int, error: Exception) -> str:
+        return f"cannot decode image {self.paths[i]}: {error}. {FIX}"
 
 
 def default_cache(root: Path, max_size: int) -> Path:
@@ -182,8 +106,5 @@ class DownscaledDataModule(ImageDataModule):
         return find_classes(self.root)
 
     def make_dataset(self, split: str, index: Index) -> Dataset:
-        if split == "train":
-            transform = TensorTrainTransform(self.image_size, self.min_scale)
-        else:
-            transform = val_transform(self.val_image_size, self.val_crop_ratio)
-        return InMemoryDataset(index, transform) if self.in_memory else CopyDataset(index, transform)
+        source = MemorySource(index) if self.in_memory else FileSource(index, FIX)
+        return self.sample_dataset(split, source, index.labels)

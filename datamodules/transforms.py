@@ -1,15 +1,16 @@
-"""torchvision transforms shared by the PIL-based backends.
+"""The device-side normalisation, and torchvision's PIL transforms as the reference of the sample path.
 
-Transforms stop at uint8 CHW tensors: the uint8 batch crosses to the device (4x less to
-copy and pin than float32) and `normalize` runs there, in `on_after_batch_transfer`.
+Batches stay uint8 until they reach the device (4x less to copy and pin than float32);
+`normalize` runs there, in `on_after_batch_transfer`. The backends crop with `crop.py` on
+tensors; `train_transform` / `val_transform` are the same geometry on PIL images, kept for code
+that holds PIL images and as the reference tests/test_sample_path.py compares the fast path with.
 """
 from __future__ import annotations
 
 import functools
 
 import torch
-import torch.nn.functional as F
-from torchvision.transforms import RandomResizedCrop, v2
+from torchvision.transforms import v2
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -22,28 +23,6 @@ def train_transform(image_size: int, min_scale: float = 0.25) -> v2.Compose:
         v2.RandomHorizontalFlip(),
         v2.PILToTensor(),
     ])
-
-
-class TensorTrainTransform:
-    """`train_transform` for uint8 CHW tensors: the same random crop, scale and flip.
-
-    torchvision's tensor resize takes a generic path; a channels_last crop handed straight to
-    `interpolate` takes PyTorch's vectorised uint8 RGB kernel instead, about 2x faster on a CPU.
-    """
-
-    def __init__(self, image_size: int, min_scale: float = 0.25) -> None:
-        self.size = (image_size, image_size)
-        self.scale = [min_scale, 1.0]
-        self.ratio = [3 / 4, 4 / 3]
-
-    def __call__(self, image: torch.Tensor) -> torch.Tensor:
-        top, left, h, w = RandomResizedCrop.get_params(image, self.scale, self.ratio)
-        crop = image[None, :, top:top + h, left:left + w]
-        if torch.rand(()) < 0.5:
-            crop = crop.flip(-1)  # on the crop, which is smaller than the output
-        crop = crop.contiguous(memory_format=torch.channels_last)
-        # Channels-last strided; the collation's stack writes the contiguous batch in the same copy.
-        return F.interpolate(crop, size=self.size, mode="bilinear", antialias=True, align_corners=False)[0]
 
 
 def val_transform(image_size: int, crop_ratio: float = 0.875) -> v2.Compose:
@@ -64,7 +43,7 @@ def normalize(images: torch.Tensor) -> torch.Tensor:
     return images.float().sub_(mean).mul_(inv_std)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _stats(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean and 1/std in [0, 255] units on ``device``, made once: not a host-to-device copy per batch."""
     with torch.inference_mode(False):  # normal tensors even if the first call comes from validation

@@ -16,7 +16,7 @@ def test_batches_are_normalised_on_transfer_and_labelled_by_the_index(tiny_data)
     images, labels = next(iter(dm.train_dataloader()))
     assert images.dtype == torch.uint8 and images.shape == (16, 3, 24, 24)
     assert labels.dtype == torch.int64
-    x, y = dm.on_after_batch_transfer((images, labels), 0)
+    x, _ = dm.on_after_batch_transfer((images, labels), 0)
     expected = (images[:, 0].float() / 255 - IMAGENET_MEAN[0]) / IMAGENET_STD[0]
     assert torch.allclose(x[:, 0], expected, atol=1e-5)
     val_images, val_labels = next(iter(dm.val_dataloader()))
@@ -75,9 +75,10 @@ def test_decode_error_in_a_worker_names_the_file(tiny_data, tmp_path):
     dm = ImageFolderDataModule(data_dir=str(root), batch_size=8, num_workers=1, image_size=32,
                                persistent_workers=False)
     dm.setup("fit")
-    with pytest.raises(DataError, match=r"cannot decode image .*star/00001\.jpg"):
+    with pytest.raises(DataError, match=r"cannot decode image .*star/00001\.jpg") as e:
         for _ in dm.val_dataloader():
             pass
+    assert "Traceback" not in str(e.value) and "in DataLoader worker process 0" in str(e.value)
 
 
 def test_fewer_images_than_a_batch_is_a_clear_error(tiny_data):

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,10 +15,10 @@ import torch
 from PIL import Image
 
 from datamodules.downscale import downscale, main, read_marker, target_size
-from datamodules.downscaled import CopyDataset, DownscaledDataModule, InMemoryDataset
+from datamodules.downscaled import DownscaledDataModule, MemorySource
 from datamodules.images import decode_rgb
 from datamodules.index import DataError, load_indexes
-from datamodules.transforms import TensorTrainTransform
+from datamodules.sample import FileSource
 from tests.conftest import REPO, make_tree
 
 
@@ -116,24 +115,24 @@ def test_broken_sources_fail_unless_skipped(tmp_path, capsys):
     assert len(dm.datasets["train"]) == 4
 
 
-def test_in_memory_dataset_is_one_shared_buffer(tiny_data, tmp_path):
+def test_in_memory_source_is_one_shared_buffer(tiny_data, tmp_path):
     dm = DownscaledDataModule(str(tiny_data), max_size=24, in_memory=True, cache_dir=str(tmp_path / "c"),
                               batch_size=40, num_workers=2, image_size=24, val_image_size=24, val_crop_ratio=1.0)
     assert dm.num_classes == 10 and dm.root == tmp_path / "c"
     dm.setup("fit")
     ds = dm.datasets["val"]
-    assert isinstance(ds, InMemoryDataset) and ds.buffer.is_shared()
-    assert ds.nbytes == sum((dm.root / rel).stat().st_size for rel, _ in dm.indexes["val"].samples)
+    assert isinstance(ds.source, MemorySource) and ds.source.buffer.is_shared()
+    assert ds.source.nbytes == sum((dm.root / rel).stat().st_size for rel, _ in dm.indexes["val"].samples)
     # a pickled copy (what a spawned worker gets) points at the same memory
     clone = pickle.loads(pickle.dumps(ds))
-    assert clone.buffer.untyped_storage().data_ptr() != 0 and torch.equal(clone.buffer[:100], ds.buffer[:100])
+    assert clone.source.buffer.untyped_storage().data_ptr() != 0
+    assert torch.equal(clone.source.buffer[:100], ds.source.buffer[:100])
     images, labels = next(iter(dm.val_dataloader()))
     assert images.shape == (40, 3, 24, 24) and images.dtype == torch.uint8
     assert labels.tolist() == dm.indexes["val"].labels[:40]
     # same pixels as reading the downscaled files
     rel = dm.indexes["val"].samples[0][0]
-    x, _ = ds[0]
-    assert torch.equal(x, torch.from_numpy(np.array(decode_rgb(dm.root / rel))).permute(2, 0, 1))
+    assert torch.equal(images[0], torch.from_numpy(np.array(decode_rgb(dm.root / rel))).permute(2, 0, 1))
 
 
 def test_copy_is_read_a_batch_at_a_time_with_pils_pixels(tiny_data, tmp_path):
@@ -141,32 +140,17 @@ def test_copy_is_read_a_batch_at_a_time_with_pils_pixels(tiny_data, tmp_path):
                               image_size=24, val_image_size=24, val_crop_ratio=1.0)
     dm.setup("fit")
     ds = dm.datasets["val"]
-    assert isinstance(ds, CopyDataset)
-    batch = ds.__getitems__(list(range(8)))  # what a DataLoader calls: the batch's files read by threads
-    for i, (image, label) in enumerate(batch):
+    assert isinstance(ds.source, FileSource)
+    images, labels = ds.__getitems__(list(range(8)))  # what a DataLoader calls: one batch tensor
+    assert labels.tolist() == dm.indexes["val"].labels[:8]
+    for i, image in enumerate(images):
         rel = dm.indexes["val"].samples[i][0]
-        assert label == dm.indexes["val"].labels[i]
         # torchvision's JPEG decoder gives PIL's pixels exactly (val: no resize at 24 px on a 24 px copy)
         assert torch.equal(image, torch.from_numpy(np.array(decode_rgb(dm.root / rel))).permute(2, 0, 1))
     broken = dm.root / dm.indexes["val"].samples[3][0]
     broken.write_bytes(b"\xff\xd8\xff\xe0" + bytes(200))  # a JPEG header, then nothing
     with pytest.raises(DataError, match=f"cannot decode image {broken}"):
         ds.__getitems__([2, 3])
-
-
-def test_tensor_train_transform_crops_scales_and_flips():
-    image = torch.randint(0, 256, (3, 24, 24), dtype=torch.uint8)
-    whole = TensorTrainTransform(24, min_scale=1.0)  # scale 1 on a square image: the whole image
-    outs = [whole(image) for _ in range(40)]
-    assert all(o.shape == (3, 24, 24) and o.dtype == torch.uint8 for o in outs)
-    assert all(torch.equal(o, image) or torch.equal(o, image.flip(-1)) for o in outs)
-    assert any(torch.equal(o, image) for o in outs) and any(torch.equal(o, image.flip(-1)) for o in outs)
-    smooth = torch.linspace(0, 255, 60).round().to(torch.uint8).expand(3, 40, 60)  # a horizontal ramp
-    out = TensorTrainTransform(32, min_scale=0.25)(smooth)
-    assert out.shape == (3, 32, 32)
-    rows = out[0].int()
-    assert (rows == rows[:1]).all()  # still a ramp: every row the same
-    assert (rows.diff(dim=1) >= 0).all() or (rows.diff(dim=1) <= 0).all()  # monotonic, one way or flipped
 
 
 def test_separate_train_and_val_resolutions(tiny_data, tmp_path):

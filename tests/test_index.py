@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 from PIL import Image
 
+import datamodules.index as ix
 from datamodules.images import check_file, decode_rgb
 from datamodules.index import DataError, find_classes, load_index, load_indexes
-from tests.conftest import make_tree, odd_images
+from tests.conftest import REPO, make_tree, odd_images
 
 
 def test_classes_sorted_hidden_and_clutter_ignored(odd_tree):
@@ -101,3 +104,36 @@ def test_cached_bad_file_repaired_in_place_is_rescanned(tmp_path):
     assert load_index(tmp_path, "train").bad_files
     path.write_bytes(good)
     assert not load_index(tmp_path, "train").bad_files
+
+
+_SCAN_ONCE = """
+import sys, time
+import datamodules.index as ix
+real = ix._scan
+def slow_scan(*a, **k):
+    print("SCANNED", flush=True)
+    time.sleep(1.5)  # long enough that a second process starting meanwhile would scan too, without the lock
+    return real(*a, **k)
+ix._scan = slow_scan
+print(len(ix.load_index(sys.argv[1], "train")))
+"""
+
+
+def test_processes_starting_together_scan_once_and_share_the_cache(tiny_data, tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", _SCAN_ONCE, str(tiny_data)], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sum(o.count("SCANNED") for o in outs) == 1, outs
+    assert {o.split()[-1] for o in outs} == {"240"}
+
+
+def test_threaded_scan_lists_the_same_samples_and_bad_files_as_one_thread(odd_tree):
+    (odd_tree / "train" / "bees" / "cut.jpg").write_bytes(b"\xff\xd8\xff\xe0" + bytes(100))
+    root = str(odd_tree)
+    classes = find_classes(root)
+    one = ix._scan(root, "train", classes, True, threads=1)
+    many = ix._scan(root, "train", classes, True, threads=8)
+    assert one == many
+    assert [p for p, _ in many.bad_files] == ["train/bees/cut.jpg"]

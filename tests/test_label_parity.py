@@ -43,8 +43,8 @@ def _predictions(model: ImageClassifier, dm) -> tuple[torch.Tensor, torch.Tensor
 @pytest.mark.slow
 def test_a_model_trained_on_lmdb_validates_the_same_on_every_backend(learnable_data, tmp_path):
     torch.manual_seed(0)
-    common = dict(batch_size=64, num_workers=0, image_size=32, val_image_size=32, val_crop_ratio=1.0,
-                  min_scale=0.35)
+    common = {"batch_size": 64, "num_workers": 0, "image_size": 32, "val_image_size": 32, "val_crop_ratio": 1.0,
+              "min_scale": 0.35}
     lmdb_dm = LMDBDataModule(str(learnable_data), cache_dir=str(tmp_path / "learn.lmdb"), **common)
     datamodules = {
         "lmdb": lmdb_dm,

@@ -18,7 +18,18 @@ from torch.utils.data import DataLoader
 
 from datamodules.images import decode_rgb
 from datamodules.index import DataError, load_indexes
-from datamodules.lmdb import FORMAT, LMDBDataModule, LMDBReader, main, pack, read_meta, sample_key, unpack_value
+from datamodules.lmdb import (
+    FORMAT,
+    LMDBDataModule,
+    LMDBReader,
+    LMDBSource,
+    main,
+    pack,
+    read_meta,
+    sample_key,
+    unpack_value,
+)
+from datamodules.sample import built_batch
 from tests.conftest import REPO, make_tree, quick_args, run_main
 
 
@@ -162,7 +173,7 @@ def test_datamodule_matches_imagefolder_labels_with_workers(tiny_data, tiny_db):
         n += len(y)
     assert labels == load_indexes(tiny_data)["val"].labels
     batches = list(dm.train_dataloader())
-    assert len(batches) == 3 and sorted(sum((b[1].tolist() for b in batches), [])) == sorted(
+    assert len(batches) == 3 and sorted(torch.cat([b[1] for b in batches]).tolist()) == sorted(
         load_indexes(tiny_data)["train"].labels)
     dm.reader.close()
 
@@ -171,7 +182,8 @@ def test_datamodule_matches_imagefolder_labels_with_workers(tiny_data, tiny_db):
 def test_spawned_workers_open_their_own_environment(tiny_db):
     dm = LMDBDataModule(str(tiny_db), batch_size=40, num_workers=1, image_size=32)
     dm.setup("validate")
-    loader = DataLoader(dm.datasets["val"], batch_size=40, num_workers=1, multiprocessing_context="spawn")
+    loader = DataLoader(dm.datasets["val"], batch_size=40, num_workers=1, multiprocessing_context="spawn",
+                        collate_fn=built_batch)  # the dataset writes whole batches itself
     labels = torch.cat([y for _, y in loader])
     assert labels.tolist() == [dm.reader.get("val", i)[1] for i in range(80)]
     dm.reader.close()
@@ -229,3 +241,16 @@ def test_killed_just_before_the_rename_only_renames(tiny_data, tmp_path):
     mtime = (tmp_path / ".t.lmdb.partial" / "data.mdb").stat().st_mtime_ns
     assert pack(tiny_data, dst, progress=False) == dst
     assert (dst / "data.mdb").stat().st_mtime_ns == mtime and _values(dst) == before
+
+
+def test_prefetch_targets_the_values_own_bytes_in_data_mdb(tiny_db):
+    source = LMDBSource(LMDBReader(tiny_db), "val")
+    view = source.read(5)  # opens the map, then prefetches the value
+    prefetch = source.prefetch
+    if prefetch._base is None:
+        pytest.skip("no /proc/self/maps or posix_fadvise here: prefetching is off")
+    offset = np.frombuffer(view, dtype=np.uint8).ctypes.data - prefetch._base
+    with open(tiny_db / "data.mdb", "rb") as f:
+        f.seek(offset)
+        assert f.read(len(view)) == bytes(view)
+    source.reader.close()

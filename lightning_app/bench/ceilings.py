@@ -8,10 +8,11 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Iterable, Sequence
 
+from datamodules.cpus import usable_cpus
 from datamodules.images import decode_rgb
 
 READ_BLOCK = 1 << 20
@@ -94,39 +95,93 @@ def _decode_chunk(paths: Sequence[str], decoder: str = "pil") -> tuple[int, int]
     if decoder == "torchvision":
         import torch
 
-        from datamodules.downscaled import decode_copy
+        from datamodules.decode import decode
 
         torch.set_num_threads(1)  # as in a DataLoader worker
     for p in paths:
         with open(p, "rb") as f:
             data = f.read()
         if decoder == "torchvision":
-            decode_copy(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            decode(bytearray(data))
         else:
             decode_rgb(data).load()
         n += len(data)
     return len(paths), n
 
 
-def decode_rate(paths: Sequence[str], workers: int | None = None, decoder: str = "pil") -> Ceiling:
-    """Decode-only rate on all cores: decode to RGB in a pool of os.cpu_count() processes.
+def decode_rate(paths: Sequence[str], workers: int | None = None, decoder: str = "pil", cold: bool = False,
+                drop_caches: bool = False) -> Ceiling:
+    """Decode-only rate on all usable cores: read and decode to RGB in a pool of one process per CPU.
 
-    ``decoder`` is what the backend uses: "pil" (ImageFolder, LMDB) or "torchvision"
-    (libjpeg-turbo to a tensor: the Downscaled backend). The files are read once first so the
-    timing is decoding, not IO.
+    ``decoder``: "pil" (`images.decode_rgb`) or "torchvision" (`decode.decode`: libjpeg-turbo to a
+    tensor for plain JPEGs, PIL for the rest: the shared sample path's decoder). Warm: the files
+    are read once first, so the timing is decoding. Cold: they are evicted first, and each
+    process reads its files one at a time before decoding them.
     """
-    workers = workers or os.cpu_count() or 1
+    workers = workers or usable_cpus()
     for p in paths:
         _read_file(p)
     chunk = max(1, min(64, len(paths) // (workers * 4) or 1))
     chunks = [list(paths[i:i + chunk]) for i in range(0, len(paths), chunk)]
+    how = "warm cache"
     with ProcessPoolExecutor(workers) as pool:
         decode = functools.partial(_decode_chunk, decoder=decoder)
         list(pool.map(decode, chunks[:workers]))  # start the workers before the clock
+        if cold:
+            how = f"cold cache ({evict_pages(paths, drop_caches)})"
         t0 = time.perf_counter()
         done = list(pool.map(decode, chunks))
         dt = max(time.perf_counter() - t0, 1e-9)
     images = sum(d[0] for d in done)
     total = sum(d[1] for d in done)
-    name = "PIL" if decoder == "pil" else "torchvision"
-    return Ceiling(images / dt, total / dt / 1e6, images, dt, f"{name} decode + RGB, {workers} processes, warm cache")
+    name = "PIL" if decoder == "pil" else "torchvision (libjpeg-turbo; PIL for non-plain JPEGs)"
+    return Ceiling(images / dt, total / dt / 1e6, images, dt, f"{name} decode + RGB, {workers} processes, {how}")
+
+
+def stage_times(paths: Sequence[str], image_size: int = 224, min_scale: float = 0.25,
+                repeats: int = 3) -> dict[str, float]:
+    """Microseconds per image of each stage of the shared sample path, on one thread, warm cache.
+
+    Ratios between stages hold on a busy machine too; they say where a backend's time goes.
+    Best of `repeats` passes over `paths`.
+    """
+    import random
+
+    import torch
+
+    from datamodules.crop import TrainCrop
+    from datamodules.decode import decode
+    from datamodules.sample import FileSource, new_batch
+    from datamodules.transforms import train_transform
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a DataLoader worker
+    try:
+        source = FileSource(paths, "")
+        data = [source.read(i) for i in range(len(paths))]
+        images = [decode(d) for d in data]
+        crop, rng = TrainCrop(min_scale), random.Random(0)
+        crops = [crop(im, image_size, rng) for im in images]
+        batch = new_batch(len(paths), image_size)
+        pils = [decode_rgb(bytes(d)) for d in data]
+        old = train_transform(image_size, min_scale)
+        stages = {
+            "read (file, warm)": lambda i: source.read(i),
+            "decode: sample path (libjpeg-turbo / PIL)": lambda i: decode(data[i]),
+            "decode: PIL (decode_rgb)": lambda i: decode_rgb(bytes(data[i])),
+            "crop + flip + resize (TrainCrop)": lambda i: crop(images[i], image_size, rng),
+            "batch write (one copy into the batch)": lambda i: batch[i].copy_(crops[i]),
+            "before: PIL crop + flip + resize + PILToTensor": lambda i: old(pils[i]),
+        }
+        out = {}
+        for name, fn in stages.items():
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for i in range(len(paths)):
+                    fn(i)
+                best = min(best, (time.perf_counter() - t0) / max(1, len(paths)))
+            out[name] = best * 1e6
+        return out
+    finally:
+        torch.set_num_threads(threads)

@@ -12,35 +12,45 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from datamodules.base import BUILTIN_ROOT, REPO_ROOT
-from lightning_app.bench.report import repo_relative
 from datamodules.index import load_indexes
 from lightning_app.bench import ceilings
+from lightning_app.bench.report import repo_relative
 
 NEAR = 0.8  # a rate at >= 80% of a ceiling is bound by it
 BACKENDS = ("imagefolder", "lmdb", "downscaled", "dali-cpu", "dali-gpu")
-LABELS = {"imagefolder": "ImageFolder (PIL)", "lmdb": "LMDB (PIL)", "downscaled": "Downscaled (torchvision decode)",
+LABELS = {"imagefolder": "ImageFolder", "lmdb": "LMDB", "downscaled": "Downscaled",
           "dali-cpu": "DALI CPU", "dali-gpu": "DALI GPU (mixed)"}
+# Decode-only ceilings are measured with every decoder the backends use, on every image set:
+# "pil" = datamodules.images.decode_rgb; "torchvision" = datamodules.decode.decode (libjpeg-turbo
+# through torchvision.io for plain JPEGs, PIL for the rest: the shared sample path's decoder).
+DECODERS = ("pil", "torchvision")
 
 COLUMNS = {
     "backend": "the DataModule whose train_dataloader() is timed (same tree, same batch, image size, workers)",
-    "cache": "cold: the backend's files evicted from the page cache first (method in the notes); "
-             "warm: the next epochs (--warm-epochs), files in RAM",
-    "images/s": "training images per second through the whole pipeline: read, decode, augment, collate, "
-                "copy to the device and normalise (on_after_batch_transfer)",
-    "MB/s": "megabytes (1e6) of encoded image bytes the backend reads, per second (images/s x mean stored size)",
-    "% IO ceiling": "MB/s as a share of the cold raw read rate of the backend's own files (cold rows only)",
-    "% decode ceiling": "images/s as a share of decode-only on all cores for the same images, with the backend's "
-                        "decoder (PIL, or torchvision for Downscaled; CPU-decoding rows)",
-    "bottleneck": f"IO if MB/s >= {NEAR:.0%} of the IO ceiling; CPU decode if images/s >= {NEAR:.0%} of the decode "
-                  "ceiling; GPU for GPU-decoding rows otherwise; else augmentation/collation overhead",
+    "images/s cold | warm": "training images per second through the whole pipeline (read, decode, augment, "
+                            "batch, copy to the device, normalise in on_after_batch_transfer); cold: the "
+                            "backend's files evicted from the page cache first (method in the notes); warm: the "
+                            "next epochs (--warm-epochs), files in RAM",
+    "MB/s cold | warm": "megabytes (1e6) of encoded image bytes the backend reads per second (images/s x mean "
+                        "stored size)",
+    "% IO ceiling": "cold MB/s as a share of the cold raw read rate of the backend's own files",
+    "% decode ceiling cold | warm": "images/s as a share of the FASTEST full-image decoder's decode-only rate on "
+                                    "all cores for the same images (warm cache), so a faster decoder alone cannot "
+                                    "raise it (CPU-decoding rows)",
+    "% PIL ceiling cold | warm": "images/s as a share of PIL's decode-only rate on all cores for the original "
+                                 "images (warm cache): what the template's targets are stated in",
+    "bottleneck cold | warm": f"IO if MB/s >= {NEAR:.0%} of the IO ceiling; CPU decode if images/s >= {NEAR:.0%} "
+                              "of the decode ceiling; GPU for GPU-decoding rows otherwise; else the work around "
+                              "decoding (crop, resize, batching, transfer)",
 }
 
 
@@ -71,7 +81,6 @@ class Prepared:
     storage: str                # key of the IO ceiling (the files this backend reads)
     images: str                 # key of the decode ceiling (the encoded images it decodes)
     gpu_decode: bool = False
-    decoder: str = "pil"        # what its decode ceiling is measured with: "pil" or "torchvision"
     note: str = ""
 
 
@@ -85,6 +94,7 @@ class Row:
     mb_s: float | None = None
     io_frac: float | None = None
     decode_frac: float | None = None
+    pil_frac: float | None = None
     bottleneck: str | None = None
     images: int = 0
     seconds: float = 0.0
@@ -107,7 +117,7 @@ def classify(images_s: float, mb_s: float, io_mb_s: float | None, decode_images_
         return max(bound)[1], io, dec
     if gpu_decode:
         return "GPU", io, dec
-    return "augmentation/collation", io, dec
+    return "around decoding", io, dec
 
 
 # ------------------------------------------------------------------------------ backends
@@ -115,7 +125,8 @@ def classify(images_s: float, mb_s: float, io_mb_s: float | None, decode_images_
 def _kwargs(cls, s: Settings, **extra) -> dict:
     """The shared DESIGN.md init args plus whichever of ``extra`` the class accepts."""
     params = inspect.signature(cls.__init__).parameters
-    kw = dict(data_dir=str(s.root), batch_size=s.batch_size, num_workers=s.num_workers, image_size=s.image_size)
+    kw = {"data_dir": str(s.root), "batch_size": s.batch_size, "num_workers": s.num_workers,
+          "image_size": s.image_size}
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     kw.update({k: v for k, v in extra.items() if k in params or takes_any})
     return {k: v for k, v in kw.items() if k in params or takes_any}
@@ -140,7 +151,8 @@ def _imagefolder(s: Settings) -> Prepared:
 
 
 def _run_tool(args: list[str], what: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                          check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()[-600:]}")
 
@@ -193,7 +205,7 @@ def _downscaled(s: Settings) -> Prepared:
     dm = DownscaledDataModule(**kw)
     dm.setup("fit")
     files = _train_files(dm) if getattr(dm, "indexes", None) else ceilings.files_under(str(dst / "train"))
-    return Prepared(dm, files, _mean_size(files), "downscaled", "downscaled", decoder="torchvision",
+    return Prepared(dm, files, _mean_size(files), "downscaled", "downscaled",
                     note=f"shorter side <= {s.downscale_size} px, made once before timing")
 
 
@@ -202,6 +214,7 @@ def _dali(s: Settings, gpu: bool) -> Prepared:
         raise Skip("needs a CUDA GPU (nvJPEG decoding on the device)")
     try:
         import nvidia.dali  # noqa: F401
+
         from datamodules import DALIDataModule
     except ImportError as e:
         raise Skip(f"DALI backend not importable ({e})") from None
@@ -290,7 +303,7 @@ def _shutdown(dm) -> None:
     for name in ("teardown",):
         try:
             getattr(dm, name)("fit")
-        except Exception:  # noqa: BLE001 - best effort
+        except Exception:  # noqa: BLE001, S110 - best effort
             pass
 
 
@@ -333,7 +346,7 @@ def run(settings: Settings, backends: list[str], measure_ceilings: bool = True,
     tree = [index.path(i) for i in range(len(index))]
     # The tree's ceilings are always measured: they are the machine's, whichever rows ran.
     storages: dict[str, list[str]] = {"tree": tree}
-    image_sets: dict[str, tuple[list[str], str]] = {"original": (tree, "pil")}  # key -> (files, decoder)
+    image_sets: dict[str, list[str]] = {"original": tree}  # key -> encoded image files
     evict_how = None
     outcome: dict[str, Any] = {}   # label -> Prepared, or the (status, reason) of a backend that cannot run
     for name in BACKENDS:
@@ -352,17 +365,17 @@ def run(settings: Settings, backends: list[str], measure_ceilings: bool = True,
         outcome[label] = p
         storages.setdefault(p.storage, p.files)
         if p.storage != "lmdb":
-            image_sets.setdefault(p.images, (p.files, p.decoder))
+            image_sets.setdefault(p.images, p.files)
 
     timings: dict[str, list[dict]] = {label: [] for label, p in outcome.items() if isinstance(p, Prepared)}
     for _ in tqdm(range(max(1, settings.rounds)), desc="rounds", unit="round", leave=False):
-        for label in timings:
+        for label, runs in timings.items():
             p = outcome[label]
             if not isinstance(p, Prepared):
                 continue  # failed in an earlier round
             try:
                 got, evict_how = _time_round(p, settings, device, label)
-                timings[label].append(got)
+                runs.append(got)
             except Exception as e:  # noqa: BLE001
                 outcome[label] = ("failed", f"{type(e).__name__}: {e}")
 
@@ -379,20 +392,27 @@ def run(settings: Settings, backends: list[str], measure_ceilings: bool = True,
                             extra={"storage": p.storage, "images_key": p.images, "gpu_decode": p.gpu_decode,
                                    "rounds_images_s": [round(r[2], 1) for r in rounds]}))
 
+    # ceilings: io[storage] (cold reads); decode[images][decoder][cache] (all cores, every decoder, cold and warm)
     ceil: dict[str, dict] = {"io": {}, "decode": {}}
     if measure_ceilings:
         for key, files in tqdm(list(storages.items()), desc="IO ceilings", leave=False):
             ceil["io"][key] = ceilings.read_rate(files, drop_caches=settings.drop_caches).as_dict()
-        for key, (files, decoder) in tqdm([(k, v) for k, v in image_sets.items() if v[0]], desc="decode ceilings",
-                                          leave=False):
+        jobs = [(k, d, c) for k, files in image_sets.items() if files for d in DECODERS for c in ("warm", "cold")]
+        for key, decoder, cache in tqdm(jobs, desc="decode ceilings", leave=False):
+            files = image_sets[key]
             sample = files[:: max(1, len(files) // ceiling_images)][:ceiling_images]
-            ceil["decode"][key] = ceilings.decode_rate(sample, decoder=decoder).as_dict()
+            rate = ceilings.decode_rate(sample, decoder=decoder, cold=cache == "cold", drop_caches=settings.drop_caches)
+            ceil["decode"].setdefault(key, {}).setdefault(decoder, {})[cache] = rate.as_dict()
+        ceil["stages_us"] = ceilings.stage_times(tree[:: max(1, len(tree) // 100)][:100], settings.image_size)
+    pil = ceil["decode"].get("original", {}).get("pil", {}).get("warm", {}).get("images_s")
     for r in rows:
         if r.status != "ok":
             continue
         io = ceil["io"].get(r.extra["storage"], {}).get("mb_s") if r.cache == "cold" else None
-        dec = ceil["decode"].get(r.extra["images_key"], {}).get("images_s")
+        dec = fastest_decode(ceil, r.extra["images_key"])
         r.bottleneck, r.io_frac, r.decode_frac = classify(r.images_s, r.mb_s, io, dec, r.extra["gpu_decode"])
+        if pil and not r.extra["gpu_decode"] and r.extra["images_key"] == "original":
+            r.pil_frac = r.images_s / pil
     return {"rows": [r.__dict__ for r in rows], "ceilings": ceil, "eviction": evict_how or "none",
             "settings": {k: str(v) for k, v in settings.__dict__.items()}}
 
@@ -403,26 +423,55 @@ def _fmt(x: float | None, spec: str = ",.0f") -> str:
     return "" if x is None else format(x, spec)
 
 
+def fastest_decode(ceil: dict[str, Any], images: str) -> float | None:
+    """The fastest full-image decoder's warm decode-only rate for an image set (None if not measured)."""
+    rates = [v["warm"]["images_s"] for v in ceil["decode"].get(images, {}).values() if "warm" in v]
+    return max(rates) if rates else None
+
+
+def _pair(by_cache: dict[str, dict], key: str, spec: str = ",.0f", scale: float = 1.0) -> str:
+    vals = [by_cache.get(c, {}).get(key) for c in ("cold", "warm")]
+    return " | ".join("" if v is None else format(v * scale, spec) for v in vals)
+
+
 def to_markdown(result: dict[str, Any]) -> str:
-    headers = list(COLUMNS)
+    """One line per backend, cold and warm side by side; then every ceiling, cold and warm."""
+    headers = []
+    for c in COLUMNS:
+        headers += [c.replace("cold | warm", "cold"), c.replace("cold | warm", "warm")] if "cold | warm" in c else [c]
     table = []
+    by_backend: dict[str, dict[str, dict]] = {}
     for r in result["rows"]:
-        if r["status"] != "ok":
-            if r["cache"] == "cold":  # one line per backend that did not run
-                table.append([r["backend"], "", "", "", "", "", f"{r['status']}: {r['reason']}"])
+        by_backend.setdefault(r["backend"], {})[r["cache"]] = r
+    for backend, by_cache in by_backend.items():
+        first = next(iter(by_cache.values()))
+        if first["status"] != "ok":
+            table.append([backend, f"{first['status']}: {first['reason']}"] + [""] * (len(headers) - 2))
             continue
-        table.append([r["backend"], r["cache"], _fmt(r["images_s"]), _fmt(r["mb_s"], ",.1f"),
-                      _fmt(r["io_frac"] and 100 * r["io_frac"]), _fmt(r["decode_frac"] and 100 * r["decode_frac"]),
-                      r["bottleneck"]])
+        cells = [backend]
+        cells += _pair(by_cache, "images_s").split(" | ")
+        cells += _pair(by_cache, "mb_s", ",.1f").split(" | ")
+        cells.append(_pair(by_cache, "io_frac", ".0f", 100).split(" | ")[0])
+        cells += _pair(by_cache, "decode_frac", ".0f", 100).split(" | ")
+        cells += _pair(by_cache, "pil_frac", ".0f", 100).split(" | ")
+        cells += [by_cache.get(c, {}).get("bottleneck") or "" for c in ("cold", "warm")]
+        table.append(cells)
     from lightning_app.bench.report import markdown_table
 
     lines = [markdown_table(headers, table), ""]
     c = result["ceilings"]
     for key, v in c["io"].items():
         lines.append(f"- IO ceiling ({key} files): {v['mb_s']:,.1f} MB/s, {v['images_s']:,.0f} files/s ({v['how']})")
-    for key, v in c["decode"].items():
-        lines.append(f"- Decode ceiling ({key} images): {v['images_s']:,.0f} images/s, "
-                     f"{v['mb_s']:,.1f} MB/s ({v['how']})")
+    for key, decoders in c["decode"].items():
+        for decoder, by_cache in decoders.items():
+            cold, warm = by_cache.get("cold"), by_cache.get("warm")
+            lines.append(f"- Decode ceiling ({key} images, {decoder}): "
+                         f"cold {cold['images_s'] if cold else float('nan'):,.0f} | "
+                         f"warm {warm['images_s'] if warm else float('nan'):,.0f} images/s "
+                         f"({(warm or cold)['how']}; cold: evicted first)")
+    if c.get("stages_us"):
+        lines.append("- Stages of the sample path, one thread, original images, warm (microseconds per image): "
+                     + "; ".join(f"{k} {v:,.0f}" for k, v in c["stages_us"].items()))
     s = result["settings"]
     lines.append(f"- Cold cache by: {result['eviction']}")
     lines.append(f"- Dataset: {repo_relative(s['root'])} (train split); batch {s['batch_size']}, {s['num_workers']} workers, "
@@ -434,13 +483,20 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 
 def chart(result: dict[str, Any]) -> dict[str, Any]:
+    """Cold and warm bars per backend; the original images' decode-only ceilings (every decoder, cold and warm)
+    as lines (the downscaled copy's much higher ones are in the table's notes, off this scale)."""
     labels = list(dict.fromkeys(r["backend"] for r in result["rows"]))
     series = {}
     for cache in ("cold", "warm"):
         by = {r["backend"]: r["images_s"] for r in result["rows"] if r["cache"] == cache}
         series[cache] = [by.get(b) for b in labels]
+    lines = {}
+    for decoder, by_cache in result["ceilings"]["decode"].get("original", {}).items():
+        for cache in ("cold", "warm"):
+            if cache in by_cache:
+                lines[f"{decoder} decode-only ceiling, {cache}"] = by_cache[cache]["images_s"]
     return {"title": "Train pipeline throughput per backend (images/s)", "labels": labels, "series": series,
-            "ylabel": "images/s (higher is better)"}
+            "ylabel": "images/s (higher is better)", "lines": lines}
 
 
 def default_root(preset: str, train_per_class: int | None, val_per_class: int | None) -> Path:

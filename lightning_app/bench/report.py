@@ -8,14 +8,15 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import shlex
 import platform
 import re
+import shlex
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -106,8 +107,11 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 
 def bar_chart(path: Path, title: str, labels: Sequence[str], series: dict[str, Sequence[float | None]],
-              ylabel: str, notes: Sequence[str] = ()) -> Path:
-    """Grouped horizontal bars (one group per label, one bar per series); None bars are left out."""
+              ylabel: str, notes: Sequence[str] = (), lines: dict[str, float] | None = None) -> Path:
+    """Grouped horizontal bars (one group per label, one bar per series); None bars are left out.
+
+    ``lines``: name -> value, each drawn as a labelled vertical line (ceilings).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,13 +127,16 @@ def bar_chart(path: Path, title: str, labels: Sequence[str], series: dict[str, S
         for bar, v in zip(bars, values):
             text = "skipped" if v is None else f"{v:,.3g}"
             ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + text, va="center", fontsize=8)
+    for k, (name, value) in enumerate((lines or {}).items()):
+        ax.axvline(value, color=f"C{len(series) + k}", linestyle="--" if "warm" in name else ":", linewidth=1.2,
+                   label=f"{name}: {value:,.0f}")
     ax.set_yticks([i + height * (len(series) - 1) / 2 for i in range(len(labels))])
     ax.set_yticklabels(labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel(ylabel)
     ax.set_title(title, fontsize=10)
-    if len(series) > 1:
-        ax.legend(fontsize=8, loc="lower right")
+    if len(series) > 1 or lines:
+        ax.legend(fontsize=7, loc="lower right")
     if notes:
         fig.text(0.01, 0.005, "\n".join(notes), fontsize=7, va="bottom")
         fig.subplots_adjust(bottom=0.1 + 0.03 * len(notes))

@@ -1,0 +1,181 @@
+"""The shared sample path: decode (same pixels as PIL), crop/flip, the batch, and the hooks other features use."""
+from __future__ import annotations
+
+import io
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from datamodules import ImageFolderDataModule
+from datamodules.builtin import generate
+from datamodules.cpus import cpus_per_process
+from datamodules.crop import TrainCrop, ValCrop, resize
+from datamodules.decode import decode, fast_jpeg
+from datamodules.images import decode_rgb
+from datamodules.index import load_indexes
+from datamodules.sample import SampleDataset
+from datamodules.transforms import val_transform
+from tests.conftest import odd_images
+
+# The val path resizes a uint8 tensor with PyTorch's antialiased bilinear kernel; today's reference
+# resizes the PIL image. Both compute Pillow's filter, rounding differently: pixels may differ by 1.
+VAL_MAX_DIFF = 1
+VAL_MEAN_DIFF = 0.05
+
+
+def reference(data: bytes) -> torch.Tensor:
+    return torch.from_numpy(np.array(decode_rgb(data))).permute(2, 0, 1)
+
+
+def _jpeg(img: Image.Image, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", **kw)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def imagenet_size(tmp_path_factory):
+    """A sample of the built-in ImageNet-size images (about 470x390, quality 94)."""
+    return generate(tmp_path_factory.mktemp("imnet") / "tree", "imagenet", train_per_class=2, val_per_class=1,
+                    progress=False)
+
+
+def test_odd_images_decode_to_pils_pixels_and_only_plain_jpegs_take_the_fast_decoder():
+    fast = {}
+    for name, data in odd_images().items():
+        fast[name] = fast_jpeg(data)[0]
+        got = decode(bytearray(data))
+        assert got.dtype == torch.uint8 and got.shape[0] == 3, name
+        assert torch.equal(got, reference(data)), name
+    assert fast == {"gray.jpg": True, "cmyk.jpg": False, "rgba.png": False, "sixteen_bit.png": False,
+                    "png_named.JPEG": False, "exif_rotated.jpg": True, "one_pixel.jpg": True,
+                    "very_wide.jpg": True, "palette.png": False}
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_every_exif_orientation_matches_pil(orientation):
+    rng = np.random.default_rng(orientation)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = _jpeg(Image.fromarray(rng.integers(0, 255, (30, 50, 3), dtype=np.uint8)), exif=exif.tobytes())
+    assert fast_jpeg(data) == (True, True)
+    assert torch.equal(decode(bytearray(data)), reference(data))
+
+
+def test_cmyk_and_xmp_go_to_pil_and_keep_its_pixels():
+    rng = np.random.default_rng(3)
+    rgb = Image.fromarray(rng.integers(0, 255, (24, 40, 3), dtype=np.uint8))
+    cmyk = _jpeg(rgb.convert("CMYK"))
+    assert fast_jpeg(cmyk)[0] is False
+    assert torch.equal(decode(cmyk), reference(cmyk))
+    # an XMP packet can carry an orientation that PIL honours and libjpeg-turbo ignores
+    xmp = (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+           b'<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>')
+    with_xmp = _jpeg(rgb, xmp=xmp)
+    assert fast_jpeg(with_xmp)[0] is False
+    assert torch.equal(decode(with_xmp), reference(with_xmp))
+    for kw in ({"progressive": True}, {"subsampling": 0}, {"subsampling": 2, "quality": 40}):
+        data = _jpeg(rgb, **kw)
+        assert fast_jpeg(data)[0] is True
+        assert torch.equal(decode(data), reference(data)), kw
+
+
+def test_imagenet_size_images_decode_exactly_and_val_matches_torchvision_within_one(imagenet_size):
+    index = load_indexes(imagenet_size, cache=False)["train"]
+    diffs = []
+    for i in range(len(index)):
+        data = Path(index.path(i)).read_bytes()
+        image = decode(bytearray(data))
+        assert torch.equal(image, reference(data)), index.path(i)
+        for size, ratio in ((224, 0.875), (64, 1.0)):
+            got = ValCrop(ratio)(image, size)
+            want = val_transform(size, ratio)(decode_rgb(data))
+            assert got.shape == want.shape
+            diffs.append((got.int() - want.int()).abs().float())
+    assert max(d.max().item() for d in diffs) <= VAL_MAX_DIFF
+    assert max(d.mean().item() for d in diffs) <= VAL_MEAN_DIFF
+
+
+def test_train_crop_scales_flips_and_augments():
+    image = torch.randint(0, 256, (3, 24, 24), dtype=torch.uint8)
+    whole = TrainCrop(min_scale=1.0)  # scale 1 on a square image: the whole image
+    outs = [whole(image, 24, random.Random(s)) for s in range(40)]
+    assert all(o.shape == (3, 24, 24) and o.dtype == torch.uint8 for o in outs)
+    assert all(torch.equal(o, image) or torch.equal(o, image.flip(-1)) for o in outs)
+    assert any(torch.equal(o, image) for o in outs) and any(torch.equal(o, image.flip(-1)) for o in outs)
+    ramp = torch.linspace(0, 255, 60).round().to(torch.uint8).expand(3, 40, 60)  # a horizontal ramp
+    out = TrainCrop(min_scale=0.25)(ramp, 32, random.Random(0))
+    assert out.shape == (3, 32, 32)
+    rows = out[0].int()
+    assert (rows == rows[:1]).all()  # still a ramp: every row the same
+    assert (rows.diff(dim=1) >= 0).all() or (rows.diff(dim=1) <= 0).all()  # monotonic, one way or flipped
+    big = torch.randint(0, 256, (3, 90, 110), dtype=torch.uint8)  # the flip may run after the resize: same pixels
+    assert torch.equal(resize(big.flip(-1), 32, 32), resize(big, 32, 32).flip(-1))
+    inverted = TrainCrop(min_scale=1.0, augment=lambda x: 255 - x)(image, 24, random.Random(1))
+    assert torch.equal(inverted, 255 - image) or torch.equal(inverted, 255 - image.flip(-1))
+
+
+def test_a_batch_is_one_tensor_with_the_indexs_labels_and_seeded_crops(tiny_data):
+    dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=8, num_workers=0, image_size=20)
+    dm.setup("fit")
+    ds = dm.datasets["train"]
+    assert isinstance(ds, SampleDataset)
+    torch.manual_seed(0)
+    images, labels = ds.__getitems__([0, 5, 30, 100])
+    torch.manual_seed(0)
+    again, _ = ds.__getitems__([0, 5, 30, 100])
+    assert images.shape == (4, 3, 20, 20) and images.dtype == torch.uint8
+    assert torch.equal(images, again)  # the crops come from torch's seed, whatever order the threads ran in
+    assert labels.tolist() == [dm.indexes["train"].labels[i] for i in (0, 5, 30, 100)]
+    # val: the val crop of the decoded file, the same as one sample on its own
+    val = dm.datasets["val"]
+    batch, _ = val.__getitems__([3, 4])
+    assert torch.equal(batch[1], val[4][0])
+    with torch.inference_mode():  # trainer.validate with num_workers=0: the sample threads write an inference tensor
+        again, _ = val.__getitems__([3, 4])
+    assert torch.equal(again, batch)
+
+
+def test_set_train_size_reaches_persistent_workers_and_augment_runs_in_them(tiny_data):
+    dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=40, num_workers=1, image_size=24,
+                               persistent_workers=True)
+    dm.train_augment = _blackout
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    first = [images for images, _ in loader]
+    assert {tuple(x.shape[-2:]) for x in first} == {(24, 24)}
+    assert all(int(x.max()) == 0 for x in first)  # the augment hook ran in the worker
+    dm.set_train_size(16)  # between epochs, as progressive resizing does at an epoch's start
+    second = [images for images, _ in loader]
+    assert {tuple(x.shape[-2:]) for x in second} == {(16, 16)}
+    assert loader._iterator is not None and loader._iterator._workers  # the same persistent worker
+    loader._iterator._shutdown_workers()
+
+
+def _blackout(image: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(image)
+
+
+def test_num_workers_auto_is_this_processs_share_of_the_cpus(tiny_data):
+    dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=8)
+    assert dm.num_workers == "auto"
+    assert dm.workers() == cpus_per_process(1)
+    dm.setup("fit")
+    assert dm.train_dataloader().num_workers == cpus_per_process(1)
+    assert ImageFolderDataModule(data_dir=str(tiny_data), num_workers=0).workers() == 0
+
+
+@pytest.mark.parametrize(("strategy", "processes"), [("ddp", 2), ("dp", 1)])
+def test_num_workers_auto_divides_the_cpus_by_the_training_processes_on_the_node(tiny_data, strategy, processes):
+    import pytorch_lightning as pl
+
+    import lightning_app.cli  # noqa: F401 - registers the template's "dp" strategy
+
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False)
+    dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=8)
+    dm.trainer = trainer
+    assert dm.workers() == cpus_per_process(processes)
