@@ -15,6 +15,7 @@ from lightning_app.callbacks import LogFriendlyProgressBar, ThroughputMonitor
 from lightning_app.faults import (CheckpointOnSigterm, ReseedEveryEpoch, ResumableCheckpoint,
                                   describe_distributed_failure)
 from lightning_app.module import ImageClassifier
+from lightning_app.weights import WeightsError, safe_load
 from lightning_app.strategies import DDPStrategy  # importing registers --trainer.strategy dp and our ddp
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -49,6 +50,14 @@ class ClassifierCLI(LightningCLI):
             "checkpoint.filename": "best-epoch{epoch:03d}-acc{val/acc1:.4f}",
             "checkpoint.auto_insert_metric_name": False,
         })
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads --ckpt_path's hyperparameters here (torch.load with weights_only=True);
+        # safe_load reads it the same way first, so a file needing pickle gets a message saying what to do.
+        ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
+        if ckpt_path and Path(ckpt_path).is_file():
+            safe_load(ckpt_path, "--ckpt_path")
+        super()._parse_ckpt_path()
 
     def instantiate_trainer(self, **kwargs):
         config = self._get(self.config, "trainer")
@@ -92,6 +101,9 @@ def default_config_kwargs(run: bool) -> dict:
 def main(args=None) -> ClassifierCLI:
     try:
         return ClassifierCLI(args=args)
+    except WeightsError as error:  # --model.weights / --ckpt_path: one paragraph, exit 2
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     except Exception as error:
         message = describe_distributed_failure(error, DDPStrategy.last_timeout_s, DDPStrategy.last_rank)
         if message is None:

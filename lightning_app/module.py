@@ -69,7 +69,7 @@ class ImageClassifier(pl.LightningModule):
         self.class_names: list[str] = []  # set from the data (fit) or the checkpoint (predict)
         self.inference_settings: dict = {}  # val size and normalisation: for export, kept in checkpoints
         # num_classes 0: predicting from a folder without the training tree; the checkpoint's count wins.
-        self._build_backbone(max(1, num_classes))
+        self._build_backbone(num_classes if num_classes > 1 else 2)  # placeholder until the checkpoint loads
 
     def _build_backbone(self, num_classes: int) -> None:
         h = self.hparams

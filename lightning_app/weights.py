@@ -67,7 +67,7 @@ def safe_load(path: str | os.PathLike, what: str = "weights file") -> Any:
                 f"file, convert it once to a plain state_dict and pass the new file instead:\n  {convert_command(path)}"
             ) from None
         raise WeightsError(f"{what} {path} is not a PyTorch file torch.load can read ({reason}).") from None
-    except (RuntimeError, EOFError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - torch raises KeyError, RuntimeError, EOFError... for non-torch bytes
         raise WeightsError(f"{what} {path} is not a PyTorch file torch.load can read ({e}).") from None
 
 
