@@ -34,6 +34,8 @@ def find_images(root: str | os.PathLike) -> tuple[list[str], list[tuple[str, str
             rel = os.path.relpath(os.path.join(dirpath, name), root)
             why = check_file(os.path.join(dirpath, name))
             (bad.append((rel, why)) if why else good.append(rel))
+    good.sort()
+    bad.sort()
     if not good:
         raise DataError(f"data.predict_dir {root} holds no readable image files"
                         + (f" ({len(bad)} bad, e.g. {bad[0][0]}: {bad[0][1]})." if bad else "."))
