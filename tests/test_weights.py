@@ -173,3 +173,25 @@ def test_finetune_from_another_class_set_beats_scratch(learnable_data, tmp_path)
     assert model.class_names == list(CLASSES[6:])
     print(f"val/acc1 on 4 new classes after 2 epochs: from scratch {scratch:.3f}, fine-tuned {tuned:.3f}")
     assert tuned > scratch + 0.05, (scratch, tuned)
+
+
+def test_frozen_backbone_then_lower_backbone_lr(tiny_data, tmp_path):
+    from datamodules import ImageFolderDataModule
+
+    pl.seed_everything(0)
+    dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=40, num_workers=0, image_size=32,
+                               val_crop_ratio=1.0, persistent_workers=False)
+    model = ImageClassifier(arch="conv11", num_classes=10, image_size=32, global_batch_size=40, arch_kwargs={"width": 4},
+                            freeze_backbone_epochs=1, backbone_lr_scale=0.1, pictures=[])
+    before = {k: v.clone() for k, v in model.backbone.state_dict().items()}
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_train_batches=2, limit_val_batches=0)
+    trainer.fit(model, dm)
+    after = model.backbone.state_dict()
+    assert torch.equal(after["features.0.weight"], before["features.0.weight"])  # frozen conv
+    assert torch.equal(after["features.1.running_mean"], before["features.1.running_mean"])  # frozen BN statistics
+    assert not torch.equal(after["fc.weight"], before["fc.weight"])  # the head trained
+    groups = trainer.optimizers[0].param_groups
+    head_lr, body_lr = groups[0]["initial_lr"], groups[2]["initial_lr"]
+    assert body_lr == pytest.approx(0.1 * head_lr)
+    assert {id(p) for g in groups for p in g["params"]} == {id(p) for p in model.parameters()}
