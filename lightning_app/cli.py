@@ -51,6 +51,13 @@ class ClassifierCLI(LightningCLI):
             "checkpoint.auto_insert_metric_name": False,
         })
 
+    def _prepare_subcommand_parser(self, klass, subcommand: str, **kwargs):
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        # Lightning's own --ckpt_path load (lightning_fabric/utilities/cloud_io.py, _load) passes weights_only
+        # through; None would let TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD turn full pickle back on.
+        parser.set_defaults(weights_only=True)
+        return parser
+
     def _parse_ckpt_path(self) -> None:
         # LightningCLI reads --ckpt_path's hyperparameters here (torch.load with weights_only=True);
         # safe_load reads it the same way first, so a file needing pickle gets a message saying what to do.

@@ -51,7 +51,7 @@ def test_merge_keeps_one_row_per_index(tmp_path):
     writer.out_dir = str(tmp_path)
     writer._dataset = list(range(5))
     k = 2
-    row = lambda i: [i, f"img{i}.jpg", "b", "0.9", "b", "0.9", "a", "0.1"]  # noqa: E731
+    row = lambda i: [i, f"img{i}.jpg", "b", "0.9", "b", "0.9", "a", "0.1"]
     parts = {0: [row(0), row(2), row(4)], 1: [row(1), row(3), row(0)]}  # rank 1 padded with index 0 again
     for rank, rows in parts.items():
         with open(writer._part(rank, done=True), "w", newline="") as f:

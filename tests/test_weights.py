@@ -11,8 +11,14 @@ import torch
 from torchvision.models import resnet50 as tv_resnet50
 
 from lightning_app.module import ImageClassifier
-from lightning_app.weights import (UnsafeFileError, WeightsError, head_name, load_weights, safe_load,
-                                   torchvision_cache_path)
+from lightning_app.weights import (
+    UnsafeFileError,
+    WeightsError,
+    head_name,
+    load_weights,
+    safe_load,
+    torchvision_cache_path,
+)
 from tests.conftest import run_main
 
 
