@@ -171,7 +171,7 @@ def test_finetune_from_another_class_set_beats_scratch(learnable_data, tmp_path)
 
     a = _subset(learnable_data, tmp_path / "a", list(CLASSES[:6]))  # pretrain: 6 classes
     b = _subset(learnable_data, tmp_path / "b", list(CLASSES[6:]))  # target: the 4 others
-    _, _, trainer = _fit(a, 6, tmp_path)
+    _, _, trainer = _fit(a, 4, tmp_path)
     ckpt = tmp_path / "a.ckpt"
     trainer.save_checkpoint(ckpt)
     scratch, _, _ = _fit(b, 2, tmp_path)
