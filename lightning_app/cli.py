@@ -15,8 +15,8 @@ from lightning_app.callbacks import LogFriendlyProgressBar, ThroughputMonitor
 from lightning_app.faults import (CheckpointOnSigterm, ReseedEveryEpoch, ResumableCheckpoint,
                                   describe_distributed_failure)
 from lightning_app.module import ImageClassifier
-from lightning_app.weights import WeightsError, safe_load
 from lightning_app.strategies import DDPStrategy  # importing registers --trainer.strategy dp and our ddp
+from lightning_app.weights import WeightsError, safe_load
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
