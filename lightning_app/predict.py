@@ -68,6 +68,7 @@ class PredictionsCSV(BasePredictionWriter):
         self._dataset = _dataset(trainer)
         self._from_batch = getattr(self._dataset, "items_carry_index", False)
         self._names = list(getattr(pl_module, "class_names", []) or [])
+        self._seen, self._synthetic = 0, False
         self._file = open(self._part(trainer.global_rank, done=False), "w", newline="")  # noqa: SIM115 - closed in on_predict_end
         self._writer = csv.writer(self._file)
 
@@ -75,8 +76,13 @@ class PredictionsCSV(BasePredictionWriter):
         probs = prediction.detach().float().cpu()
         if self._from_batch:
             indices = [int(i) for i in batch[1]]  # the dataset's own index; -1 - i marks a file that failed to decode
-        else:
+        elif batch_indices:
             indices = [int(i) for i in batch_indices]
+        else:  # a loader that is no DataLoader (DALI's val split): number the rows by rank and order seen
+            start = (trainer.global_rank << 32) + self._seen
+            indices = list(range(start, start + probs.shape[0]))
+            self._synthetic = True
+        self._seen += probs.shape[0]
         k = min(TOP_K, probs.shape[1])
         top_p, top_i = probs.topk(k, dim=1)
         names = self._names if len(self._names) == probs.shape[1] else [str(c) for c in range(probs.shape[1])]
@@ -93,7 +99,8 @@ class PredictionsCSV(BasePredictionWriter):
         os.replace(self._part(trainer.global_rank, done=False), self._part(trainer.global_rank, done=True))
         trainer.strategy.barrier("predictions_csv_merge")
         if trainer.global_rank == 0:
-            self.merge(trainer.world_size, len(self._dataset) if self._dataset is not None else None)
+            known = self._dataset is not None and hasattr(self._dataset, "__len__") and not self._synthetic
+            self.merge(trainer.world_size, len(self._dataset) if known else None)
 
     def merge(self, world_size: int, expected: int | None) -> str:
         rows: dict[int, list[str]] = {}
