@@ -112,14 +112,16 @@ class TensorBoardPictures(pl.Callback):
         if self._confusion is not None:
             self._confusion.update(logits, labels)
         if "mistakes" in self.kinds and trainer.global_rank == 0:
-            probs = logits.float().softmax(-1)
-            conf, pred = probs.max(-1)
-            wrong = (pred != labels).nonzero().flatten()
-            if len(wrong):
-                worst = wrong[conf[wrong].argsort(descending=True)[: self.max_images]]
-                pictures = to_uint8(batch[0][worst])
-                for j, i in enumerate(worst.tolist()):
-                    self._mistakes.append((float(conf[i]), pictures[j], int(labels[i]), int(pred[i])))
+            conf, pred = logits.float().softmax(-1).max(-1)
+            # the most confident wrong ones, chosen on the device: one small copy to the host per batch
+            score = torch.where(pred != labels, conf, torch.full_like(conf, -1.0))
+            top, idx = score.topk(min(self.max_images, len(score)))
+            top, idx, true, guess = (t.cpu() for t in (top, idx, labels[idx], pred[idx]))
+            keep = top >= 0
+            if keep.any():
+                pictures = to_uint8(batch[0][idx[keep].to(batch[0].device)])
+                for j, (c, t, p) in enumerate(zip(top[keep].tolist(), true[keep].tolist(), guess[keep].tolist())):
+                    self._mistakes.append((c, pictures[j], t, p))
                 self._mistakes = sorted(self._mistakes, key=lambda m: -m[0])[: self.max_images]
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
