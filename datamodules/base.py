@@ -51,6 +51,8 @@ class ImageDataModule(pl.LightningDataModule):
         pin_memory: page-locked host batches for faster, asynchronous copies to the GPU.
         persistent_workers: keep workers alive between epochs.
         skip_invalid: leave unreadable files out (listed in a warning) instead of failing.
+        predict_dir: `predict` reads every image under this folder (datamodules/predict.py); without
+            data_dir, no training tree is read or generated and the classes come from the checkpoint.
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class ImageDataModule(pl.LightningDataModule):
         pin_memory: bool = True,
         persistent_workers: bool = True,
         skip_invalid: bool = False,
+        predict_dir: str | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -92,7 +95,8 @@ class ImageDataModule(pl.LightningDataModule):
         self.train_augment: Augment | None = None  # per-sample hook after crop+flip; set before setup()
         # Read now (cheaply, and before any process group starts) so a bad layout fails
         # at once and num_classes can be linked to the model.
-        self.classes = self.discover_classes()
+        self.predict_dir = predict_dir
+        self.classes = [] if predict_dir is not None and data_dir is None else self.discover_classes()
         self.indexes: dict[str, Index] = {}
         self.datasets: dict[str, Dataset] = {}
 
@@ -164,7 +168,7 @@ class ImageDataModule(pl.LightningDataModule):
         return self.batch_size // world
 
     def setup(self, stage: str | None = None) -> None:
-        if self.indexes:
+        if self.indexes or (stage == "predict" and self.predict_dir is not None):
             return
         indexes = self.load_indexes()
         for split, index in indexes.items():
@@ -226,7 +230,13 @@ class ImageDataModule(pl.LightningDataModule):
         return self._loader("val", train=False)
 
     def predict_dataloader(self) -> DataLoader:
-        return self._loader("val", train=False)
+        if self.predict_dir is None:
+            return self._loader("val", train=False)
+        from datamodules.predict import PredictDataset  # Lightning adds a DistributedSampler under DDP
+
+        dataset = PredictDataset(self.predict_dir, self.val_image_size, self.val_crop_ratio)
+        return DataLoader(dataset, batch_size=self.per_process_batch_size, num_workers=self.num_workers,
+                          pin_memory=self.pin_memory and torch.cuda.is_available())
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         images, labels = batch[0], batch[1]

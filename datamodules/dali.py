@@ -146,6 +146,7 @@ class DALIDataModule(ImageDataModule):
         prefetch_queue_depth: int = 2,
         hw_decoder_load: float = 0.65,
         seed: int = 42,
+        predict_dir: str | None = None,  # predict reads this folder with the PIL path (datamodules/predict.py)
     ) -> None:
         require_dali()
         if dali_device not in DEVICES:
@@ -166,7 +167,7 @@ class DALIDataModule(ImageDataModule):
         self.lmdb_meta: dict | None = None
         self.loaders: dict[str, DALILoader] = {}
         super().__init__(data_dir, builtin, batch_size, num_workers, image_size, val_image_size, val_crop_ratio,
-                         min_scale, pin_memory, persistent_workers, skip_invalid)
+                         min_scale, pin_memory, persistent_workers, skip_invalid, predict_dir=predict_dir)
 
     # -- data discovery -------------------------------------------------------------------
     def discover_classes(self) -> list[str]:

@@ -16,6 +16,7 @@ from lightning_app.faults import (CheckpointOnSigterm, ReseedEveryEpoch, Resumab
                                   describe_distributed_failure)
 from lightning_app.module import ImageClassifier
 from lightning_app.strategies import DDPStrategy  # importing registers --trainer.strategy dp and our ddp
+from lightning_app.weights import WeightsError, safe_load
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
@@ -49,6 +50,21 @@ class ClassifierCLI(LightningCLI):
             "checkpoint.filename": "best-epoch{epoch:03d}-acc{val/acc1:.4f}",
             "checkpoint.auto_insert_metric_name": False,
         })
+
+    def _prepare_subcommand_parser(self, klass, subcommand: str, **kwargs):
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        # Lightning's own --ckpt_path load (lightning_fabric/utilities/cloud_io.py, _load) passes weights_only
+        # through; None would let TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD turn full pickle back on.
+        parser.set_defaults(weights_only=True)
+        return parser
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads --ckpt_path's hyperparameters here (torch.load with weights_only=True);
+        # safe_load reads it the same way first, so a file needing pickle gets a message saying what to do.
+        ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
+        if ckpt_path and Path(ckpt_path).is_file():
+            safe_load(ckpt_path, "--ckpt_path")
+        super()._parse_ckpt_path()
 
     def instantiate_trainer(self, **kwargs):
         config = self._get(self.config, "trainer")
@@ -92,6 +108,9 @@ def default_config_kwargs(run: bool) -> dict:
 def main(args=None) -> ClassifierCLI:
     try:
         return ClassifierCLI(args=args)
+    except WeightsError as error:  # --model.weights / --ckpt_path: one paragraph, exit 2
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     except Exception as error:
         message = describe_distributed_failure(error, DDPStrategy.last_timeout_s, DDPStrategy.last_rank)
         if message is None:

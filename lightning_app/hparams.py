@@ -10,13 +10,20 @@ import pytorch_lightning as pl
 from lightning_fabric.utilities.logger import _convert_params, _flatten_dict, _sanitize_params
 from pytorch_lightning.loggers import TensorBoardLogger
 
+# Keys LightningCLI adds to a model's hparams for reloading it (cli.py, _InstantiatorFn): not settings a person changes.
+INTERNAL_KEYS = ("_class_path", "_instantiator")
+
+
+def public(hparams) -> dict:
+    return {k: v for k, v in dict(hparams).items() if k not in INTERNAL_KEYS and not str(k).startswith("_")}
+
 
 def run_hparams(trainer: pl.Trainer) -> dict:
     params: dict = {}
     if trainer.lightning_module is not None:
-        params["model"] = dict(trainer.lightning_module.hparams)
+        params["model"] = public(trainer.lightning_module.hparams)
     if trainer.datamodule is not None:
-        params["data"] = {"class": type(trainer.datamodule).__name__, **dict(trainer.datamodule.hparams)}
+        params["data"] = {"class": type(trainer.datamodule).__name__, **public(trainer.datamodule.hparams)}
     params["trainer"] = {
         "precision": trainer.precision,
         "strategy": type(trainer.strategy).__name__,

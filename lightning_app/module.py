@@ -6,8 +6,11 @@ import math
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics.classification import MulticlassAccuracy
 
+from datamodules.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize
+from lightning_app import weights as weights_lib
 from models import create_model
 
 
@@ -28,6 +31,12 @@ class ImageClassifier(pl.LightningModule):
         compile: torch.compile the backbone (state-dict keys stay the same).
         matmul_precision: float32 matmul precision, "highest" (true fp32), "high" (TF32 on Ampere+)
             or "medium" (bf16); null leaves torch's setting alone. Applied in every process.
+        weights: start training from these weights: a checkpoint of ours, a state_dict file or a
+            torchvision weights name (ResNet50_Weights.IMAGENET1K_V2) in torch.hub's cache. The head is
+            replaced when the class count differs. Loaded when fit starts, unless resuming with --ckpt_path.
+        freeze_backbone_epochs: train only the head for this many epochs first (BatchNorm statistics frozen too).
+        backbone_lr_scale: the backbone's learning rate as a fraction of the head's (e.g. 0.1 when fine-tuning).
+        pictures: TensorBoard images (lightning_app.pictures): confusion_matrix, mistakes, train_batch; [] for none.
     """
 
     def __init__(
@@ -46,13 +55,26 @@ class ImageClassifier(pl.LightningModule):
         channels_last: bool = False,
         compile: bool = False,
         matmul_precision: str | None = None,
+        weights: str | None = None,
+        freeze_backbone_epochs: int = 0,
+        backbone_lr_scale: float = 1.0,
+        pictures: list[str] = ["confusion_matrix", "mistakes", "train_batch"],  # noqa: B006 (jsonargparse default)
     ) -> None:
         super().__init__()
         if matmul_precision not in (None, "highest", "high", "medium"):
             raise ValueError(f"model.matmul_precision must be highest, high, medium or null, got {matmul_precision!r}.")
+        if freeze_backbone_epochs < 0 or not 0 < backbone_lr_scale:
+            raise ValueError("model.freeze_backbone_epochs must be >= 0 and model.backbone_lr_scale > 0.")
         self.save_hyperparameters()
-        self.backbone = create_model(arch, num_classes=num_classes, image_size=image_size, **(arch_kwargs or {}))
-        if channels_last:
+        self.class_names: list[str] = []  # set from the data (fit) or the checkpoint (predict)
+        self.inference_settings: dict = {}  # val size and normalisation: for export, kept in checkpoints
+        # num_classes 0: predicting from a folder without the training tree; the checkpoint's count wins.
+        self._build_backbone(num_classes if num_classes > 1 else 2)  # placeholder until the checkpoint loads
+
+    def _build_backbone(self, num_classes: int) -> None:
+        h = self.hparams
+        self.backbone = create_model(h.arch, num_classes=num_classes, image_size=h.image_size, **(h.arch_kwargs or {}))
+        if h.channels_last:
             self.backbone = self.backbone.to(memory_format=torch.channels_last)
         top5 = min(5, num_classes)
         self.train_acc1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
@@ -84,22 +106,29 @@ class ImageClassifier(pl.LightningModule):
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
         return loss
 
+    def eval_logits(self, images: torch.Tensor) -> torch.Tensor:
+        """Logits at evaluation (validation, test, predict, pictures)."""
+        return self(images)
+
     def validation_step(self, batch, batch_idx: int) -> None:
         images, labels = batch
-        logits = self(images)
+        logits = self.eval_logits(images)
         loss = F.cross_entropy(logits, labels)
         self.val_acc1(logits, labels)
         self.val_acc5(logits, labels)
         self.log("val/loss", loss, sync_dist=True)
         self.log("val/acc1", self.val_acc1, prog_bar=True)
         self.log("val/acc5", self.val_acc5)
+        return logits  # for the pictures callback (confusion matrix, mistakes); Lightning keeps no outputs
 
     def test_step(self, batch, batch_idx: int) -> None:
-        self.validation_step(batch, batch_idx)
+        self.validation_step(batch, batch_idx)  # returns None: no pictures from test
 
     def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
+        """Class probabilities (float32). A `--data.predict_dir` batch is (uint8 images, dataset indices);
+        uint8 images are normalised here too, for loaders whose transfer hook does not (DALI's)."""
         images = batch[0] if isinstance(batch, (tuple, list)) else batch
-        return self(images).softmax(dim=-1)
+        return self.eval_logits(normalize(images)).float().softmax(dim=-1)
 
     # -- optimisation ---------------------------------------------------------------------
     @property
@@ -107,13 +136,29 @@ class ImageClassifier(pl.LightningModule):
         accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
         return self.hparams.lr * self.hparams.global_batch_size * accumulate / 256
 
+    def param_groups(self) -> list[dict]:
+        """SGD groups: head first (its rate is the logged one), then the backbone at lr * backbone_lr_scale;
+        no weight decay on norms and biases. Parameters frozen for the first epochs are included
+        (they get no gradient, so SGD skips them) so the LR schedule covers them once trainable."""
+        head = weights_lib.head_name(self.backbone) + "."
+        groups = []
+        for in_head in (True, False):
+            scale = 1.0 if in_head else self.hparams.get("backbone_lr_scale", 1.0)
+            decay, no_decay = [], []
+            for name, p in self.backbone.named_parameters():
+                if name.startswith(head) == in_head:
+                    (no_decay if p.ndim <= 1 else decay).append(p)
+            for params, wd in ((decay, self.hparams.weight_decay), (no_decay, 0.0)):
+                if params:
+                    groups.append({"params": params, "weight_decay": wd, "lr": self.scaled_lr * scale})
+        others = [p for n, p in self.named_parameters() if not n.startswith("backbone.") and p.requires_grad]
+        if others:
+            groups.append({"params": others, "weight_decay": 0.0, "lr": self.scaled_lr})
+        return groups
+
     def configure_optimizers(self):
-        decay, no_decay = [], []
-        for p in self.parameters():
-            if p.requires_grad:
-                (no_decay if p.ndim <= 1 else decay).append(p)
         optimizer = torch.optim.SGD(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            self.param_groups(),
             lr=self.scaled_lr,
             momentum=self.hparams.momentum,
             nesterov=self.hparams.nesterov,
@@ -124,11 +169,76 @@ class ImageClassifier(pl.LightningModule):
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
+    # -- starting weights, fine-tuning, class names in the checkpoint -----------------------
+    def setup(self, stage: str) -> None:
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        if datamodule is not None and getattr(datamodule, "classes", None) and not self.class_names:
+            self.class_names = list(datamodule.classes)
+            self.inference_settings = inference_settings(datamodule)
+        if stage == "fit" and self.hparams.get("weights") and self.trainer.ckpt_path is None:
+            self.load_weights(self.hparams.weights)
+
+    def load_weights(self, source: str) -> weights_lib.LoadReport:
+        report = weights_lib.load_weights(self.backbone, source)
+        rank_zero_info(str(report))
+        return report
+
+    def backbone_body_modules(self) -> list[torch.nn.Module]:
+        """The backbone's parameterised leaf modules minus the head: what fine-tuning freezes."""
+        head = weights_lib.head_name(self.backbone)
+        return [m for n, m in self.backbone.named_modules()
+                if (m._parameters or not list(m.children())) and n != head and not n.startswith(head + ".")]
+
+    def configure_callbacks(self) -> list:
+        callbacks = []
+        if self.hparams.get("freeze_backbone_epochs"):
+            callbacks.append(weights_lib.BackboneFreeze.make(self.hparams.freeze_backbone_epochs))
+        from lightning_app.pictures import picture_callbacks  # TensorBoard images (switchable)
+
+        callbacks += picture_callbacks(self.hparams)
+        from lightning_app.predict import PredictionsCSV  # predict writes predictions.csv
+
+        callbacks.append(PredictionsCSV())
+        return callbacks
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["class_names"] = list(self.class_names)
+        checkpoint["inference"] = dict(self.inference_settings)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        names = checkpoint.get("class_names") or []
+        n = int(checkpoint.get("hyper_parameters", {}).get("num_classes", 0) or len(names))
+        if n and n != self.backbone_num_classes():
+            # Predicting from a folder: the data knew no classes, the checkpoint does.
+            self._build_backbone(n)
+            self.hparams.num_classes = n
+            if getattr(self, "_compiled", False):
+                self._compiled = False
+                self.configure_model()
+        if names:
+            if self.class_names and self.class_names != list(names):
+                rank_zero_warn(f"the data's classes {self.class_names[:5]}... differ from the checkpoint's "
+                               f"{list(names)[:5]}...: the checkpoint's names are used.")
+            self.class_names = list(names)
+        self.inference_settings = dict(checkpoint.get("inference") or self.inference_settings)
+
+    def backbone_num_classes(self) -> int:
+        return dict(self.backbone.named_modules())[weights_lib.head_name(self.backbone)].out_features
+
     # -- TensorBoard HPARAMS tab ----------------------------------------------------------
     def on_fit_start(self) -> None:
         from lightning_app.hparams import log_hparams_with_metric
 
         log_hparams_with_metric(self.trainer, metric="val/acc1")
+
+
+def inference_settings(datamodule) -> dict:
+    """What export needs to feed the model as validation did: input size, resize, mean/std (0..1 units)."""
+    size = getattr(datamodule, "val_image_size", None)
+    if not size:
+        return {}
+    ratio = float(getattr(datamodule, "val_crop_ratio", 1.0) or 1.0)
+    return {"image_size": int(size), "resize": round(size / ratio), "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int):

@@ -1,0 +1,136 @@
+"""`predict` writes predictions.csv: path, class, prob, then the top-5 names and probabilities.
+
+A Lightning BasePredictionWriter. Every rank streams its rows (batch by batch, so memory stays
+flat) into its own part file, made visible by an atomic rename when its share is done. After a
+barrier rank 0 merges the parts into predictions.csv (temp file + os.replace), one row per
+image in dataset order, keyed by the dataset index: rows are never duplicated even if a sampler
+pads a shard, and a missing index is reported. Lightning predicts with an unpadded
+UnrepeatedDistributedSamplerWrapper under DDP (trainer/connectors/data_connector.py,
+_get_distributed_sampler), so every index comes exactly once in practice.
+
+The file goes to `trainer.log_dir` (the run's folder), or `trainer.default_root_dir` when there
+is no logger.
+"""
+from __future__ import annotations
+
+import csv
+import glob
+import os
+import warnings
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import BasePredictionWriter
+from pytorch_lightning.utilities import rank_zero_info
+
+FILENAME = "predictions.csv"
+TOP_K = 5
+
+
+def columns(k: int) -> list[str]:
+    return ["path", "class", "prob"] + [f"top{j}_{c}" for j in range(1, k + 1) for c in ("class", "prob")]
+
+
+def _dataset(trainer: pl.Trainer):
+    loaders = trainer.predict_dataloaders
+    loader = loaders[0] if isinstance(loaders, (list, tuple)) else loaders
+    return getattr(loader, "dataset", None)
+
+
+def _path(dataset, i: int) -> str:
+    if hasattr(dataset, "display_path"):
+        return dataset.display_path(i)
+    if hasattr(dataset, "path"):
+        return str(dataset.path(i))
+    if hasattr(dataset, "index") and hasattr(dataset.index, "path"):
+        return str(dataset.index.path(i))
+    return str(i)
+
+
+class PredictionsCSV(BasePredictionWriter):
+    def __init__(self, filename: str = FILENAME) -> None:
+        super().__init__(write_interval="batch")
+        self.filename = filename
+        self.out_dir: str | None = None
+        self._file = None
+        self._writer = None
+
+    def _part(self, rank: int, done: bool) -> str:
+        return os.path.join(self.out_dir, f".{self.filename}.rank{rank}" + (".part" if done else ".tmp"))
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        log_dir = trainer.log_dir  # a broadcast from rank 0 under DDP: every rank calls it here
+        self.out_dir = log_dir or trainer.default_root_dir
+        os.makedirs(self.out_dir, exist_ok=True)
+        if trainer.global_rank == 0:
+            for stale in glob.glob(os.path.join(self.out_dir, f".{self.filename}.rank*")):
+                os.remove(stale)
+        trainer.strategy.barrier("predictions_csv_clean")
+        self._dataset = _dataset(trainer)
+        self._from_batch = getattr(self._dataset, "items_carry_index", False)
+        self._names = list(getattr(pl_module, "class_names", []) or [])
+        self._seen, self._synthetic = 0, False
+        self._file = open(self._part(trainer.global_rank, done=False), "w", newline="")  # noqa: SIM115 - closed in on_predict_end
+        self._writer = csv.writer(self._file)
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        probs = prediction.detach().float().cpu()
+        if self._from_batch:
+            indices = [int(i) for i in batch[1]]  # the dataset's own index; -1 - i marks a file that failed to decode
+        elif batch_indices:
+            indices = [int(i) for i in batch_indices]
+        else:  # a loader that is no DataLoader (DALI's val split): number the rows by rank and order seen
+            start = (trainer.global_rank << 32) + self._seen
+            indices = list(range(start, start + probs.shape[0]))
+            self._synthetic = True
+        self._seen += probs.shape[0]
+        k = min(TOP_K, probs.shape[1])
+        top_p, top_i = probs.topk(k, dim=1)
+        names = self._names if len(self._names) == probs.shape[1] else [str(c) for c in range(probs.shape[1])]
+        for row, index in enumerate(indices):
+            if index < 0:
+                self._writer.writerow([-1 - index, _path(self._dataset, -1 - index), "", "failed to decode"])
+                continue
+            top = [x for j in range(k) for x in (names[int(top_i[row, j])], f"{float(top_p[row, j]):.6f}")]
+            self._writer.writerow([index, _path(self._dataset, index), *top[:2], *top])
+        self._k = k
+
+    def on_predict_end(self, trainer, pl_module) -> None:
+        self._file.close()
+        os.replace(self._part(trainer.global_rank, done=False), self._part(trainer.global_rank, done=True))
+        trainer.strategy.barrier("predictions_csv_merge")
+        if trainer.global_rank == 0:
+            known = self._dataset is not None and hasattr(self._dataset, "__len__") and not self._synthetic
+            self.merge(trainer.world_size, len(self._dataset) if known else None)
+
+    def merge(self, world_size: int, expected: int | None) -> str:
+        rows: dict[int, list[str]] = {}
+        failed: dict[int, str] = {}
+        for rank in range(world_size):
+            with open(self._part(rank, done=True), newline="") as f:
+                for record in csv.reader(f):
+                    index = int(record[0])
+                    if record[2] == "":
+                        failed[index] = record[1]
+                    else:
+                        rows.setdefault(index, record[1:])  # a padded duplicate keeps the first copy
+        k = max(((len(r) - 3) // 2 for r in rows.values()), default=TOP_K)
+        out = os.path.join(self.out_dir, self.filename)
+        tmp = out + f".tmp{os.getpid()}"
+        with open(tmp, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(columns(k))
+            for index in sorted(rows):
+                writer.writerow(rows[index])
+        os.replace(tmp, out)
+        for rank in range(world_size):
+            os.remove(self._part(rank, done=True))
+        skipped = list(getattr(self._dataset, "bad_files", []) or []) + [(p, "failed to decode") for p in failed.values()]
+        if skipped:
+            warnings.warn(f"predict: {len(skipped)} file(s) skipped: "
+                          + "; ".join(f"{p} ({why})" for p, why in skipped[:20]), stacklevel=2)
+        if expected is not None and len(rows) + len(failed) != expected:
+            missing = sorted(set(range(expected)) - set(rows) - set(failed))
+            warnings.warn(f"predict: {len(missing)} image(s) got no prediction (dataset indices {missing[:10]}).",
+                          stacklevel=2)
+        rank_zero_info(f"predict: wrote {len(rows)} rows to {out}")
+        return out

@@ -1,0 +1,104 @@
+"""Export: the ONNX and pt2 files give the checkpoint's probabilities on real images."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from datamodules.images import decode_rgb
+from datamodules.transforms import normalize, val_transform
+from lightning_app.export import export, main
+from lightning_app.module import ImageClassifier
+
+# Stated tolerance: probabilities agree to 1e-4 (absolute) with the checkpoint's own model in float32.
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def trained_ckpt(tiny_data, tmp_path_factory):
+    """A real Lightning checkpoint of a channels_last conv11 after one epoch on the tiny built-in data."""
+    from datamodules import ImageFolderDataModule
+
+    pl.seed_everything(0)
+    root = tmp_path_factory.mktemp("export_run")
+    dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=40, num_workers=0, image_size=32,
+                               val_crop_ratio=1.0, persistent_workers=False)
+    model = ImageClassifier(arch="conv11", num_classes=dm.num_classes, image_size=32, global_batch_size=40,
+                            arch_kwargs={"width": 8}, channels_last=True, pictures=[])
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
+    trainer.fit(model, dm)
+    path = root / "model.ckpt"
+    trainer.save_checkpoint(path)
+    return path
+
+
+def real_batch(data_dir, n: int) -> torch.Tensor:
+    files = sorted((data_dir / "val").rglob("*.jpg"))[:: max(1, 80 // n)][:n]
+    transform = val_transform(32, 1.0)
+    return torch.stack([transform(decode_rgb(f)) for f in files])
+
+
+def reference_probs(ckpt, images: torch.Tensor) -> torch.Tensor:
+    model = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu", weights_only=True).eval()
+    with torch.no_grad():
+        return model(normalize(images)).softmax(-1)
+
+
+@pytest.mark.slow
+def test_onnx_matches_checkpoint(trained_ckpt, tiny_data, tmp_path):
+    import onnxruntime as ort
+
+    out, side = export(trained_ckpt, "onnx", tmp_path / "m.onnx", dynamic_batch=True)
+    meta = json.loads(side.read_text())
+    assert meta["class_names"][:2] == ["bars", "circle"] and meta["input"]["height"] == 32
+    assert meta["mean"] == [0.485, 0.456, 0.406] and meta["std"] == [0.229, 0.224, 0.225]
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    for n in (3, 7):  # dynamic batch
+        images = real_batch(tiny_data, n)
+        got = session.run(None, {"images": images.numpy()})[0]
+        want = reference_probs(trained_ckpt, images).numpy()
+        assert got.shape == (n, 10)
+        np.testing.assert_allclose(got, want, atol=ATOL)
+        assert (got.argmax(1) == want.argmax(1)).all()
+    assert not list(tmp_path.glob(".*tmp*"))  # no temp file left behind
+
+
+@pytest.mark.slow
+def test_pt2_matches_checkpoint_fixed_batch(trained_ckpt, tiny_data, tmp_path):
+    main(["--ckpt_path", str(trained_ckpt), "--format", "pt2", "--output", str(tmp_path / "m.pt2"), "--batch-size", "4"])
+    program = torch.export.load(tmp_path / "m.pt2")
+    images = real_batch(tiny_data, 4)
+    got = program.module()(images)
+    torch.testing.assert_close(got, reference_probs(trained_ckpt, images), atol=ATOL, rtol=0)
+    assert json.loads((tmp_path / "m.pt2.json").read_text())["batch_size"] == 4
+
+
+@pytest.mark.slow
+def test_export_of_a_compiled_channels_last_model(tiny_data, tmp_path):
+    model = ImageClassifier(arch="conv11", num_classes=3, image_size=32, arch_kwargs={"width": 8}, channels_last=True,
+                            compile=True, pictures=[])
+    model.configure_model()  # compiles the backbone in place: the state-dict keys stay the same
+    ckpt = tmp_path / "compiled.ckpt"
+    torch.save({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams),
+                "class_names": ["a", "b", "c"]}, ckpt)
+    out, _ = export(ckpt, "pt2", tmp_path / "c.pt2", dynamic_batch=True)
+    images = real_batch(tiny_data, 3)
+    eager = ImageClassifier(arch="conv11", num_classes=3, image_size=32, arch_kwargs={"width": 8})
+    eager.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        want = eager.eval()(normalize(images)).softmax(-1)
+    torch.testing.assert_close(torch.export.load(out).module()(images), want, atol=ATOL, rtol=0)
+
+
+def test_export_refuses_pickled_code(tmp_path, capsys):
+    from tests.test_weights import evil_file
+
+    path, marker = evil_file(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["--ckpt_path", str(path), "--format", "onnx", "--output", str(tmp_path / "x.onnx")])
+    assert info.value.code == 2 and "needs full pickle" in capsys.readouterr().err
+    assert not marker.exists() and not (tmp_path / "x.onnx").exists()

@@ -1,0 +1,132 @@
+"""predict --data.predict_dir: every image under a folder, predictions.csv, class names from the checkpoint."""
+from __future__ import annotations
+
+import csv
+import shutil
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from datamodules.predict import PredictDataset
+from lightning_app.module import ImageClassifier
+from lightning_app.predict import PredictionsCSV, columns
+from tests.conftest import free_port, run_main
+
+JPEG = b"\xff\xd8\xff\xe0" + b"\x00" * 64 + b"\xff\xd9"
+
+
+def test_dataset_walks_recursively_and_lists_bad_files(tiny_data, tmp_path):
+    root = tmp_path / "in"
+    (root / "a" / "deeper").mkdir(parents=True)
+    shutil.copy(tiny_data / "val" / "star" / "00000.jpg", root / "top.jpg")
+    shutil.copy(tiny_data / "val" / "ring" / "00001.jpg", root / "a" / "deeper" / "x.JPG")
+    (root / "a" / "empty.jpg").write_bytes(b"")
+    (root / "a" / "text.jpg").write_text("not an image")
+    (root / "cut.jpg").write_bytes((tiny_data / "val" / "star" / "00002.jpg").read_bytes()[:300])
+    (root / "notes.txt").write_text("skip me")
+    (root / ".hidden").mkdir()
+    (root / ".hidden" / "h.jpg").write_bytes(b"x")
+    with pytest.warns(UserWarning, match=r"skipping 3 bad file\(s\).*a/empty\.jpg \(empty file"):
+        ds = PredictDataset(root, image_size=32, crop_ratio=1.0)
+    assert ds.paths == ["a/deeper/x.JPG", "top.jpg"]
+    assert sorted(p for p, _ in ds.bad_files) == ["a/empty.jpg", "a/text.jpg", "cut.jpg"]
+    image, index = ds[1]
+    assert image.dtype == torch.uint8 and image.shape == (3, 32, 32) and index == 1
+
+
+def test_predict_only_datamodule_reads_no_training_tree(tiny_data, tmp_path):
+    from datamodules import ImageFolderDataModule
+
+    dm = ImageFolderDataModule(data_dir=None, predict_dir=str(tiny_data / "val"), batch_size=16, num_workers=0,
+                               image_size=32, val_crop_ratio=1.0)
+    assert dm.classes == [] and not hasattr(dm, "root")  # nothing discovered, nothing generated
+    dm.setup("predict")
+    images, indices = next(iter(dm.predict_dataloader()))
+    assert images.dtype == torch.uint8 and indices.tolist() == list(range(16))
+
+
+def test_merge_keeps_one_row_per_index(tmp_path):
+    writer = PredictionsCSV()
+    writer.out_dir = str(tmp_path)
+    writer._dataset = list(range(5))
+    k = 2
+    row = lambda i: [i, f"img{i}.jpg", "b", "0.9", "b", "0.9", "a", "0.1"]
+    parts = {0: [row(0), row(2), row(4)], 1: [row(1), row(3), row(0)]}  # rank 1 padded with index 0 again
+    for rank, rows in parts.items():
+        with open(writer._part(rank, done=True), "w", newline="") as f:
+            csv.writer(f).writerows(rows)
+    out = writer.merge(world_size=2, expected=5)
+    with open(out, newline="") as f:
+        got = list(csv.reader(f))
+    assert got[0] == columns(k) and [r[0] for r in got[1:]] == [f"img{i}.jpg" for i in range(5)]
+    assert not list(tmp_path.glob(".predictions*"))
+
+
+# -- the user's path: train, then predict on a flat folder, compare with validate ------------------
+
+@pytest.fixture(scope="module")
+def trained(tiny_data, tmp_path_factory):
+    """(checkpoint, validate's val/acc1) for conv11 trained 2 epochs on the tiny built-in data."""
+    from datamodules import ImageFolderDataModule
+
+    pl.seed_everything(0)
+    root = tmp_path_factory.mktemp("predict_run")
+    dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=32, num_workers=0, image_size=32,
+                               val_crop_ratio=1.0, persistent_workers=False)
+    model = ImageClassifier(arch="conv11", num_classes=dm.num_classes, image_size=32, global_batch_size=32,
+                            arch_kwargs={"width": 8}, pictures=[])
+    trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
+    trainer.fit(model, dm)
+    ckpt = root / "model.ckpt"
+    trainer.save_checkpoint(ckpt)
+    acc = trainer.validate(model, dm, verbose=False)[0]["val/acc1"]
+    flat = root / "flat"
+    flat.mkdir()
+    for f in sorted((tiny_data / "val").rglob("*.jpg")):
+        shutil.copy(f, flat / f"{f.parent.name}__{f.name}")
+    (flat / "broken.jpg").write_text("not an image")
+    return ckpt, float(acc), flat
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def predict_args(ckpt, flat, root) -> list[str]:
+    return ["predict", "--ckpt_path", str(ckpt), "--data.predict_dir", str(flat), "--data.batch_size", "32",
+            "--data.num_workers", "0", "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+            "--trainer.default_root_dir", str(root)]
+
+
+@pytest.mark.slow
+def test_predict_cli_matches_validate(trained, tmp_path):
+    ckpt, val_acc, flat = trained
+    proc = run_main(predict_args(ckpt, flat, tmp_path / "logs"))
+    assert "broken.jpg" in proc.stderr + proc.stdout  # listed by name, and the run went on
+    (out,) = (tmp_path / "logs").rglob("predictions.csv")
+    rows = read_csv(out)
+    assert list(rows[0]) == columns(5)
+    assert len(rows) == 80 and len({r["path"] for r in rows}) == 80
+    correct = sum(r["class"] == r["path"].rsplit("/", 1)[1].split("__")[0] for r in rows)
+    assert abs(100 * correct / len(rows) - 100 * val_acc) <= 0.5, (correct, val_acc)
+    first = rows[0]
+    probs = [float(first[f"top{j}_prob"]) for j in range(1, 6)]
+    assert probs == sorted(probs, reverse=True) and first["class"] == first["top1_class"]
+
+
+@pytest.mark.slow
+def test_predict_ddp_two_processes_every_row_once(trained, tmp_path):
+    ckpt, _, flat = trained
+    run_main(predict_args(ckpt, flat, tmp_path / "one"))
+    run_main(predict_args(ckpt, flat, tmp_path / "two") + ["--trainer.devices", "2", "--trainer.strategy", "ddp"],
+             env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    (one,) = (tmp_path / "one").rglob("predictions.csv")
+    (two,) = (tmp_path / "two").rglob("predictions.csv")
+    single, ddp = read_csv(one), read_csv(two)
+    assert [r["path"] for r in ddp] == [r["path"] for r in single] and len(ddp) == 80
+    for a, b in zip(single, ddp):
+        assert a["class"] == b["class"] and abs(float(a["prob"]) - float(b["prob"])) < 1e-4
+    assert not list((tmp_path / "two").rglob(".predictions.csv.rank*"))
