@@ -148,7 +148,7 @@ class DALILoader:
                 ) from e
             # DALI emits HWC: the NCHW view of it is channels-last memory (no copy here or in the model).
             images, index = data["images"], data["index"].view(-1).long()
-            if self._pin and not images.is_cuda:
+            if self._pin and not images.is_cuda and not images.is_pinned():
                 images = images.pin_memory()  # DALI's iterator returns pageable CPU tensors
             images = images.permute(0, 3, 1, 2)
             labels = data["label"].view(-1).long() if "label" in data else self._labels[index.cpu()]
@@ -157,9 +157,19 @@ class DALILoader:
                 images, index, labels = images[:keep], index[:keep], labels[:keep]
             self.last_indices = index.cpu()
             step += 1
+            if step == self._steps:
+                # The epoch ends with this batch: reset now, not after the consumer asks for one more
+                # (a consumer that stops at exactly `steps` batches, like `--max-batches`, never asks).
+                # DROP stops with an incomplete batch still in the pipeline: DALI's reset drains it. The
+                # batch stays valid: with DALI 2.4's default (dynamic) executor the iterator hands each
+                # output over by DLPack, owned by its tensor; with the older executors it copies
+                # (DALIGenericIterator._get_outputs, nvidia/dali/plugin/pytorch/__init__.py).
+                self._end_epoch(it)
             yield images, labels
-        # DROP stops after `steps` batches with an incomplete batch still in the pipeline:
-        # DALI's reset drains it. A loader stopped early never gets here and is rebuilt.
+        if not self._finished:
+            self._end_epoch(it)  # DALI's own epoch ended first (StopIteration)
+
+    def _end_epoch(self, it) -> None:
         it.reset()
         self._finished = True
 
