@@ -9,10 +9,8 @@ import torch
 
 from datamodules.builtin import generate
 from lightning_app.bench.__main__ import main
-from lightning_app.bench.loaders import BACKENDS, classify
-from lightning_app.bench.loaders import COLUMNS as LOADER_COLUMNS
-from lightning_app.bench.train import COLUMNS as TRAIN_COLUMNS
-from lightning_app.bench.train import RowSpec, row_specs, skip_reason
+from lightning_app.bench.loaders import BACKENDS, COLUMNS as LOADER_COLUMNS, classify
+from lightning_app.bench.train import COLUMNS as TRAIN_COLUMNS, RowSpec, row_specs, skip_reason
 
 
 @pytest.fixture(scope="module")
