@@ -63,3 +63,63 @@ def test_launch_scripts_apply_their_layout_after_the_users_config(script, env, t
     assert str(cli.config["trainer"]["devices"]) == "4" and cli.config["trainer"]["num_nodes"] == 2
     assert cli.trainer.num_devices == 4 and cli.trainer.num_nodes == 2
     assert cli.config["trainer"]["strategy"] == "ddp"
+
+
+# ---------------------------------------------------------------------------- bench gpu on a CPU
+
+@pytest.mark.slow
+def test_bench_gpu_on_cpu_skips_every_gpu_row_and_runs_the_ceiling_and_shares(tiny_data, tmp_path):
+    import json
+
+    import torch
+
+    from lightning_app.bench.__main__ import main
+
+    out = tmp_path / "out"
+    rc = main(["gpu", "--data-dir", str(tiny_data), "--arch", "conv11", "--image-size", "32", "--batch-size", "8",
+               "--steps", "2", "--warmup", "1", "--epochs", "1", "--max-batches", "2", "--num-workers", "0",
+               "--backends", "imagefolder,dali-cpu", "--out", str(out), "--machine", "test"])
+    assert rc == 0
+    data = json.loads((out / "test.gpu.json").read_text())
+    md = (out / "test.gpu.md").read_text()
+    assert (out / "test.gpu.png").read_bytes()[:4] == b"\x89PNG"
+    checks = {c["name"]: c for c in data["checks"]}
+    ceiling = checks["compute ceiling"]
+    assert ceiling["status"] == "ok" and ceiling["images_s"] > 0 and "conv11 at 32 px" in ceiling["verdict"]
+    for name in ("ImageFolder (PIL)", "DALI CPU"):
+        row = checks[name]
+        assert row["status"] == "ok" and row["images_s"] > 0, row
+        assert row["extra"]["share"] == pytest.approx(row["images_s"] / ceiling["images_s"])
+    assert checks["LMDB (PIL)"]["verdict"] == "not selected (--backends)"
+    gpu_rows = [c for c in data["checks"] if c["group"] not in ("compute ceiling", "backend")]
+    assert {c["group"] for c in gpu_rows} == {"DALI mixed", "precision", "speed flag", "dp", "DDP"}
+    if not torch.cuda.is_available():
+        assert all(c["status"] == "skipped" and "no CUDA GPU" in c["verdict"] for c in gpu_rows)
+        assert "needs a CUDA GPU" in checks["DALI GPU (mixed)"]["verdict"] or \
+            checks["DALI GPU (mixed)"]["verdict"] == "not selected (--backends)"
+        assert "none (every GPU row is skipped)" in md
+    assert "Share of the compute ceiling" in md and "| compile |" in md
+
+
+def test_spawned_dali_lmdb_worker_does_not_import_lightning(tiny_data, tmp_path):
+    """What a spawned DALI worker runs: unpickle the source, read one sample. Lightning stays out of it."""
+    pytest.importorskip("nvidia.dali")
+    import importlib.util
+
+    if importlib.util.find_spec("datamodules.lmdb_reader") is None:
+        pytest.skip("the LMDB reader still lives in datamodules.lmdb, which imports Lightning (issue 10 splits it)")
+    db = tmp_path / "t.lmdb"
+    subprocess.run([sys.executable, "-m", "datamodules.lmdb", "--src", str(tiny_data), "--dst", str(db)],
+                   cwd=REPO, capture_output=True, timeout=300, check=True)
+    code = (
+        "import pickle, sys\n"
+        "from nvidia.dali.types import SampleInfo\n"
+        "from datamodules.dali_pipelines import LMDBSampleSource\n"
+        f"src = pickle.loads(pickle.dumps(LMDBSampleSource({str(db)!r}, 'train', 240, 0, 1, 8, 30, True, 0)))\n"
+        "data, index, label = src(SampleInfo(0, 0, 0, 0))\n"
+        "assert data[:2].tolist() == [0xFF, 0xD8], data[:2]\n"
+        "print('lightning imported:', 'pytorch_lightning' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          check=True)
+    assert "lightning imported: False" in proc.stdout

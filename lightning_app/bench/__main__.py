@@ -1,4 +1,4 @@
-"""`python -m lightning_app.bench {loaders,train}`: tables (Markdown), JSON and a PNG chart for this machine."""
+"""`python -m lightning_app.bench {loaders,train,gpu}`: tables (Markdown), JSON and a PNG chart for this machine."""
 from __future__ import annotations
 
 import argparse
@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"comma list of rows to run (default: all); names: {','.join(ROW_NAMES)}")
     tr.add_argument("--timeout", type=int, default=900, help="seconds before a row is stopped and marked failed")
     _common(tr)
+
+    from lightning_app.bench import gpu
+
+    gpu.add_parser(sub, _common)
     return ap
 
 
@@ -129,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
                              ceiling_images=args.ceiling_images)
         md = loaders.to_markdown(result)
         paths = report.write_results(args.out, "loaders", md, result, loaders.chart(result), args.machine, args.note)
+    elif args.command == "gpu":
+        from lightning_app.bench import gpu
+
+        md, paths = gpu.main(args)
     else:
         from lightning_app.bench import train
 
