@@ -95,28 +95,30 @@ def _root(args) -> Path:
 def train_through(dm, w: Workload, epochs: int, max_batches: int | None) -> float:
     """Training images/s through a backend's train_dataloader(): to the device, on_after_batch_transfer,
     then the ceiling's training step. One untimed warm-up epoch first (workers, autotuning)."""
-    from lightning_app.bench.loaders import _start_workers, _to_device
+    from lightning_app.bench.loaders import _close, _start_workers, _to_device
 
     device = torch.device(w.device)
-    cuda = device.type == "cuda"
     loader = dm.train_dataloader()
     _start_workers(loader)
-    with gc.cudnn_flags(benchmark=cuda):
-        step = gc.TrainStep(gc.make_model(w, num_classes=dm.num_classes), gc.fastest_precision(w.device),
-                            channels_last=True)
-        images, seconds = 0, 0.0
-        for epoch in range(1 + epochs):
-            gc._sync(w.device)
-            t0, n = time.perf_counter(), 0
-            for i, batch in enumerate(loader):
-                x, y = dm.on_after_batch_transfer(_to_device(batch, device), 0)
-                step(x, y)
-                n += int(x.shape[0])
-                if max_batches and i + 1 >= max_batches:
-                    break
-            gc._sync(w.device)
-            if epoch:
-                images, seconds = images + n, seconds + time.perf_counter() - t0
+    images, seconds = 0, 0.0
+    try:
+        with gc.cudnn_flags(benchmark=device.type == "cuda"):
+            step = gc.TrainStep(gc.make_model(w, num_classes=dm.num_classes), gc.fastest_precision(w.device),
+                                channels_last=True)
+            for epoch in range(1 + epochs):
+                gc._sync(w.device)
+                t0, n = time.perf_counter(), 0
+                for i, batch in enumerate(loader):
+                    x, y = dm.on_after_batch_transfer(_to_device(batch, device), 0)
+                    step(x, y)
+                    n += int(x.shape[0])
+                    if max_batches and i + 1 >= max_batches:
+                        break
+                gc._sync(w.device)
+                if epoch:
+                    images, seconds = images + n, seconds + time.perf_counter() - t0
+    finally:
+        _close(loader)  # stop a DataLoader's persistent workers before the next backend
     return images / max(seconds, 1e-9)
 
 
