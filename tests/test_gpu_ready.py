@@ -124,3 +124,15 @@ def test_spawned_dali_lmdb_worker_does_not_import_lightning(tiny_data, tmp_path)
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                           check=True)
     assert "lightning imported: False" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_ddp_check_logic_on_gloo():
+    """`bench gpu`'s NCCL check, run over gloo on 2 CPU processes: a DDP step equals one process's step."""
+    from lightning_app.bench.gpu_checks import Workload, ddp_check
+
+    w = Workload(arch="conv11", image_size=32, batch_size=8, device="cpu")
+    check = ddp_check(w, mb=1, processes=2, backend="gloo")
+    assert check.status == "ok", check.verdict
+    assert check.extra["grad_rel_diff"] < 1e-5 and check.extra["busbw_gb_s"] > 0
+    assert check.name == "GLOO DDP x2"

@@ -250,31 +250,35 @@ def dp_check(w: Workload, tolerance: float = 1e-3) -> Check:
 
 # ------------------------------------------------------------------------------ DDP over NCCL
 
-def _ddp_worker(rank: int, world: int, port: int, w: Workload, mb: int, out: str) -> None:
+def _ddp_worker(rank: int, world: int, port: int, w: Workload, mb: int, out: str, backend: str) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    cuda = backend == "nccl"
+    device = f"cuda:{rank}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            device_id=torch.device(device) if cuda else None)
     try:
         # all-reduce bus bandwidth, as nccl-tests reports it: size / time x 2 (n - 1) / n
-        buf = torch.ones(mb * 2**20 // 4, device="cuda")
+        buf = torch.ones(mb * 2**20 // 4, device=device)
         for _ in range(5):
             dist.all_reduce(buf)
-        torch.cuda.synchronize()
+        _sync(device)
         t0, reps = time.perf_counter(), 20
         for _ in range(reps):
             dist.all_reduce(buf)
-        torch.cuda.synchronize()
+        _sync(device)
         seconds = (time.perf_counter() - t0) / reps
         busbw = buf.numel() * 4 / seconds * 2 * (world - 1) / world / 1e9
         # one DDP step on this rank's share of the global batch vs one process on the whole batch
-        local = Workload(**{**asdict(w), "device": f"cuda:{rank}"})
+        local = Workload(**{**asdict(w), "device": device})
         x, y = synthetic_batch(local)  # the same global batch on every rank
         share = w.batch_size // world
         with cudnn_flags(benchmark=False, tf32=False):
             model = make_model(local).eval()
-            ddp = nn.parallel.DistributedDataParallel(model, device_ids=[rank])
+            ddp = nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
             F.cross_entropy(ddp(x[rank * share:(rank + 1) * share]), y[rank * share:(rank + 1) * share]).backward()
             got = _grads(model)
             diff = None
@@ -292,19 +296,21 @@ def _ddp_worker(rank: int, world: int, port: int, w: Workload, mb: int, out: str
         dist.destroy_process_group()
 
 
-def ddp_check(w: Workload, mb: int = 256, tolerance: float = 1e-3) -> Check:
+def ddp_check(w: Workload, mb: int = 256, tolerance: float = 1e-3, processes: int | None = None,
+              backend: str = "nccl") -> Check:
     """NCCL over every GPU of the node: all-reduce bus bandwidth, and a DDP step's gradients against one
-    process on the same global batch (eval-mode BatchNorm, fp32 without TF32)."""
+    process on the same global batch (eval-mode BatchNorm, fp32 without TF32). `backend="gloo"` with
+    `processes` runs the same check on CPUs (what the test suite does)."""
     import json
     import tempfile
 
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    n = torch.cuda.device_count()
+    n = processes or torch.cuda.device_count()
     if n < 2:
         return Check("DDP", "NCCL DDP", "skipped", f"DDP over NCCL needs >= 2 CUDA GPUs ({n} here)")
-    if not dist.is_nccl_available():
+    if backend == "nccl" and not dist.is_nccl_available():
         return Check("DDP", "NCCL DDP", "skipped", "this torch build has no NCCL")
     import socket
 
@@ -314,14 +320,14 @@ def ddp_check(w: Workload, mb: int = 256, tolerance: float = 1e-3) -> Check:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ddp.json")
         try:
-            mp.spawn(_ddp_worker, args=(n, port, w, mb, out), nprocs=n, join=True)
+            mp.spawn(_ddp_worker, args=(n, port, w, mb, out, backend), nprocs=n, join=True)
         except Exception as e:  # noqa: BLE001 - a failing path is a FAIL row with its error
-            return Check("DDP", f"NCCL DDP x{n}", "FAIL", f"{type(e).__name__}: {str(e)[-300:]}")
+            return Check("DDP", f"{backend.upper()} DDP x{n}", "FAIL", f"{type(e).__name__}: {str(e)[-300:]}")
         with open(out) as f:
             got = json.load(f)
     diff = got["grad_rel_diff"]
     ok = diff is not None and diff <= tolerance
-    return Check("DDP", f"NCCL DDP x{n}", "ok" if ok else "FAIL",
+    return Check("DDP", f"{backend.upper()} DDP x{n}", "ok" if ok else "FAIL",
                  f"{n} processes; DDP step vs one process on the same global batch: gradients' relative "
                  f"difference {diff:.1e} (tolerance {tolerance:g}); all-reduce of {mb} MiB", None,
                  f"{got['busbw_gb_s']:,.1f} GB/s bus bandwidth", got)
