@@ -136,3 +136,18 @@ def test_bench_ddp_check_logic_on_gloo():
     assert check.status == "ok", check.verdict
     assert check.extra["grad_rel_diff"] < 1e-5 and check.extra["busbw_gb_s"] > 0
     assert check.name == "GLOO DDP x2"
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (a CPU run beside it)")
+def test_cpu_run_on_a_gpu_machine_creates_no_cuda_context(tiny_data, tmp_path):
+    """--trainer.accelerator cpu on a GPU box: no synchronize, no pinned memory, DALI auto on the CPU."""
+    code = (
+        "import torch\n"
+        "from lightning_app.cli import ClassifierCLI\n"
+        f"ClassifierCLI(args=['fit', *{quick_args(tiny_data, tmp_path)!r}, '--config', 'configs/data/dali.yaml',"
+        " '--trainer.limit_train_batches', '2', '--trainer.limit_val_batches', '1'])\n"
+        "print('cuda initialized:', torch.cuda.is_initialized())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          check=True)
+    assert "cuda initialized: False" in proc.stdout
