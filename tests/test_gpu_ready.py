@@ -139,12 +139,13 @@ def test_bench_ddp_check_logic_on_gloo():
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (a CPU run beside it)")
-def test_cpu_run_on_a_gpu_machine_creates_no_cuda_context(tiny_data, tmp_path):
+@pytest.mark.parametrize("data", ["configs/data/dali.yaml", "configs/data/imagefolder.yaml"])
+def test_cpu_run_on_a_gpu_machine_creates_no_cuda_context(tiny_data, tmp_path, data):
     """--trainer.accelerator cpu on a GPU box: no synchronize, no pinned memory, DALI auto on the CPU."""
     code = (
         "import torch\n"
         "from lightning_app.cli import ClassifierCLI\n"
-        f"ClassifierCLI(args=['fit', *{quick_args(tiny_data, tmp_path)!r}, '--config', 'configs/data/dali.yaml',"
+        f"ClassifierCLI(args=['fit', *{quick_args(tiny_data, tmp_path)!r}, '--config', {data!r},"
         " '--trainer.limit_train_batches', '2', '--trainer.limit_val_batches', '1'])\n"
         "print('cuda initialized:', torch.cuda.is_initialized())\n"
     )
