@@ -143,9 +143,10 @@ def test_bench_ddp_check_logic_on_gloo():
 def test_cpu_run_on_a_gpu_machine_creates_no_cuda_context(tiny_data, tmp_path, data):
     """--trainer.accelerator cpu on a GPU box: no synchronize, no pinned memory, DALI auto on the CPU."""
     code = (
+        f"import sys; sys.path.insert(0, {str(REPO)!r})\n"  # absolute: jsonargparse enters config dirs
         "import torch\n"
         "from lightning_app.cli import ClassifierCLI\n"
-        f"ClassifierCLI(args=['fit', *{quick_args(tiny_data, tmp_path)!r}, '--config', {data!r},"
+        f"ClassifierCLI(args=['fit', '--config', {data!r}, *{quick_args(tiny_data, tmp_path)!r},"
         " '--trainer.limit_train_batches', '2', '--trainer.limit_val_batches', '1'])\n"
         "print('cuda initialized:', torch.cuda.is_initialized())\n"
     )
