@@ -231,8 +231,8 @@ def lightning_args(spec: RowSpec, cfg: dict, root_dir: Path) -> list[str]:
         "--trainer.benchmark", str(spec.benchmark).lower(),
         "--trainer.callbacks+=lightning_app.bench.train.EpochTimer",
     ]
-    if cfg["arch"] == "conv11":
-        args += ["--model.arch_kwargs", f"{{width: {cfg['width']}}}"]
+    # configs/default.yaml's arch_kwargs ({width: 16}) belong to conv11: other archs get none
+    args += ["--model.arch_kwargs", f"{{width: {cfg['width']}}}" if cfg["arch"] == "conv11" else "{}"]
     return args
 
 
