@@ -286,7 +286,9 @@ class DALIDataModule(ImageDataModule):
         return self.decoder_device == "mixed" and trainer is not None and str(trainer.precision).startswith("16")
 
     def _threads(self) -> int:
-        per_node = self.trainer.num_devices if self.trainer is not None else 1
+        trainer = self.trainer
+        # training processes on this node: world / nodes (dp drives all its GPUs from one process)
+        per_node = max(1, trainer.world_size // max(1, trainer.num_nodes)) if trainer is not None else 1
         device = self.decoder_device
         threads = dali_threads(device, per_node, requested=self.num_threads)
         bill = dali_memory_bill(device, threads)

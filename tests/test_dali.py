@@ -400,3 +400,9 @@ def test_auto_follows_the_trainer_device(tiny_data):
     dm = _dali(tiny_data, dali_device="auto")
     dm.trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False)
     assert dm.decoder_device == "cpu"  # even on a GPU machine: no CUDA context for a CPU run
+
+
+def test_threads_are_shared_by_the_processes_on_the_node(tiny_data):
+    dm = _dali(tiny_data, num_threads=None)
+    dm.trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", num_nodes=2, logger=False)
+    assert dm._threads() == max(1, len(os.sched_getaffinity(0)) // 2)  # 2 processes here, 4 in all
