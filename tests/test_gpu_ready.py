@@ -99,7 +99,7 @@ def test_bench_gpu_on_cpu_skips_every_gpu_row_and_runs_the_ceiling_and_shares(ti
         assert "needs a CUDA GPU" in checks["DALI GPU (mixed)"]["verdict"] or \
             checks["DALI GPU (mixed)"]["verdict"] == "not selected (--backends)"
         assert "none (every GPU row is skipped)" in md
-    assert "Share of the compute ceiling" in md and "| compile |" in md
+    assert "Share of the compute ceiling" in md and "| compile |" in md and "- Versions: python" in md
 
 
 def test_spawned_dali_lmdb_worker_does_not_import_lightning(tiny_data, tmp_path):

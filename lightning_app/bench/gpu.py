@@ -250,7 +250,9 @@ def run(args) -> dict[str, Any]:
             skipped(label, names, NO_CUDA)
         else:
             checks += fn(w)
-    return {"checks": [c.as_dict() for c in checks], "gpu": gpu_info(),
+    from lightning_app.bench.report import machine_info
+
+    return {"checks": [c.as_dict() for c in checks], "gpu": gpu_info(), "machine": machine_info(),
             "settings": {**w.__dict__, "epochs": args.epochs, "num_workers": args.num_workers,
                          "max_batches": args.max_batches, "data": str(root) if root else None}}
 
@@ -261,6 +263,8 @@ def to_markdown(result: dict[str, Any]) -> str:
     g, s = result["gpu"], result["settings"]
     lines = [f"- GPU: {', '.join(g['gpus']) or 'none (every GPU row is skipped)'}"
              + (f"; driver {g['driver']}, CUDA {g['cuda']}, cuDNN {g['cudnn']}" if g["gpus"] else ""),
+             "- Versions: " + ", ".join(f"{k} {v}" for k, v in result.get("machine", {}).get("versions", {}).items()
+                                        if v is not None),
              f"- Workload: {s['arch']} at {s['image_size']} px, batch {s['batch_size']}, {s['warmup']} warm-up + "
              f"{s['steps']} timed steps per row; backends: 1 warm-up + {s['epochs']} timed epoch(s), "
              f"{s['num_workers']} workers" + (f", data {repo_relative(s['data'])}" if s.get("data") else ""), ""]
