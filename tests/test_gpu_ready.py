@@ -49,11 +49,11 @@ def _main_args(cmd: list[str]) -> list[str]:
 @pytest.mark.parametrize("script,env", [
     ("scripts/torchrun.sh", {"GPUS": "4", "NNODES": "2", "NODE_RANK": "1"}),
     ("scripts/slurm/train.sbatch", {"SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "4",
-                                    "SLURM_CPUS_PER_TASK": "8", "SLURM_SUBMIT_DIR": str(REPO)}),
+                                    "SLURM_CPUS_PER_TASK": "8"}),
 ])
 def test_launch_scripts_apply_their_layout_after_the_users_config(script, env, tiny_data, tmp_path):
     user = ["--config", "configs/ddp_amp.yaml", *quick_args(tiny_data, tmp_path)[:-2]]  # devices: auto inside
-    cmd = _dry_run(script, user, env)
+    cmd = _dry_run(script, user, {**env, "SLURM_SUBMIT_DIR": str(tmp_path)})  # no last.ckpt there: no resume flag
     args = _main_args(cmd)
     assert args[0] == "fit" and args[1:1 + len(user)] == user  # the user's "$@" first, untouched
     assert args[1 + len(user):] == ["--trainer.num_nodes", "2", "--trainer.devices", "4", "--trainer.strategy", "ddp"]
