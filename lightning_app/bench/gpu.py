@@ -228,17 +228,31 @@ def run(args) -> dict[str, Any]:
     def skipped(group: str, names: list[str], why: str) -> None:
         checks.extend(Check(group, n, "skipped", why) for n in names)
 
+    def guarded(group: str, name: str, fn) -> list[Check]:
+        """A path that raises (out of memory, a driver error) is a FAIL row with the error, not a crash."""
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001
+            return [Check(group, name, "FAIL", f"{type(e).__name__}: {str(e)[:300]}")]
+        finally:
+            if cuda:
+                torch.cuda.empty_cache()  # each group starts with the memory the last one held
+
     ceiling = None
     if "ceiling" in groups:
-        checks.append(gc.compute_ceiling(w))
+        checks += guarded("compute ceiling", "compute ceiling", lambda: [gc.compute_ceiling(w)])
         ceiling = checks[-1].images_s
     else:
         skipped("compute ceiling", ["compute ceiling"], "not selected (--groups)")
     root = _root(args) if groups & {"backends", "dali"} else None
     if "backends" in groups:
-        checks += backend_rows(args, w, root, ceiling)
+        checks += guarded("backend", "backends", lambda: backend_rows(args, w, root, ceiling))
+    else:
+        skipped("backend", ["backends"], "not selected (--groups)")
     if "dali" in groups:
-        checks += dali_rows(args, w, root)
+        checks += guarded("DALI mixed", "DALI mixed", lambda: dali_rows(args, w, root))
+    else:
+        skipped("DALI mixed", ["DALI mixed"], "not selected (--groups)")
     for group, names, fn in (("precision", ["32-true", "16-mixed", "bf16-mixed"], gc.precision_steps),
                              ("flags", ["plain (AMP)", "channels_last", "cudnn.benchmark", "compile"], gc.speed_flags),
                              ("dp", ["dp"], lambda w: [gc.dp_check(w)]),
@@ -249,7 +263,7 @@ def run(args) -> dict[str, Any]:
         elif not cuda:
             skipped(label, names, NO_CUDA)
         else:
-            checks += fn(w)
+            checks += guarded(label, names[0], lambda fn=fn: fn(w))
     from lightning_app.bench.report import machine_info
 
     return {"checks": [c.as_dict() for c in checks], "gpu": gpu_info(), "machine": machine_info(),
