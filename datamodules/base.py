@@ -215,7 +215,7 @@ class ImageDataModule(pl.LightningDataModule):
             sampler=sampler,
             drop_last=train,  # equal steps on every rank, no tiny last batch in BatchNorm
             num_workers=workers,
-            pin_memory=self.pin_memory and torch.cuda.is_available(),
+            pin_memory=self.pins_memory,
             persistent_workers=self.persistent_workers and workers > 0,
             prefetch_factor=4 if workers > 0 else None,
         )
@@ -236,8 +236,15 @@ class ImageDataModule(pl.LightningDataModule):
 
         dataset = PredictDataset(self.predict_dir, self.val_image_size, self.val_crop_ratio)
         return DataLoader(dataset, batch_size=self.per_process_batch_size, num_workers=self.num_workers,
-                          pin_memory=self.pin_memory and torch.cuda.is_available())
+                          pin_memory=self.pins_memory)
 
-    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+    @property
+    def pins_memory(self) -> bool:
+        """Pin only when batches go to a CUDA device: pinning creates a CUDA context, even for a CPU run."""
+        trainer = self.trainer
+        on_cuda = trainer.strategy.root_device.type == "cuda" if trainer is not None else torch.cuda.is_available()
+        return self.pin_memory and on_cuda
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):  # uint8 from every backend but DALI `mixed`
         images, labels = batch[0], batch[1]
         return normalize(images), labels

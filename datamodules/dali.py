@@ -2,7 +2,15 @@
 
 The Index's samples are DALI's explicit file list (or a packed LMDB is read through a
 parallel `external_source`), so every file has the label the other backends give it.
-Batches are (float NCHW normalised images, int64 labels), on the GPU when DALI decoded there.
+Batches are NCHW views of channels-last (NHWC) memory, so a channels_last model takes them without
+a copy, with int64 labels:
+- `mixed` (GPU): float (fp16 under 16-mixed), normalised by DALI on the device;
+- `cpu`: uint8, a quarter of the bytes of float, pinned when the trainer runs on CUDA, and
+  normalised on the device in `on_after_batch_transfer` like every other backend.
+
+Threads and memory: `dali_threads` sizes each pipeline's threads from this process's share of
+the CPU affinity mask (SLURM's and containers' cpusets, not `os.cpu_count()`), capped for `mixed`,
+where nvJPEG preallocates buffers per thread (`dali_memory_bill`).
 
 Epoch boundaries: DALI ignores a reset asked for mid-epoch, and Lightning's sanity check,
 `limit_*_batches`, `fast_dev_run` and a mid-epoch resume all stop iterating mid-epoch. The
@@ -23,23 +31,59 @@ longer side and the crop offset differently (a 1 px shift on some images).
 from __future__ import annotations
 
 import math
-import os
-from typing import Any, Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from datamodules.base import ImageDataModule
+from datamodules.cpus import cpus_per_process
 from datamodules.index import DataError, Index
 
 INSTALL_HINT = "pip install nvidia-dali-cuda130==2.4.0"
 DEVICES = ("auto", "gpu", "cpu")
 SOURCES = ("folder", "lmdb")
+# nvJPEG preallocates, PER DALI THREAD, one device buffer of device_memory_padding and two pinned host
+# buffers of host_memory_padding (DALI 2.4 docs of fn.decoders.image, nvidia/dali/ops/decoders/__init__.pyi;
+# dali/operators/imgcodec/image_decoder.h). DALI's own defaults: 16 MiB and 8 MiB. 16 MiB holds a decoded
+# 5.6-megapixel RGB image, 8 MiB a large encoded JPEG: ImageNet never reallocates, and a rarer giant
+# image costs one reallocation, not gigabytes reserved on every thread of every pipeline.
+DEVICE_MEMORY_PADDING = 16 << 20
+HOST_MEMORY_PADDING = 8 << 20
+# With `mixed`, threads only parse and Huffman-decode the share the hardware decoder does not take;
+# NVIDIA's ImageNet examples use 4 to 8 per GPU. More threads add preallocated buffers, not speed.
+MAX_MIXED_THREADS = 8
+
+
+def dali_threads(decoder_device: str, processes_per_node: int = 1, usable: int | None = None,
+                 requested: int | None = None) -> int:
+    """DALI CPU threads for one pipeline of one training process.
+
+    `usable`: CPUs in this process's affinity mask (default: measured, `datamodules.cpus`); the
+    process gets its share of them for `processes_per_node` processes. `mixed` is capped at
+    MAX_MIXED_THREADS; an explicit `requested` count is taken as given.
+    """
+    if requested:
+        return int(requested)
+    if usable is None:
+        share = cpus_per_process(processes_per_node)
+    else:
+        share = max(1, usable // max(1, processes_per_node))
+    return min(share, MAX_MIXED_THREADS) if decoder_device == "mixed" else share
+
+
+def dali_memory_bill(decoder_device: str, threads: int) -> dict[str, int]:
+    """Bytes one pipeline preallocates for nvJPEG: {"device": GPU memory, "pinned": page-locked host memory}."""
+    if decoder_device != "mixed":
+        return {"device": 0, "pinned": 0}
+    return {"device": threads * DEVICE_MEMORY_PADDING, "pinned": threads * 2 * HOST_MEMORY_PADDING}
 
 
 def require_dali() -> None:
     """Raise a DataError that says how to install DALI when it cannot be imported."""
     try:
-        import nvidia.dali  # noqa: F401
+        import nvidia.dali
         import nvidia.dali.plugin.pytorch  # noqa: F401
     except ImportError as e:
         raise DataError(
@@ -58,8 +102,9 @@ class DALILoader:
     """
 
     def __init__(self, build: Callable[[int], Any], steps: int, label_table: torch.Tensor | None,
-                 last_batch_sizes: dict[int, int] | None = None) -> None:
+                 last_batch_sizes: dict[int, int] | None = None, pin: bool = False) -> None:
         self._build = build
+        self._pin = pin
         self._steps = steps
         self._labels = label_table
         self._trim = last_batch_sizes or {}
@@ -71,6 +116,11 @@ class DALILoader:
 
     def __len__(self) -> int:
         return self._steps
+
+    def prepare(self) -> None:
+        """Build the pipeline of the next epoch now (e.g. before a clock starts); `iter()` then uses it."""
+        if self._it is None:
+            self._it = self._build(self._epoch)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self._it is None or not self._finished:
@@ -95,16 +145,30 @@ class DALILoader:
                     "corrupt beyond its header/end marker: find it with the ImageFolder backend "
                     "(--data datamodules.ImageFolderDataModule names the file), then fix or delete it."
                 ) from e
+            # DALI emits HWC: the NCHW view of it is channels-last memory (no copy here or in the model).
             images, index = data["images"], data["index"].view(-1).long()
+            if self._pin and not images.is_cuda and not images.is_pinned():
+                images = images.pin_memory()  # DALI's iterator returns pageable CPU tensors
+            images = images.permute(0, 3, 1, 2)
             labels = data["label"].view(-1).long() if "label" in data else self._labels[index.cpu()]
             keep = self._trim.get(step)
             if keep is not None:
                 images, index, labels = images[:keep], index[:keep], labels[:keep]
             self.last_indices = index.cpu()
             step += 1
+            if step == self._steps:
+                # The epoch ends with this batch: reset now, not after the consumer asks for one more
+                # (a consumer that stops at exactly `steps` batches, like `--max-batches`, never asks).
+                # DROP stops with an incomplete batch still in the pipeline: DALI's reset drains it. The
+                # batch stays valid: with DALI 2.4's default (dynamic) executor the iterator hands each
+                # output over by DLPack, owned by its tensor; with the older executors it copies
+                # (DALIGenericIterator._get_outputs, nvidia/dali/plugin/pytorch/__init__.py).
+                self._end_epoch(it)
             yield images, labels
-        # DROP stops after `steps` batches with an incomplete batch still in the pipeline:
-        # DALI's reset drains it. A loader stopped early never gets here and is rebuilt.
+        if not self._finished:
+            self._end_epoch(it)  # DALI's own epoch ended first (StopIteration)
+
+    def _end_epoch(self, it) -> None:
         it.reset()
         self._finished = True
 
@@ -115,12 +179,13 @@ class DALILoader:
 class DALIDataModule(ImageDataModule):
     """ImageFolder tree (or a packed LMDB) decoded by NVIDIA DALI.
 
-    Args (besides ImageDataModule's):
-        dali_device: "auto" (GPU "mixed" decoding when CUDA is available, else CPU), "gpu" or "cpu".
+    Args (the shared ones, data_dir, batch_size, image_size..., pass through to ImageDataModule):
+        dali_device: "auto" (GPU "mixed" decoding when the trainer runs on CUDA, else CPU), "gpu" or "cpu".
         source: "folder" reads the Index's files; "lmdb" reads `lmdb_path` packed by
             `python -m datamodules.lmdb` (default: the folder `<data_dir>.lmdb`).
         lmdb_path: the packed database for source "lmdb".
-        num_threads: DALI CPU threads per process (default: the CPU cores / processes per node).
+        num_threads: DALI CPU threads per pipeline (default: this process's share of the CPU affinity
+            mask; at most 8 for GPU decoding, where each thread preallocates nvJPEG buffers).
         prefetch_queue_depth: batches DALI prepares ahead.
         hw_decoder_load: share of JPEG decoding given to the hardware decoder (A100/H100), GPU only.
         seed: DALI's random seed (shuffle, crops, flips); each rank and epoch derives its own.
@@ -128,17 +193,6 @@ class DALIDataModule(ImageDataModule):
 
     def __init__(
         self,
-        data_dir: str | None = None,
-        builtin: str = "small",
-        batch_size: int = 256,
-        num_workers: int = 4,
-        image_size: int = 224,
-        val_image_size: int | None = None,
-        val_crop_ratio: float = 0.875,
-        min_scale: float = 0.25,
-        pin_memory: bool = True,
-        persistent_workers: bool = True,
-        skip_invalid: bool = False,
         dali_device: str = "auto",
         source: str = "folder",
         lmdb_path: str | None = None,
@@ -146,7 +200,7 @@ class DALIDataModule(ImageDataModule):
         prefetch_queue_depth: int = 2,
         hw_decoder_load: float = 0.65,
         seed: int = 42,
-        predict_dir: str | None = None,  # predict reads this folder with the PIL path (datamodules/predict.py)
+        **kwargs: Any,
     ) -> None:
         require_dali()
         if dali_device not in DEVICES:
@@ -157,6 +211,10 @@ class DALIDataModule(ImageDataModule):
             raise DataError("data.dali_device gpu needs CUDA, which is not available here; use auto or cpu.")
         if not 0.0 <= hw_decoder_load <= 1.0:
             raise DataError(f"data.hw_decoder_load must be in [0, 1], got {hw_decoder_load}.")
+        if num_threads is not None and num_threads < 1:
+            raise DataError(f"data.num_threads must be >= 1 or null (sized from the CPUs), got {num_threads}.")
+        if prefetch_queue_depth < 1:
+            raise DataError(f"data.prefetch_queue_depth must be >= 1, got {prefetch_queue_depth}.")
         self.dali_device = dali_device
         self.source = source
         self.lmdb_path = lmdb_path
@@ -166,8 +224,7 @@ class DALIDataModule(ImageDataModule):
         self.seed = seed
         self.lmdb_meta: dict | None = None
         self.loaders: dict[str, DALILoader] = {}
-        super().__init__(data_dir, builtin, batch_size, num_workers, image_size, val_image_size, val_crop_ratio,
-                         min_scale, pin_memory, persistent_workers, skip_invalid, predict_dir=predict_dir)
+        super().__init__(**kwargs)
 
     # -- data discovery -------------------------------------------------------------------
     def discover_classes(self) -> list[str]:
@@ -197,9 +254,18 @@ class DALIDataModule(ImageDataModule):
         return index  # DALI reads the Index itself; this only gives len() to the base class
 
     # -- devices and sharding -------------------------------------------------------------
+    def _trainer_device(self) -> torch.device | None:
+        trainer = self.trainer
+        return trainer.strategy.root_device if trainer is not None else None
+
     @property
     def decoder_device(self) -> str:
-        gpu = self.dali_device == "gpu" or (self.dali_device == "auto" and torch.cuda.is_available())
+        """"mixed" or "cpu". `auto` follows the trainer's device (a `--trainer.accelerator cpu` run on a GPU
+        machine decodes on the CPU and never creates a CUDA context); with no trainer, CUDA's presence."""
+        if self.dali_device != "auto":
+            return "mixed" if self.dali_device == "gpu" else "cpu"
+        device = self._trainer_device()
+        gpu = device.type == "cuda" if device is not None else torch.cuda.is_available()
         return "mixed" if gpu else "cpu"
 
     def _device_id(self) -> int | None:
@@ -219,10 +285,17 @@ class DALIDataModule(ImageDataModule):
         return self.decoder_device == "mixed" and trainer is not None and str(trainer.precision).startswith("16")
 
     def _threads(self) -> int:
-        if self.num_threads:
-            return self.num_threads
-        per_node = self.trainer.num_devices if self.trainer is not None else 1
-        return max(1, (os.cpu_count() or 1) // max(1, per_node))
+        trainer = self.trainer
+        # training processes on this node: world / nodes (dp drives all its GPUs from one process)
+        per_node = max(1, trainer.world_size // max(1, trainer.num_nodes)) if trainer is not None else 1
+        device = self.decoder_device
+        threads = dali_threads(device, per_node, requested=self.num_threads)
+        bill = dali_memory_bill(device, threads)
+        if bill["device"] > 1 << 30:  # only an explicit num_threads gets here
+            warnings.warn(f"data.num_threads {threads} with GPU decoding preallocates {bill['device'] >> 20} MiB of GPU "
+                          f"and {bill['pinned'] >> 20} MiB of pinned memory per pipeline (two per process); "
+                          f"{MAX_MIXED_THREADS} threads are plenty for nvJPEG.", stacklevel=2)
+        return threads
 
     def _spec(self, train: bool):
         from datamodules.dali_pipelines import PipelineSpec
@@ -232,6 +305,7 @@ class DALIDataModule(ImageDataModule):
             train=train, decoder_device=self.decoder_device, image_size=size,
             val_resize=round(self.val_image_size / self.val_crop_ratio), min_scale=self.min_scale,
             fp16=self._fp16(), hw_decoder_load=self.hw_decoder_load,
+            device_memory_padding=DEVICE_MEMORY_PADDING, host_memory_padding=HOST_MEMORY_PADDING,
         )
 
     # -- loaders --------------------------------------------------------------------------
@@ -248,9 +322,14 @@ class DALIDataModule(ImageDataModule):
         if train and n < self.batch_size:
             raise DataError(f"{split}/ of {self.root} has {n} images, fewer than one global batch "
                             f"({self.batch_size}); lower --data.batch_size.")
+        device = self._trainer_device()
+        if self.decoder_device == "mixed" and device is not None and device.type != "cuda":
+            raise DataError(f"data.dali_device gpu decodes onto a CUDA device, but the trainer runs on {device}; "
+                            "use --data.dali_device auto (or cpu), or train on the GPU.")
         spec = self._spec(train)
-        common = dict(batch_size=batch, num_threads=self._threads(), device_id=self._device_id(),
-                      prefetch_queue_depth=self.prefetch_queue_depth)
+        pin = self.decoder_device == "cpu" and self.pin_memory and device is not None and device.type == "cuda"
+        common = {"batch_size": batch, "num_threads": self._threads(), "device_id": self._device_id(),
+                      "prefetch_queue_depth": self.prefetch_queue_depth}
 
         if self.source == "folder":
             files = [index.path(i) for i in range(n)]
@@ -271,7 +350,7 @@ class DALIDataModule(ImageDataModule):
                                            last_batch_policy=policy, auto_reset=False)
 
             table = torch.tensor(index.labels, dtype=torch.int64)
-            return DALILoader(build, steps, table)
+            return DALILoader(build, steps, table, pin=pin)
 
         shard_len = len(range(rank, n, world))
         steps = (n // world) // batch if train else math.ceil(shard_len / batch)
@@ -286,7 +365,7 @@ class DALIDataModule(ImageDataModule):
             return DALIGenericIterator([pipe], ["images", "index", "label"], auto_reset=False,
                                        last_batch_policy=LastBatchPolicy.PARTIAL)
 
-        return DALILoader(build_lmdb, steps, None, trim)
+        return DALILoader(build_lmdb, steps, None, trim, pin=pin)
 
     def _loader(self, split: str, train: bool) -> DALILoader:
         key = f"{split}:{int(train)}"
@@ -298,6 +377,3 @@ class DALIDataModule(ImageDataModule):
         for loader in self.loaders.values():
             loader.close()
         self.loaders = {}
-
-    def on_after_batch_transfer(self, batch, dataloader_idx: int):
-        return batch  # DALI already normalised (float, CHW); labels are int64

@@ -1,9 +1,13 @@
 """DALI pipelines: train (random resized crop, flip) and val (resize, center crop).
 
 Only imported by `datamodules.dali` once DALI is known to be installed. Every pipeline
-outputs ("images", "index"): float CHW images normalised with the ImageNet mean and std,
-and the sample's position in the Index (the backend maps it to the label, so a test can
-also see exactly which samples each rank read).
+outputs ("images", "index"): HWC images and the sample's position in the Index (the backend
+maps it to the label, so a test can also see exactly which samples each rank read). Images
+are uint8 when decoded on the CPU (normalised later, on the training device), float (or fp16)
+normalised with the ImageNet mean and std when decoded on the GPU ("mixed").
+
+Spawned LMDB workers unpickle `LMDBSampleSource` from here: this module must not import
+Lightning (nor anything that does, such as `datamodules.base`).
 """
 from __future__ import annotations
 
@@ -17,9 +21,6 @@ from datamodules.transforms import IMAGENET_MEAN, IMAGENET_STD
 READER_NAME = "Reader"
 MEAN = [m * 255 for m in IMAGENET_MEAN]
 STD = [s * 255 for s in IMAGENET_STD]
-# nvJPEG scratch sizes of NVIDIA's ImageNet example: no re-allocation after the first batches.
-DEVICE_MEMORY_PADDING = 211025920
-HOST_MEMORY_PADDING = 140544512
 
 
 @dataclass
@@ -33,16 +34,24 @@ class PipelineSpec:
     min_scale: float
     fp16: bool
     hw_decoder_load: float
+    device_memory_padding: int = 16 << 20  # per thread (datamodules.dali sizes these)
+    host_memory_padding: int = 8 << 20  # two pinned buffers per thread
 
 
 def _decode_and_augment(encoded, spec: PipelineSpec):
     mixed = spec.decoder_device == "mixed"
     extra = (
-        {"hw_decoder_load": spec.hw_decoder_load, "device_memory_padding": DEVICE_MEMORY_PADDING,
-         "host_memory_padding": HOST_MEMORY_PADDING}
+        {"hw_decoder_load": spec.hw_decoder_load, "device_memory_padding": spec.device_memory_padding,
+         "host_memory_padding": spec.host_memory_padding}
         if mixed else {}
     )
-    dtype = types.FLOAT16 if spec.fp16 else types.FLOAT
+    # GPU: normalise where the pixels already are. CPU: keep uint8 (a quarter of the bytes to copy and
+    # send to the device); the DataModule normalises on the device. HWC either way: the model's NCHW
+    # view of it is channels-last memory, so channels_last costs no copy.
+    if mixed:
+        norm = {"dtype": types.FLOAT16 if spec.fp16 else types.FLOAT, "mean": MEAN, "std": STD}
+    else:
+        norm = {"dtype": types.UINT8}
     if spec.train:
         images = fn.decoders.image_random_crop(
             encoded, device=spec.decoder_device, output_type=types.RGB,
@@ -51,13 +60,13 @@ def _decode_and_augment(encoded, spec: PipelineSpec):
         images = fn.resize(images, resize_x=spec.image_size, resize_y=spec.image_size,
                            interp_type=types.INTERP_LINEAR, antialias=True)
         mirror = fn.random.coin_flip(probability=0.5)
-        return fn.crop_mirror_normalize(images, dtype=dtype, output_layout="CHW", mean=MEAN, std=STD, mirror=mirror)
+        return fn.crop_mirror_normalize(images, output_layout="HWC", mirror=mirror, **norm)
     images = fn.decoders.image(encoded, device=spec.decoder_device, output_type=types.RGB, **extra)
     # torchvision: PIL bilinear with antialias (a triangle filter widened when shrinking),
     # shorter side to val_resize; DALI's linear + antialias is the same filter family.
     images = fn.resize(images, resize_shorter=spec.val_resize, interp_type=types.INTERP_LINEAR, antialias=True)
-    return fn.crop_mirror_normalize(images, dtype=dtype, output_layout="CHW", mean=MEAN, std=STD,
-                                    crop=(spec.image_size, spec.image_size), crop_pos_x=0.5, crop_pos_y=0.5)
+    return fn.crop_mirror_normalize(images, output_layout="HWC", crop=(spec.image_size, spec.image_size),
+                                    crop_pos_x=0.5, crop_pos_y=0.5, **norm)
 
 
 @pipeline_def
@@ -122,8 +131,16 @@ class LMDBSampleSource:
         shard = self.shard(sample_info.epoch_idx + self.epoch_offset)
         i = int(shard[min(sample_info.idx_in_epoch, len(shard) - 1)])
         if self._reader is None:
-            from datamodules.lmdb import LMDBReader
-
-            self._reader = LMDBReader(self.path)
+            self._reader = _open_reader(self.path)
         data, label = self._reader.get(self.split, i)
         return np.frombuffer(data, dtype=np.uint8), np.array([i], dtype=np.int32), np.array([label], dtype=np.int32)
+
+
+def _open_reader(path: str):
+    """The LMDB reader, from the Lightning-free module when this checkout has it (a spawned DALI worker
+    should not spend seconds importing Lightning); `datamodules.lmdb` imports `datamodules.base`."""
+    try:
+        from datamodules.lmdb_reader import LMDBReader
+    except ImportError:
+        from datamodules.lmdb import LMDBReader
+    return LMDBReader(path)

@@ -43,8 +43,8 @@ class ThroughputMonitor(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         log_now = (trainer.global_step % trainer.log_every_n_steps) == 0
-        if log_now and torch.cuda.is_available():
-            torch.cuda.synchronize()  # only when logging: make the window's time honest
+        if log_now and pl_module.device.type == "cuda":  # never touch CUDA on a --trainer.accelerator cpu run
+            torch.cuda.synchronize(pl_module.device)  # only when logging: make the window's time honest
         now = time.perf_counter()
         seconds = now - self._last_end
         self._last_end = now

@@ -85,6 +85,10 @@ class ImageClassifier(pl.LightningModule):
         if self.hparams.get("matmul_precision"):
             torch.set_float32_matmul_precision(self.hparams.matmul_precision)
         if self.hparams.compile and not getattr(self, "_compiled", False):
+            if self._trainer is not None:
+                from lightning_app.strategies import check_compile
+
+                check_compile(self._trainer.strategy)  # dp: refused; ddp: warned (why: in strategies.py)
             self.backbone.compile()  # in place: checkpoint keys do not gain "_orig_mod."
             self._compiled = True
 

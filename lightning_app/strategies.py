@@ -53,6 +53,43 @@ class DataParallelView:
         return self.dp(images)
 
 
+DP_COMPILE_MESSAGE = (
+    "model.compile true cannot be combined with --trainer.strategy dp: nn.Module.compile binds the compiled "
+    "call to the original backbone object (torch/nn/modules/module.py, Module.compile sets _compiled_call_impl), "
+    "and nn.DataParallel's replicas copy that object's __dict__ (torch/nn/parallel/replicate.py), so every GPU "
+    "would run the first GPU's weights on its own inputs. Use --trainer.strategy ddp (one process per GPU; "
+    "compile works there), or keep dp and set --model.compile false."
+)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """True when `module.compile()` was called on it (in place: the compiled call lives in its __dict__)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def check_compile(strategy: Any) -> None:
+    """Refuse or warn before `compile` is combined with a strategy that would break or slow it.
+
+    - dp: refused (DP_COMPILE_MESSAGE).
+    - ddp: warned. The backbone is compiled inside the DDP wrapper, not around it, so dynamo's
+      DDPOptimizer (torch/_dynamo/backends/distributed.py, which splits a graph at DDP's bucket
+      boundaries) never sees DDP: the compiled backward hands every gradient over at its end, and the
+      all-reduce no longer overlaps the backward pass. With SyncBatchNorm, its all-gather inside an
+      autograd Function (torch/nn/modules/_functions.py) breaks the graph at every BatchNorm.
+    """
+    if isinstance(strategy, DataParallelStrategy):
+        raise ValueError(DP_COMPILE_MESSAGE)  # noqa: TRY004 - a refused setting, not a wrong type
+    if isinstance(strategy, _LightningDDP):
+        sync = getattr(strategy, "_layer_sync", None) is not None
+        rank_zero_warn(
+            "model.compile with DDP: the compiled backbone sits inside the DDP wrapper, so the gradient "
+            "all-reduce waits for the whole backward instead of overlapping it; compile still speeds up the "
+            "forward and backward, but on several GPUs measure both settings."
+            + (" With trainer.sync_batchnorm, every SyncBatchNorm also breaks the compiled graph (its "
+               "all-gather cannot be traced): prefer sync_batchnorm false or compile false." if sync else "")
+        )
+
+
 class DataParallelStrategy(SingleDeviceStrategy):
     """One process drives all chosen GPUs; each batch is split across them (nn.DataParallel).
 
@@ -93,15 +130,18 @@ class DataParallelStrategy(SingleDeviceStrategy):
     def setup(self, trainer) -> None:
         super().setup(trainer)
         module = self.lightning_module
+        net = getattr(module, self.module_attr, None)
+        if isinstance(net, nn.Module) and is_compiled(net):
+            # refused on any machine, so a config fails on a laptop before it reaches the GPUs
+            raise ValueError(DP_COMPILE_MESSAGE)
         cuda = self.cuda_devices
         if len(cuda) < 2:
             why = "no CUDA device" if not cuda else "only one CUDA device chosen"
             rank_zero_warn(f"strategy dp: {why}; training on the single device {self.root_device}.")
             module.__dict__.pop(DP_ATTR, None)
             return
-        net = getattr(module, self.module_attr, None)
         if not isinstance(net, nn.Module):
-            raise AttributeError(
+            raise AttributeError(  # noqa: TRY004
                 f"strategy dp replicates the LightningModule's `{self.module_attr}` attribute, but "
                 f"{type(module).__name__} has no such nn.Module; set DataParallelStrategy(module_attr=...)."
             )

@@ -142,3 +142,55 @@ def test_rows_that_cannot_run_on_cpu_say_why():
     assert skip_reason(RowSpec("bf16-mixed", precision="bf16-mixed")) is None
     names = [r.name for r in row_specs(False)]
     assert names[0] == "baseline" and names[1].startswith("plain-pytorch")
+
+
+# ------------------------------------------------------------------------------ GPU readiness
+
+def _row(name: str, wait: float | None) -> dict:
+    return {"row": name, "strategy": "single", "precision": "32-true", "benchmark": False, "status": "ok",
+            "devices": 1, "seconds": 1.0, "images_s": 100.0, "speedup": 1.0, "data_wait_frac": wait}
+
+
+def test_train_table_flags_input_bound_rows():
+    from lightning_app.bench.train import INPUT_BOUND_FRAC, to_markdown
+
+    rows = [_row("baseline", 0.05), _row("16-mixed", INPUT_BOUND_FRAC), _row("compile", 0.29), _row("bf16", None)]
+    settings = {"arch": "resnet50", "width": 32, "image_size": 96, "batch_size": 256, "epochs": 3,
+                "num_workers": 16, "root": "/data"}
+    md = to_markdown({"rows": rows, "overhead": None, "settings": settings})
+    lines = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| ")}
+    assert "30% input-bound" in lines["16-mixed"]
+    assert "input-bound" not in lines["baseline"] and "input-bound" not in lines["compile"]
+    assert "**Input-bound** (data wait >= 30%): 16-mixed." in md
+
+
+def test_train_workload_is_gpu_sized_on_cuda_and_flags_win():
+    import argparse
+
+    from lightning_app.bench.train import apply_workload
+
+    args = argparse.Namespace(builtin=None, train_per_class=None, arch=None, width=None, image_size=None,
+                              batch_size=None, num_workers=None)
+    assert apply_workload(args, cuda=True) == "cuda"
+    assert (args.arch, args.builtin, args.image_size, args.train_per_class) == ("resnet50", "medium", 96, 600)
+    assert 1 <= args.num_workers <= 16
+    args = argparse.Namespace(builtin=None, train_per_class=None, arch="vgg11", width=None, image_size=None,
+                              batch_size=64, num_workers=None)
+    assert apply_workload(args, cuda=False) == "cpu"
+    assert (args.arch, args.batch_size, args.image_size, args.num_workers) == ("vgg11", 64, 32, 2)
+
+
+def test_dali_loader_built_before_the_clock_and_not_rebuilt_with_max_batches(tmp_path, photo_data):
+    pytest.importorskip("nvidia.dali")
+    from lightning_app.bench.loaders import Settings, _dali, _start_workers, time_epoch
+
+    s = Settings(root=photo_data, work=tmp_path, batch_size=4, num_workers=1, image_size=32, max_batches=2)
+    p = _dali(s, gpu=False)
+    loader = p.datamodule.train_dataloader()
+    assert len(loader) == 2  # an epoch of exactly --max-batches batches
+    _start_workers(loader)
+    assert loader._it is not None  # built (threads started) before any epoch is timed
+    for _ in range(3):
+        images, _ = time_epoch(p.datamodule, loader, torch.device("cpu"), s.max_batches, "dali")
+        assert images == 8
+    assert loader.rebuilds == 0

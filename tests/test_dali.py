@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -19,7 +18,7 @@ from datamodules.transforms import IMAGENET_STD, normalize
 from tests.conftest import REPO, copy_tree, free_port, quick_args, run_main
 
 dali = pytest.importorskip("nvidia.dali", reason="DALI is not installed (pip install nvidia-dali-cuda130==2.4.0)")
-from datamodules.dali import DALIDataModule  # noqa: E402
+from datamodules.dali import DALIDataModule
 
 STD255 = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (GPU DALI decoding)")
@@ -74,16 +73,19 @@ def _records(out: Path) -> dict[tuple[str, int, int], dict]:
 
 
 def _dali(data: Path, **kw) -> DALIDataModule:
-    args = dict(data_dir=str(data), batch_size=32, num_workers=1, image_size=32, val_image_size=32,
-                val_crop_ratio=1.0, num_threads=2, dali_device="cpu")
+    args = {"data_dir": str(data), "batch_size": 32, "num_workers": 1, "image_size": 32, "val_image_size": 32,
+                "val_crop_ratio": 1.0, "num_threads": 2, "dali_device": "cpu"}
     dm = DALIDataModule(**{**args, **kw})
     dm.setup("fit")
     return dm
 
 
-def _val_batches(loader) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def _val_batches(loader, dm=None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Every batch of `loader`, through `dm.on_after_batch_transfer` (normalisation) when given."""
     images, labels, order = [], [], []
     for x, y in loader:
+        if dm is not None:
+            x, y = dm.on_after_batch_transfer((x, y), 0)
         images.append(x.float())
         labels.append(y)
         order += loader.last_indices.tolist() if hasattr(loader, "last_indices") else []
@@ -103,7 +105,8 @@ def test_missing_dali_says_how_to_install(tiny_data):
         "except DataError as e:\n"
         "    print('ERROR:', e)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ERROR: DALIDataModule needs NVIDIA DALI" in proc.stdout
     assert "pip install nvidia-dali-cuda130==2.4.0" in proc.stdout
@@ -125,11 +128,11 @@ def test_settings_are_checked(tiny_data):
 @pytest.mark.parametrize("size,ratio,tolerance", [(32, 1.0, 0.5), (24, 0.875, 1.0)])
 def test_val_output_matches_imagefolder(tiny_data, size, ratio, tolerance):
     """Same labels in the same order; pixels within `tolerance` grey levels (mean absolute)."""
-    kw = dict(batch_size=32, image_size=32, val_image_size=size, val_crop_ratio=ratio)
+    kw = {"batch_size": 32, "image_size": 32, "val_image_size": size, "val_crop_ratio": ratio}
     dm = _dali(tiny_data, **kw)
     ref = ImageFolderDataModule(data_dir=str(tiny_data), num_workers=0, **kw)
     ref.setup("fit")
-    x, y, order = _val_batches(dm.val_dataloader())
+    x, y, order = _val_batches(dm.val_dataloader(), dm)
     rx, ry = [], []
     for images, labels in ref.val_dataloader():
         rx.append(normalize(images))
@@ -339,9 +342,67 @@ def test_mixed_decoding_outputs_on_gpu_and_fp16(tiny_data):
     dm.setup("fit")
     x, y = next(iter(dm.train_dataloader()))
     assert x.is_cuda and x.dtype == torch.float16 and x.shape == (32, 3, 32, 32)
+    assert x.is_contiguous(memory_format=torch.channels_last)  # HWC from DALI: no copy for a channels_last model
     assert y.dtype == torch.int64 and y.shape == (32,)
     cpu = _dali(tiny_data)
-    gx, gy, _ = _val_batches(dm.val_dataloader())
-    cx, cy, _ = _val_batches(cpu.val_dataloader())
+    gx, gy, _ = _val_batches(dm.val_dataloader(), dm)
+    cx, cy, _ = _val_batches(cpu.val_dataloader(), cpu)
     assert gy.tolist() == cy.tolist()
     assert ((gx.float().cpu() - cx) * STD255).abs().mean() < 2.0  # nvJPEG vs libjpeg-turbo IDCT
+
+
+# ---------------------------------------------------------------------------- threads, memory, output
+
+def test_threads_come_from_the_affinity_share_and_are_capped_for_gpu_decoding():
+    from datamodules.dali import MAX_MIXED_THREADS, dali_memory_bill, dali_threads
+
+    # a 224-thread DGX, 8 ranks: 28 CPUs each; nvJPEG gets at most MAX_MIXED_THREADS of them
+    assert dali_threads("cpu", 8, usable=224) == 28
+    assert dali_threads("mixed", 8, usable=224) == MAX_MIXED_THREADS == 8
+    # SLURM --cpus-per-task 6 with 4 ranks on the node: the mask, not the machine, decides
+    assert dali_threads("cpu", 4, usable=6) == 1 and dali_threads("mixed", 1, usable=3) == 3
+    assert dali_threads("mixed", 8, usable=224, requested=12) == 12  # explicit num_threads wins
+    # the memory bill of one pipeline: the issue's 28 threads at the old constants were ~5.5 GiB GPU
+    bill = dali_memory_bill("mixed", dali_threads("mixed", 8, usable=224))
+    assert bill == {"device": 8 * 16 * 2**20, "pinned": 8 * 2 * 8 * 2**20}  # 128 MiB and 128 MiB
+    assert dali_memory_bill("cpu", 28) == {"device": 0, "pinned": 0}
+
+
+def test_default_threads_use_this_process_affinity_mask(tiny_data):
+    import os
+
+    dm = _dali(tiny_data, num_threads=None)
+    assert dm._threads() == len(os.sched_getaffinity(0))  # no trainer: one process on the node
+
+
+def test_cpu_decoding_emits_uint8_channels_last_normalised_after_transfer(tiny_data):
+    dm = _dali(tiny_data)
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.dtype == torch.uint8 and x.shape == (32, 3, 32, 32)
+    assert x.is_contiguous(memory_format=torch.channels_last)
+    nx, ny = dm.on_after_batch_transfer((x, y), 0)
+    assert nx.dtype == torch.float32 and torch.equal(ny, y)
+    torch.testing.assert_close(nx, normalize(x))
+
+
+def test_shared_args_pass_through_kwargs(tiny_data):
+    import inspect
+
+    params = inspect.signature(DALIDataModule.__init__).parameters
+    assert "batch_size" not in params and any(p.kind is p.VAR_KEYWORD for p in params.values())
+    dm = DALIDataModule(data_dir=str(tiny_data), batch_size=16, image_size=24, dali_device="cpu")
+    assert (dm.batch_size, dm.image_size, dm.val_image_size) == (16, 24, 24)
+    with pytest.raises(TypeError):
+        DALIDataModule(data_dir=str(tiny_data), no_such_arg=1)
+
+
+def test_auto_follows_the_trainer_device(tiny_data):
+    dm = _dali(tiny_data, dali_device="auto")
+    dm.trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False)
+    assert dm.decoder_device == "cpu"  # even on a GPU machine: no CUDA context for a CPU run
+
+
+def test_threads_are_shared_by_the_processes_on_the_node(tiny_data):
+    dm = _dali(tiny_data, num_threads=None)
+    dm.trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", num_nodes=2, logger=False)
+    assert dm._threads() == max(1, len(os.sched_getaffinity(0)) // 2)  # 2 processes here, 4 in all

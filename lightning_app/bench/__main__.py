@@ -1,4 +1,4 @@
-"""`python -m lightning_app.bench {loaders,train}`: tables (Markdown), JSON and a PNG chart for this machine."""
+"""`python -m lightning_app.bench {loaders,train,gpu}`: tables (Markdown), JSON and a PNG chart for this machine."""
 from __future__ import annotations
 
 import argparse
@@ -81,15 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "Rows that cannot run here are listed as skipped with the reason.",
         epilog=_columns(TRAIN_COLUMNS) + "\n\nrows: " + ", ".join(ROW_NAMES))
     tr.add_argument("--data-dir", default=None, help="ImageFolder tree (default: built-in --builtin)")
-    tr.add_argument("--builtin", default="small", help="built-in preset (default: small, 32 px)")
-    tr.add_argument("--train-per-class", type=int, default=300, help="built-in: train images per class "
-                    "(default: 300, i.e. 3000 images an epoch, to keep the default run short on a CPU)")
+    tr.add_argument("--builtin", default=None, help="built-in preset (default: small on a CPU, medium (96 px) on CUDA)")
+    tr.add_argument("--train-per-class", type=int, default=None, help="built-in: train images per class "
+                    "(default: 300 on a CPU, i.e. 3000 images an epoch, to keep the run short; 600 on CUDA)")
     tr.add_argument("--val-per-class", type=int, default=None, help="built-in: val images per class")
-    tr.add_argument("--arch", default="conv11", help="model (default: conv11, as the seed's 11-conv table)")
-    tr.add_argument("--width", type=int, default=32, help="conv11 width (default: 32; ignored for other archs)")
-    tr.add_argument("--image-size", type=int, default=32, help="train crop (default: 32)")
-    tr.add_argument("--batch-size", type=int, default=256, help="GLOBAL batch size (default: 256)")
-    tr.add_argument("--num-workers", type=int, default=2, help="loader workers per process (default: 2)")
+    tr.add_argument("--arch", default=None, help="model (default: conv11 on a CPU, as the seed's 11-conv table; "
+                    "resnet50 on CUDA, where conv11 at 32 px is input-bound)")
+    tr.add_argument("--width", type=int, default=None, help="conv11 width (default: 32; ignored for other archs)")
+    tr.add_argument("--image-size", type=int, default=None, help="train crop (default: 32 on a CPU, 96 on CUDA)")
+    tr.add_argument("--batch-size", type=int, default=None, help="GLOBAL batch size (default: 256)")
+    tr.add_argument("--num-workers", type=int, default=None, help="loader workers per process (default: 2 on a "
+                    "CPU; on CUDA this process's CPUs, at most 16)")
     tr.add_argument("--epochs", type=int, default=3, help="epochs per row, the first is warm-up (default: 3)")
     tr.add_argument("--overhead-pairs", type=int, default=3, help="(baseline, hand-written loop) pairs run back to "
                     "back for the overhead ratio, the median pair reported (default: 3; the table's pair is the first)")
@@ -97,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"comma list of rows to run (default: all); names: {','.join(ROW_NAMES)}")
     tr.add_argument("--timeout", type=int, default=900, help="seconds before a row is stopped and marked failed")
     _common(tr)
+
+    from lightning_app.bench import gpu
+
+    gpu.add_parser(sub, _common)
     return ap
 
 
@@ -127,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
                              ceiling_images=args.ceiling_images)
         md = loaders.to_markdown(result)
         paths = report.write_results(args.out, "loaders", md, result, loaders.chart(result), args.machine, args.note)
+    elif args.command == "gpu":
+        from lightning_app.bench import gpu
+
+        md, paths = gpu.main(args)
     else:
         from lightning_app.bench import train
 
@@ -135,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             print(f"--rows: unknown {unknown}; choose from {','.join(train.ROW_NAMES)}", file=sys.stderr)
             return 2
+        train.apply_workload(args)
         result = train.run(args, rows)
         md = train.to_markdown(result)
         paths = report.write_results(args.out, "train", md, result, train.chart(result), args.machine, args.note)

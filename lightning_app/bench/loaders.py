@@ -227,8 +227,20 @@ def _dali(s: Settings, gpu: bool) -> Prepared:
         value = "gpu" if name == "dali_device" else "mixed"
     dm = DALIDataModule(**_kwargs(DALIDataModule, s, **{name: value}))
     dm.setup("fit")
+    note = f"{name}={value!r}"
+    if s.max_batches and getattr(dm, "indexes", None):
+        # DALI cannot stop mid-epoch: a loader left after --max-batches is rebuilt on the next iter(), and that
+        # rebuild would be timed in every epoch. Give it an epoch of exactly max_batches batches instead
+        # (a seeded sample of the train images, every class mixed).
+        from datamodules.index import Index
+
+        index = dm.indexes["train"]
+        keep = min(len(index), s.max_batches * s.batch_size)
+        picked = sorted(torch.randperm(len(index), generator=torch.Generator().manual_seed(0))[:keep].tolist())
+        dm.indexes["train"] = Index(index.root, index.split, index.classes, [index.samples[i] for i in picked])
+        note += f"; epoch = a sample of {keep} train images (--max-batches: DALI cannot stop mid-epoch)"
     files = _train_files(dm) if getattr(dm, "indexes", None) else []
-    return Prepared(dm, files, _mean_size(files), "tree", "original", gpu_decode=gpu, note=f"{name}={value!r}")
+    return Prepared(dm, files, _mean_size(files), "tree", "original", gpu_decode=gpu, note=note)
 
 
 FACTORIES: dict[str, Callable[[Settings], Prepared]] = {
@@ -289,13 +301,16 @@ def time_epoch(dm, loader, device: torch.device, max_batches: int | None, desc: 
 def _start_workers(loader) -> None:
     """Start a torch DataLoader's persistent workers before the clock, so cold and warm differ only in the cache.
 
-    One batch is read (its files are evicted again before the cold epoch). DALI iterators are
-    left alone: they cannot be stopped mid-epoch and reset cleanly.
+    One batch is read (its files are evicted again before the cold epoch). A DALI loader cannot be
+    stopped mid-epoch and reset cleanly: its pipeline is built (threads started, nvJPEG buffers
+    allocated) via `prepare()` instead, so construction is not timed as part of the cold epoch.
     """
     from torch.utils.data import DataLoader
 
     if isinstance(loader, DataLoader) and loader.persistent_workers:
         next(iter(loader))
+    elif callable(getattr(loader, "prepare", None)):
+        loader.prepare()
 
 
 def _shutdown(dm) -> None:

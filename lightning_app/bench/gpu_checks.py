@@ -1,0 +1,333 @@
+"""The checks of `bench gpu`: one training step per path, its verdict against a reference, and its rate.
+
+Every step is plain PyTorch on synthetic batches already on the device (no loader), so a row measures
+the path it names. Each check returns a `Check`; one that cannot run here is skipped with its reason.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models import create_model
+
+NUM_CLASSES = 10
+
+
+@dataclass
+class Check:
+    group: str                      # compute ceiling | backend | DALI mixed | precision | speed flag | dp | DDP
+    name: str
+    status: str = "ok"              # ok | FAIL | skipped
+    verdict: str = ""               # what was compared and against what tolerance, or the skip reason
+    images_s: float | None = None
+    figure: str = ""                # the row's headline figure, formatted
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Workload:
+    arch: str = "resnet50"
+    image_size: int = 224
+    batch_size: int = 128
+    warmup: int = 5
+    steps: int = 20
+    device: str = "cuda"
+
+
+def amp_dtype() -> torch.dtype:
+    """The AMP dtype a user of this GPU would pick: bf16 where supported, else fp16."""
+    return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float16
+
+
+def synthetic_batch(w: Workload, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(w.batch_size, 3, w.image_size, w.image_size, generator=g)
+    y = torch.randint(0, NUM_CLASSES, (w.batch_size,), generator=g)
+    return x.to(w.device), y.to(w.device)
+
+
+def make_model(w: Workload, seed: int = 0, num_classes: int = NUM_CLASSES) -> nn.Module:
+    torch.manual_seed(seed)
+    return create_model(w.arch, num_classes=num_classes, image_size=w.image_size).to(w.device)
+
+
+class TrainStep:
+    """model + SGD + the precision: `step(x, y)` runs forward, backward and the optimizer; returns the loss."""
+
+    def __init__(self, model: nn.Module, precision: str = "32-true", channels_last: bool = False) -> None:
+        self.model, self.channels_last = model, channels_last
+        if channels_last:
+            model.to(memory_format=torch.channels_last)
+        self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        self.dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision)
+        self.device_type = next(model.parameters()).device.type
+        # GradScaler only for fp16 (bf16 has fp32's range): what Lightning's MixedPrecision plugin does.
+        self.scaler = torch.amp.GradScaler(self.device_type) if self.dtype is torch.float16 else None
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(self.device_type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
+            loss = F.cross_entropy(self.model(x), y)
+        self.opt.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            loss.backward()
+            self.opt.step()
+        return loss.detach()
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def rate(step: Callable[[], Any], images: int, warmup: int, steps: int, device: str) -> tuple[float, float]:
+    """(images/s, seconds of the warm-up) of `step` called `warmup` then `steps` times, synchronized."""
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    t1 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    return images * steps / max(time.perf_counter() - t1, 1e-9), t1 - t0
+
+
+@contextlib.contextmanager
+def cudnn_flags(benchmark: bool = False, tf32: bool | None = None):
+    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.benchmark = benchmark
+    if tf32 is not None:
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+# ------------------------------------------------------------------------------ compute ceiling
+
+def fastest_precision(device: str) -> str:
+    """What the ceiling and the backend rows train with: AMP (bf16, else fp16) on CUDA, 32-true on a CPU."""
+    if not device.startswith("cuda"):
+        return "32-true"
+    return "bf16-mixed" if amp_dtype() is torch.bfloat16 else "16-mixed"
+
+
+def compute_ceiling(w: Workload) -> Check:
+    """ResNet-50 (or --arch) training steps on one synthetic on-device batch, in the fastest setting this
+    template offers: AMP (bf16, else fp16), channels_last, cudnn.benchmark. On a CPU: 32-true, channels_last."""
+    cuda = w.device.startswith("cuda")
+    precision = fastest_precision(w.device)
+    x, y = synthetic_batch(w)
+    with cudnn_flags(benchmark=cuda):
+        step = TrainStep(make_model(w), precision, channels_last=True)
+        ips, _ = rate(lambda: step(x, y), w.batch_size, w.warmup, w.steps, w.device)
+    how = f"{w.arch} at {w.image_size} px, batch {w.batch_size}, {precision}, channels_last" + (
+        ", cudnn.benchmark" if cuda else "")
+    return Check("compute ceiling", "compute ceiling", verdict=f"synthetic on-device batches: {how}", images_s=ips,
+                 figure=f"{ips:,.0f} img/s", extra={"precision": precision})
+
+
+# ------------------------------------------------------------------------------ precision
+
+def precision_steps(w: Workload, tolerance: float = 0.05) -> list[Check]:
+    """16-mixed and bf16-mixed against 32-true: the same weights and batch; the first loss agrees within
+    `tolerance` (relative), every loss stays finite, and fp16's GradScaler scale stays finite and > 0."""
+    x, y = synthetic_batch(w)
+    results: dict[str, tuple[float, list[float], float | None]] = {}
+    checks = []
+    for precision in ("32-true", "16-mixed", "bf16-mixed"):
+        if precision == "bf16-mixed" and not torch.cuda.is_bf16_supported():
+            checks.append(Check("precision", precision, "skipped", "this GPU has no bf16"))
+            continue
+        with cudnn_flags(benchmark=False, tf32=False):
+            step = TrainStep(make_model(w), precision)
+            losses = [step(x, y)]  # the first step: the same weights for every precision
+            # losses stay on the device until the end: a float() per step would sync and slow the timed loop
+            ips, _ = rate(lambda s=step, out=losses: out.append(s(x, y)), w.batch_size, w.warmup, w.steps, w.device)
+            losses = [float(v) for v in losses]
+        scale = float(step.scaler.get_scale()) if step.scaler is not None else None
+        results[precision] = (ips, losses, scale)
+        ref_ips, ref_losses, _ = results["32-true"]
+        first = abs(losses[0] - ref_losses[0]) / max(abs(ref_losses[0]), 1e-6)
+        finite = all(math.isfinite(v) for v in losses)
+        ok = finite and first <= tolerance and (scale is None or (math.isfinite(scale) and scale > 0))
+        verdict = (f"losses finite: {finite}; first loss {losses[0]:.4f} vs 32-true {ref_losses[0]:.4f} "
+                   f"(relative {first:.1e}, tolerance {tolerance})"
+                   + (f"; GradScaler scale {scale:g}" if scale is not None else ""))
+        checks.append(Check("precision", precision, "ok" if ok else "FAIL", verdict, ips,
+                            f"{ips:,.0f} img/s, {ips / ref_ips:.2f}x 32-true",
+                            {"losses": losses[:3] + losses[-1:], "scale": scale}))
+    return checks
+
+
+# ------------------------------------------------------------------------------ speed flags
+
+def speed_flags(w: Workload) -> list[Check]:
+    """channels_last, cudnn.benchmark and compile, each alone against the plain AMP step."""
+    precision = "bf16-mixed" if amp_dtype() is torch.bfloat16 else "16-mixed"
+    x, y = synthetic_batch(w)
+    checks, base = [], None
+    for name, channels_last, benchmark, compiled in (("plain (AMP)", False, False, False),
+                                                     ("channels_last", True, False, False),
+                                                     ("cudnn.benchmark", False, True, False),
+                                                     ("compile", False, False, True)):
+        try:
+            with cudnn_flags(benchmark=benchmark):
+                model = make_model(w)
+                if compiled:
+                    model.compile()  # as ImageClassifier.configure_model: in place
+                step = TrainStep(model, precision, channels_last=channels_last)
+                loss = []
+                ips, warm_s = rate(lambda s=step, out=loss: out.append(s(x, y)), w.batch_size, w.warmup, w.steps,
+                                   w.device)
+                loss = [float(v) for v in loss]
+        except Exception as e:  # noqa: BLE001 - a path that fails is a FAIL row with the error
+            checks.append(Check("speed flag", name, "FAIL", f"{type(e).__name__}: {str(e)[:300]}"))
+            continue
+        base = base or ips
+        finite = all(math.isfinite(v) for v in loss)
+        checks.append(Check("speed flag", name, "ok" if finite else "FAIL",
+                            f"{precision}; losses finite: {finite}; warm-up {warm_s:.1f} s" +
+                            (" (includes compiling)" if compiled else ""), ips,
+                            f"{ips:,.0f} img/s, {ips / base:.2f}x plain"))
+    return checks
+
+
+# ------------------------------------------------------------------------------ dp
+
+def _grads(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.detach().float().flatten().cpu() for p in model.parameters() if p.grad is not None])
+
+
+def dp_check(w: Workload, tolerance: float = 1e-3) -> Check:
+    """One step through the dp strategy's DataParallel view vs a single device: the same weights and batch,
+    BatchNorm from running statistics (eval mode, so every GPU's chunk computes the same function), fp32
+    without TF32; the gradients' relative difference |g_dp - g| / |g| (all parameters as one vector) <= tolerance."""
+    from lightning_app.strategies import DataParallelView
+
+    n = torch.cuda.device_count()
+    if n < 2:
+        return Check("dp", f"dp over {n} GPU", "skipped", f"DataParallel needs >= 2 CUDA GPUs ({n} here)")
+    x, y = synthetic_batch(w)
+    with cudnn_flags(benchmark=False, tf32=False):
+        grads = []
+        for parallel in (False, True):
+            model = make_model(w).eval()
+            view = DataParallelView(model, list(range(n))) if parallel else model
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(view(x), y).backward()
+            grads.append(_grads(model))
+        ref, got = grads
+        diff = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+        model.train()
+        step = TrainStep(model)
+        step.model = view  # the DataParallel view runs the forward; the optimizer updates the one model
+        ips, _ = rate(lambda: step(x, y), w.batch_size, w.warmup, w.steps, w.device)
+    ok = diff <= tolerance
+    return Check("dp", f"dp over {n} GPUs", "ok" if ok else "FAIL",
+                 f"gradients vs one device: relative difference {diff:.1e} (tolerance {tolerance:g}, fp32, no TF32)",
+                 ips, f"{ips:,.0f} img/s (32-true)", {"grad_rel_diff": diff})
+
+
+# ------------------------------------------------------------------------------ DDP over NCCL
+
+def _ddp_worker(rank: int, world: int, port: int, w: Workload, mb: int, out: str, backend: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = backend == "nccl"
+    device = f"cuda:{rank}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            device_id=torch.device(device) if cuda else None)
+    try:
+        # all-reduce bus bandwidth, as nccl-tests reports it: size / time x 2 (n - 1) / n
+        buf = torch.ones(mb * 2**20 // 4, device=device)
+        for _ in range(5):
+            dist.all_reduce(buf)
+        _sync(device)
+        t0, reps = time.perf_counter(), 20
+        for _ in range(reps):
+            dist.all_reduce(buf)
+        _sync(device)
+        seconds = (time.perf_counter() - t0) / reps
+        busbw = buf.numel() * 4 / seconds * 2 * (world - 1) / world / 1e9
+        # one DDP step on this rank's share of the global batch vs one process on the whole batch
+        local = Workload(**{**asdict(w), "device": device})
+        x, y = synthetic_batch(local)  # the same global batch on every rank
+        share = w.batch_size // world
+        with cudnn_flags(benchmark=False, tf32=False):
+            model = make_model(local).eval()
+            ddp = nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
+            F.cross_entropy(ddp(x[rank * share:(rank + 1) * share]), y[rank * share:(rank + 1) * share]).backward()
+            got = _grads(model)
+            diff = None
+            if rank == 0:
+                single = make_model(local).eval()
+                F.cross_entropy(single(x[:share * world]), y[:share * world]).backward()
+                ref = _grads(single)
+                diff = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+        if rank == 0:
+            import json
+
+            with open(out, "w") as f:
+                json.dump({"busbw_gb_s": busbw, "grad_rel_diff": diff, "seconds": seconds}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_check(w: Workload, mb: int = 256, tolerance: float = 1e-3, processes: int | None = None,
+              backend: str = "nccl") -> Check:
+    """NCCL over every GPU of the node: all-reduce bus bandwidth, and a DDP step's gradients against one
+    process on the same global batch (eval-mode BatchNorm, fp32 without TF32). `backend="gloo"` with
+    `processes` runs the same check on CPUs (what the test suite does)."""
+    import json
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    n = processes or torch.cuda.device_count()
+    if n < 2:
+        return Check("DDP", "NCCL DDP", "skipped", f"DDP over NCCL needs >= 2 CUDA GPUs ({n} here)")
+    if backend == "nccl" and not dist.is_nccl_available():
+        return Check("DDP", "NCCL DDP", "skipped", "this torch build has no NCCL")
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "ddp.json")
+        try:
+            mp.spawn(_ddp_worker, args=(n, port, w, mb, out, backend), nprocs=n, join=True)
+        except Exception as e:  # noqa: BLE001 - a failing path is a FAIL row with its error
+            return Check("DDP", f"{backend.upper()} DDP x{n}", "FAIL", f"{type(e).__name__}: {str(e)[-300:]}")
+        with open(out) as f:
+            got = json.load(f)
+    diff = got["grad_rel_diff"]
+    ok = diff is not None and diff <= tolerance
+    return Check("DDP", f"{backend.upper()} DDP x{n}", "ok" if ok else "FAIL",
+                 f"{n} processes; DDP step vs one process on the same global batch: gradients' relative "
+                 f"difference {diff:.1e} (tolerance {tolerance:g}); all-reduce of {mb} MiB", None,
+                 f"{got['busbw_gb_s']:,.1f} GB/s bus bandwidth", got)

@@ -1,0 +1,155 @@
+"""What a first GPU run would break, checked on a CPU: dp + compile refused, compile + DDP warned, the launch
+scripts' final argument order, and a CPU run that never touches CUDA."""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from lightning_app.cli import ClassifierCLI
+from lightning_app.strategies import DP_COMPILE_MESSAGE, DDPStrategy, check_compile
+from tests.conftest import REPO, quick_args
+
+
+def test_dp_with_compile_is_refused_with_its_message(tiny_data, tmp_path):
+    args = ["fit", "--config", "configs/dp.yaml", *quick_args(tiny_data, tmp_path), "--model.compile", "true"]
+    with pytest.raises(ValueError, match="cannot be combined with --trainer.strategy dp") as err:
+        ClassifierCLI(args=args)
+    assert "--model.compile false" in str(err.value) and "ddp" in str(err.value)
+    assert str(err.value) == DP_COMPILE_MESSAGE
+
+
+def test_compile_with_ddp_warns_and_names_syncbatchnorm():
+    with pytest.warns(UserWarning, match="inside the DDP wrapper") as record:
+        check_compile(DDPStrategy())
+    assert "SyncBatchNorm" not in str(record[0].message)
+    strategy = DDPStrategy()
+    from pytorch_lightning.plugins import TorchSyncBatchNorm
+
+    strategy._layer_sync = TorchSyncBatchNorm()
+    with pytest.warns(UserWarning, match="SyncBatchNorm also breaks the compiled graph"):
+        check_compile(strategy)
+
+
+# ---------------------------------------------------------------------------- launch scripts
+
+def _dry_run(script: str, args: list[str], env: dict[str, str]) -> list[str]:
+    proc = subprocess.run(["bash", script, *args], cwd=REPO, env={**os.environ, **env, "DRY_RUN": "1"},
+                          capture_output=True, text=True, timeout=60, check=True)
+    return shlex.split(proc.stdout)
+
+
+def _main_args(cmd: list[str]) -> list[str]:
+    return cmd[cmd.index("main.py") + 1:]
+
+
+@pytest.mark.parametrize("script,env", [
+    ("scripts/torchrun.sh", {"GPUS": "4", "NNODES": "2", "NODE_RANK": "1"}),
+    ("scripts/slurm/train.sbatch", {"SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "4",
+                                    "SLURM_CPUS_PER_TASK": "8"}),
+])
+def test_launch_scripts_apply_their_layout_after_the_users_config(script, env, tiny_data, tmp_path):
+    user = ["--config", "configs/ddp_amp.yaml", *quick_args(tiny_data, tmp_path)[:-2]]  # devices: auto inside
+    cmd = _dry_run(script, user, {**env, "SLURM_SUBMIT_DIR": str(tmp_path)})  # no last.ckpt there: no resume flag
+    args = _main_args(cmd)
+    assert args[0] == "fit" and args[1:1 + len(user)] == user  # the user's "$@" first, untouched
+    assert args[1 + len(user):] == ["--trainer.num_nodes", "2", "--trainer.devices", "4", "--trainer.strategy", "ddp"]
+    if "srun" in cmd[0]:
+        assert cmd[:3] == ["srun", "--cpus-per-task", "8"]  # SLURM >= 22.05 does not pass it on
+    # and jsonargparse, applying left to right, ends with the script's layout, not the config's `auto`
+    cli = ClassifierCLI(args=args[1:], run=False)
+    assert str(cli.config["trainer"]["devices"]) == "4" and cli.config["trainer"]["num_nodes"] == 2
+    assert cli.trainer.num_devices == 4 and cli.trainer.num_nodes == 2
+    assert cli.config["trainer"]["strategy"] == "ddp"
+
+
+# ---------------------------------------------------------------------------- bench gpu on a CPU
+
+@pytest.mark.slow
+def test_bench_gpu_on_cpu_skips_every_gpu_row_and_runs_the_ceiling_and_shares(tiny_data, tmp_path):
+    import json
+
+    import torch
+
+    from lightning_app.bench.__main__ import main
+
+    out = tmp_path / "out"
+    rc = main(["gpu", "--data-dir", str(tiny_data), "--arch", "conv11", "--image-size", "32", "--batch-size", "8",
+               "--steps", "2", "--warmup", "1", "--epochs", "1", "--max-batches", "2", "--num-workers", "0",
+               "--backends", "imagefolder,dali-cpu", "--out", str(out), "--machine", "test"])
+    assert rc == 0
+    data = json.loads((out / "test.gpu.json").read_text())
+    md = (out / "test.gpu.md").read_text()
+    assert (out / "test.gpu.png").read_bytes()[:4] == b"\x89PNG"
+    checks = {c["name"]: c for c in data["checks"]}
+    ceiling = checks["compute ceiling"]
+    assert ceiling["status"] == "ok" and ceiling["images_s"] > 0 and "conv11 at 32 px" in ceiling["verdict"]
+    for name in ("ImageFolder (PIL)", "DALI CPU"):
+        row = checks[name]
+        assert row["status"] == "ok" and row["images_s"] > 0, row
+        assert row["extra"]["share"] == pytest.approx(row["images_s"] / ceiling["images_s"])
+    assert checks["LMDB (PIL)"]["verdict"] == "not selected (--backends)"
+    gpu_rows = [c for c in data["checks"] if c["group"] not in ("compute ceiling", "backend")]
+    assert {c["group"] for c in gpu_rows} == {"DALI mixed", "precision", "speed flag", "dp", "DDP"}
+    if not torch.cuda.is_available():
+        assert all(c["status"] == "skipped" and "no CUDA GPU" in c["verdict"] for c in gpu_rows)
+        assert "needs a CUDA GPU" in checks["DALI GPU (mixed)"]["verdict"] or \
+            checks["DALI GPU (mixed)"]["verdict"] == "not selected (--backends)"
+        assert "none (every GPU row is skipped)" in md
+    assert "Share of the compute ceiling" in md and "| compile |" in md and "- Versions: python" in md
+
+
+def test_spawned_dali_lmdb_worker_does_not_import_lightning(tiny_data, tmp_path):
+    """What a spawned DALI worker runs: unpickle the source, read one sample. Lightning stays out of it."""
+    pytest.importorskip("nvidia.dali")
+    import importlib.util
+
+    if importlib.util.find_spec("datamodules.lmdb_reader") is None:
+        pytest.skip("the LMDB reader still lives in datamodules.lmdb, which imports Lightning (issue 10 splits it)")
+    db = tmp_path / "t.lmdb"
+    subprocess.run([sys.executable, "-m", "datamodules.lmdb", "--src", str(tiny_data), "--dst", str(db)],
+                   cwd=REPO, capture_output=True, timeout=300, check=True)
+    code = (
+        "import pickle, sys\n"
+        "from nvidia.dali.types import SampleInfo\n"
+        "from datamodules.dali_pipelines import LMDBSampleSource\n"
+        f"src = pickle.loads(pickle.dumps(LMDBSampleSource({str(db)!r}, 'train', 240, 0, 1, 8, 30, True, 0)))\n"
+        "data, index, label = src(SampleInfo(0, 0, 0, 0))\n"
+        "assert data[:2].tolist() == [0xFF, 0xD8], data[:2]\n"
+        "print('lightning imported:', 'pytorch_lightning' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          check=True)
+    assert "lightning imported: False" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_ddp_check_logic_on_gloo():
+    """`bench gpu`'s NCCL check, run over gloo on 2 CPU processes: a DDP step equals one process's step."""
+    from lightning_app.bench.gpu_checks import Workload, ddp_check
+
+    w = Workload(arch="conv11", image_size=32, batch_size=8, device="cpu")
+    check = ddp_check(w, mb=1, processes=2, backend="gloo")
+    assert check.status == "ok", check.verdict
+    assert check.extra["grad_rel_diff"] < 1e-5 and check.extra["busbw_gb_s"] > 0
+    assert check.name == "GLOO DDP x2"
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (a CPU run beside it)")
+@pytest.mark.parametrize("data", ["configs/data/dali.yaml", "configs/data/imagefolder.yaml"])
+def test_cpu_run_on_a_gpu_machine_creates_no_cuda_context(tiny_data, tmp_path, data):
+    """--trainer.accelerator cpu on a GPU box: no synchronize, no pinned memory, DALI auto on the CPU."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(REPO)!r})\n"  # absolute: jsonargparse enters config dirs
+        "import torch\n"
+        "from lightning_app.cli import ClassifierCLI\n"
+        f"ClassifierCLI(args=['fit', '--config', {data!r}, *{quick_args(tiny_data, tmp_path)!r},"
+        " '--trainer.limit_train_batches', '2', '--trainer.limit_val_batches', '1'])\n"
+        "print('cuda initialized:', torch.cuda.is_initialized())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          check=True)
+    assert "cuda initialized: False" in proc.stdout
