@@ -137,10 +137,8 @@ class LMDBSampleSource:
 
 
 def _open_reader(path: str):
-    """The LMDB reader, from the Lightning-free module when this checkout has it (a spawned DALI worker
-    should not spend seconds importing Lightning); `datamodules.lmdb` imports `datamodules.base`."""
-    try:
-        from datamodules.lmdb_reader import LMDBReader
-    except ImportError:
-        from datamodules.lmdb import LMDBReader
+    """The LMDB reader from its Lightning-free module: a spawned DALI worker should not spend seconds
+    importing Lightning (`datamodules.lmdb` imports `datamodules.base`)."""
+    from datamodules.lmdb_reader import LMDBReader
+
     return LMDBReader(path)
