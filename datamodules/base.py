@@ -13,8 +13,9 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from datamodules.augment import make_train_augment
 from datamodules.index import DataError, Index, find_classes, load_indexes
-from datamodules.transforms import normalize
+from datamodules.transforms import TrainSize, normalize
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILTIN_ROOT = REPO_ROOT / "data" / "builtin"
@@ -44,6 +45,8 @@ class ImageDataModule(pl.LightningDataModule):
         pin_memory: page-locked host batches for faster, asynchronous copies to the GPU.
         persistent_workers: keep workers alive between epochs.
         skip_invalid: leave unreadable files out (listed in a warning) instead of failing.
+        auto_augment: per-sample policy after crop and flip: trivialaugment, randaugment, autoaugment, or null.
+        random_erasing: probability of erasing a random rectangle (filled with the mean colour), 0 = off.
     """
 
     def __init__(
@@ -59,6 +62,8 @@ class ImageDataModule(pl.LightningDataModule):
         pin_memory: bool = True,
         persistent_workers: bool = True,
         skip_invalid: bool = False,
+        auto_augment: str | None = None,
+        random_erasing: float = 0.0,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -77,6 +82,10 @@ class ImageDataModule(pl.LightningDataModule):
         self.persistent_workers = persistent_workers
         self.skip_invalid = skip_invalid
         self.builtin = builtin
+        self.auto_augment = auto_augment
+        self.random_erasing = random_erasing
+        self.train_augment = make_train_augment(auto_augment, random_erasing)
+        self.train_size = TrainSize(image_size)  # shared with the workers; see set_train_size
         # Read now (cheaply, and before any process group starts) so a bad layout fails
         # at once and num_classes can be linked to the model.
         self.classes = self.discover_classes()
@@ -119,6 +128,17 @@ class ImageDataModule(pl.LightningDataModule):
                 stacklevel=2,
             )
         return self.batch_size // world
+
+    def set_train_size(self, size: int) -> None:
+        """Train crop size from the next train iterator on (progressive resizing, lightning_app/schedules.py).
+
+        Call it between epochs, before the epoch's iterator is made: persistent workers read the new
+        size from shared memory; batches still in flight from an unfinished epoch are discarded when
+        the DataLoader's iterator is reset, so no batch mixes sizes.
+        """
+        if int(size) < 1:
+            raise DataError(f"train size must be >= 1 px, got {size}.")
+        self.train_size.set(int(size))
 
     def setup(self, stage: str | None = None) -> None:
         if self.indexes:

@@ -183,7 +183,7 @@ class DownscaledDataModule(ImageDataModule):
 
     def make_dataset(self, split: str, index: Index) -> Dataset:
         if split == "train":
-            transform = TensorTrainTransform(self.image_size, self.min_scale)
+            transform = TensorTrainTransform(self.train_size, self.min_scale, augment=self.train_augment)
         else:
             transform = val_transform(self.val_image_size, self.val_crop_ratio)
         return InMemoryDataset(index, transform) if self.in_memory else CopyDataset(index, transform)

@@ -39,7 +39,7 @@ class ImageFolderDataModule(ImageDataModule):
 
     def make_dataset(self, split: str, index: Index) -> Dataset:
         if split == "train":
-            transform = train_transform(self.image_size, self.min_scale)
+            transform = train_transform(self.train_size, self.min_scale, augment=self.train_augment)
         else:
             transform = val_transform(self.val_image_size, self.val_crop_ratio)
         return IndexDataset(index, transform)

@@ -496,7 +496,7 @@ class LMDBDataModule(ImageDataModule):
 
     def make_dataset(self, split: str, index: Index) -> Dataset:
         if split == "train":
-            transform = train_transform(self.image_size, self.min_scale)
+            transform = train_transform(self.train_size, self.min_scale, augment=self.train_augment)
         else:
             transform = val_transform(self.val_image_size, self.val_crop_ratio)
         return LMDBDataset(self.reader, split, transform)

@@ -6,6 +6,7 @@ copy and pin than float32) and `normalize` runs there, in `on_after_batch_transf
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -15,26 +16,71 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-def train_transform(image_size: int, min_scale: float = 0.25) -> v2.Compose:
-    """Random resized crop (scale min_scale..1) and horizontal flip, as uint8 CHW."""
-    return v2.Compose([
-        v2.RandomResizedCrop(image_size, scale=(min_scale, 1.0), antialias=True),
-        v2.RandomHorizontalFlip(),
-        v2.PILToTensor(),
-    ])
+Augment = Callable[[torch.Tensor], torch.Tensor]  # uint8 CHW -> uint8 CHW, per sample
+
+
+class TrainSize:
+    """The train crop size, in shared memory: `set` in the main process reaches DataLoader
+    workers, persistent ones included (fork inherits the mapping; spawn pickles a handle to it).
+
+    `ImageDataModule.set_train_size` writes it between epochs, before the epoch's loader
+    iterator exists, so every batch of an epoch has one size (see lightning_app/schedules.py).
+    """
+
+    def __init__(self, size: int) -> None:
+        self._value = torch.tensor([int(size)], dtype=torch.int32).share_memory_()
+
+    def get(self) -> int:
+        return int(self._value[0])
+
+    def set(self, size: int) -> None:
+        self._value[0] = int(size)
+
+    def __int__(self) -> int:
+        return self.get()
+
+
+def _side(size: int | TrainSize) -> int:
+    return size.get() if isinstance(size, TrainSize) else int(size)
+
+
+class _ResizableCrop(v2.RandomResizedCrop):
+    """v2.RandomResizedCrop whose output size is read at each call (same randomness and pixels)."""
+
+    def __init__(self, size: int | TrainSize, **kwargs) -> None:
+        super().__init__(_side(size), **kwargs)
+        self.train_size = size
+
+    def forward(self, *inputs):
+        side = _side(self.train_size)
+        self.size = [side, side]
+        return super().forward(*inputs)
+
+
+def train_transform(image_size: int | TrainSize, min_scale: float = 0.25, augment: Augment | None = None) -> v2.Compose:
+    """Random resized crop (scale min_scale..1) and horizontal flip, as uint8 CHW, then `augment`."""
+    crop = (_ResizableCrop(image_size, scale=(min_scale, 1.0), antialias=True) if isinstance(image_size, TrainSize)
+            else v2.RandomResizedCrop(image_size, scale=(min_scale, 1.0), antialias=True))
+    return v2.Compose([crop, v2.RandomHorizontalFlip(), v2.PILToTensor(), *([augment] if augment else [])])
 
 
 class TensorTrainTransform:
-    """`train_transform` for uint8 CHW tensors: the same random crop, scale and flip.
+    """`train_transform` for uint8 CHW tensors: the same random crop, scale and flip, then `augment`.
 
     torchvision's tensor resize takes a generic path; a channels_last crop handed straight to
     `interpolate` takes PyTorch's vectorised uint8 RGB kernel instead, about 2x faster on a CPU.
     """
 
-    def __init__(self, image_size: int, min_scale: float = 0.25) -> None:
-        self.size = (image_size, image_size)
+    def __init__(self, image_size: int | TrainSize, min_scale: float = 0.25, augment: Augment | None = None) -> None:
+        self.train_size = image_size
         self.scale = [min_scale, 1.0]
         self.ratio = [3 / 4, 4 / 3]
+        self.augment = augment
+
+    @property
+    def size(self) -> tuple[int, int]:
+        side = _side(self.train_size)
+        return (side, side)
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
         top, left, h, w = RandomResizedCrop.get_params(image, self.scale, self.ratio)
@@ -43,7 +89,8 @@ class TensorTrainTransform:
             crop = crop.flip(-1)  # on the crop, which is smaller than the output
         crop = crop.contiguous(memory_format=torch.channels_last)
         # Channels-last strided; the collation's stack writes the contiguous batch in the same copy.
-        return F.interpolate(crop, size=self.size, mode="bilinear", antialias=True, align_corners=False)[0]
+        out = F.interpolate(crop, size=self.size, mode="bilinear", antialias=True, align_corners=False)[0]
+        return self.augment(out) if self.augment is not None else out
 
 
 def val_transform(image_size: int, crop_ratio: float = 0.875) -> v2.Compose:

@@ -7,6 +7,7 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torchmetrics.classification import MulticlassAccuracy
+from torchvision.transforms import v2
 
 from models import create_model
 
@@ -28,6 +29,12 @@ class ImageClassifier(pl.LightningModule):
         compile: torch.compile the backbone (state-dict keys stay the same).
         matmul_precision: float32 matmul precision, "highest" (true fp32), "high" (TF32 on Ampere+)
             or "medium" (bf16); null leaves torch's setting alone. Applied in every process.
+        mixup_alpha, cutmix_alpha: Beta(alpha, alpha) of MixUp / CutMix on the device batch
+            (torchvision v2.MixUp / v2.CutMix; 0 = off). Soft targets go to the loss; train/acc1
+            is measured against each mixed sample's dominant label.
+        mix_switch_prob: when both are on, the probability that a batch gets CutMix rather than MixUp.
+        test_time_flip: validate, test and predict on the average of the logits of each image
+            and its horizontal mirror (FFCV's test-time augmentation).
     """
 
     def __init__(
@@ -46,6 +53,10 @@ class ImageClassifier(pl.LightningModule):
         channels_last: bool = False,
         compile: bool = False,
         matmul_precision: str | None = None,
+        mixup_alpha: float = 0.0,
+        cutmix_alpha: float = 0.0,
+        mix_switch_prob: float = 0.5,
+        test_time_flip: bool = False,
     ) -> None:
         super().__init__()
         if matmul_precision not in (None, "highest", "high", "medium"):
@@ -58,6 +69,7 @@ class ImageClassifier(pl.LightningModule):
         self.train_acc1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.val_acc1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.val_acc5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
+        self.batch_mix = batch_mix(num_classes, mixup_alpha, cutmix_alpha, mix_switch_prob)
 
     def configure_model(self) -> None:
         if self.hparams.get("matmul_precision"):
@@ -74,11 +86,20 @@ class ImageClassifier(pl.LightningModule):
         return backbone(images)
 
     # -- steps ----------------------------------------------------------------------------
+    def eval_logits(self, images: torch.Tensor) -> torch.Tensor:
+        """Logits for validate, test and predict: with test_time_flip, averaged with the mirror image's."""
+        logits = self(images)
+        if self.hparams.get("test_time_flip"):
+            logits = (logits + self(images.flip(-1))) / 2
+        return logits
+
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images, labels = batch
+        if self.batch_mix is not None:
+            images, labels = self.batch_mix(images, labels)  # labels become soft targets (N, classes)
         logits = self(images)
         loss = F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing)
-        self.train_acc1(logits, labels)
+        self.train_acc1(logits, labels.argmax(-1) if labels.ndim == 2 else labels)
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/acc1", self.train_acc1, on_step=True, on_epoch=False)  # tag train/acc1, as DESIGN.md
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
@@ -86,7 +107,7 @@ class ImageClassifier(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx: int) -> None:
         images, labels = batch
-        logits = self(images)
+        logits = self.eval_logits(images)
         loss = F.cross_entropy(logits, labels)
         self.val_acc1(logits, labels)
         self.val_acc5(logits, labels)
@@ -99,7 +120,7 @@ class ImageClassifier(pl.LightningModule):
 
     def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
         images = batch[0] if isinstance(batch, (tuple, list)) else batch
-        return self(images).softmax(dim=-1)
+        return self.eval_logits(images).softmax(dim=-1)
 
     # -- optimisation ---------------------------------------------------------------------
     @property
@@ -129,6 +150,22 @@ class ImageClassifier(pl.LightningModule):
         from lightning_app.hparams import log_hparams_with_metric
 
         log_hparams_with_metric(self.trainer, metric="val/acc1")
+
+
+def batch_mix(num_classes: int, mixup_alpha: float, cutmix_alpha: float,
+              switch_prob: float = 0.5) -> v2.Transform | None:
+    """MixUp, CutMix, or a random choice between them per batch (as torchvision's reference recipe); None when off."""
+    if mixup_alpha < 0 or cutmix_alpha < 0 or not 0 <= switch_prob <= 1:
+        raise ValueError(f"model.mixup_alpha and model.cutmix_alpha must be >= 0 and model.mix_switch_prob in [0, 1], "
+                         f"got {mixup_alpha}, {cutmix_alpha}, {switch_prob}.")
+    mixes = []
+    if mixup_alpha > 0:
+        mixes.append((v2.MixUp(alpha=mixup_alpha, num_classes=num_classes), 1 - switch_prob))
+    if cutmix_alpha > 0:
+        mixes.append((v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes), switch_prob))
+    if len(mixes) < 2:
+        return mixes[0][0] if mixes else None
+    return v2.RandomChoice([m for m, _ in mixes], p=[p for _, p in mixes])
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int):
