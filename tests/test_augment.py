@@ -1,0 +1,89 @@
+"""Auto-augment and random erasing: uint8 in, uint8 out, labels untouched, on every PIL/tensor backend."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from datamodules import DownscaledDataModule, ImageFolderDataModule
+from datamodules.augment import AUTO_AUGMENTS, ERASE_VALUE, make_train_augment
+from datamodules.index import DataError
+from datamodules.transforms import TensorTrainTransform, train_transform
+
+
+@pytest.mark.parametrize("policy", [*AUTO_AUGMENTS, None])
+@pytest.mark.parametrize("erasing", [0.0, 1.0])
+def test_each_augmentation_keeps_uint8_chw(policy, erasing):
+    augment = make_train_augment(policy, erasing)
+    if policy is None and erasing == 0.0:
+        assert augment is None  # every switch off: the transform is exactly what it was
+        return
+    torch.manual_seed(0)
+    changed = 0
+    for _ in range(8):
+        image = torch.randint(0, 256, (3, 40, 48), dtype=torch.uint8)
+        out = augment(image)
+        assert out.dtype == torch.uint8 and out.shape == image.shape
+        changed += int(not torch.equal(out, image))
+    assert changed >= 4  # the policy does something (AutoAugment's ImageNet policy skips some images)
+
+
+def test_random_erasing_fills_with_the_mean_colour():
+    torch.manual_seed(0)
+    image = torch.zeros(3, 64, 64, dtype=torch.uint8)
+    out = make_train_augment(None, 1.0)(image)
+    erased = (out != 0).any(0)
+    assert erased.any()
+    assert out[:, erased].T.unique(dim=0).tolist() == [ERASE_VALUE]
+
+
+def test_bad_settings_name_the_setting():
+    with pytest.raises(DataError, match="data.auto_augment"):
+        make_train_augment("augmix")
+    with pytest.raises(DataError, match="data.random_erasing"):
+        make_train_augment(None, 1.5)
+
+
+def test_augment_runs_after_crop_and_flip():
+    from PIL import Image
+
+    seen = []
+
+    def augment(x):
+        seen.append((x.dtype, tuple(x.shape)))
+        return x
+
+    image = Image.new("RGB", (50, 40), (10, 20, 30))
+    assert train_transform(24, augment=augment)(image).shape == (3, 24, 24)
+    assert TensorTrainTransform(24, augment=augment)(torch.zeros(3, 40, 50, dtype=torch.uint8)).shape == (3, 24, 24)
+    assert seen == [(torch.uint8, (3, 24, 24))] * 2
+
+
+@pytest.mark.parametrize("module", [ImageFolderDataModule, DownscaledDataModule])
+def test_backend_batches_stay_uint8_with_the_same_labels(module, tiny_data, tmp_path):
+    kwargs = {"cache_dir": str(tmp_path / "copy"), "max_size": 32} if module is DownscaledDataModule else {}
+    batches = {}
+    for policy in (None, "trivialaugment"):
+        dm = module(data_dir=str(tiny_data), batch_size=240, num_workers=0, image_size=24, auto_augment=policy,
+                    random_erasing=0.5 if policy else 0.0, **kwargs)
+        dm.setup("fit")
+        dataset = dm.datasets["train"]
+        images, labels = zip(*(dataset[i] for i in range(0, len(dataset), 7)))
+        batches[policy] = (torch.stack(images), torch.tensor(labels))
+    plain, augmented = batches[None], batches["trivialaugment"]
+    assert augmented[0].dtype == torch.uint8 and augmented[0].shape == plain[0].shape
+    assert torch.equal(augmented[1], plain[1])
+    assert not torch.equal(augmented[0], plain[0])
+
+
+def test_switches_off_give_todays_pixels():
+    """The resizable crop (progressive resizing's hook) draws the same randomness and pixels as before."""
+    from PIL import Image
+
+    from datamodules.transforms import TrainSize
+
+    image = Image.fromarray(torch.randint(0, 256, (40, 50, 3), dtype=torch.uint8).numpy())
+    outs = []
+    for size in (24, TrainSize(24)):
+        torch.manual_seed(3)
+        outs.append(torch.stack([train_transform(size, 0.35)(image) for _ in range(5)]))
+    assert torch.equal(outs[0], outs[1])
