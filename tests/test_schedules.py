@@ -100,3 +100,24 @@ def test_without_a_resizable_datamodule_the_error_says_so():
 
     with pytest.raises(ValueError, match="set_train_size"):
         callback._apply(Bare(), 0)
+
+
+@pytest.mark.slow
+def test_progressive_vs_plain_bench_writes_both_curves(tiny_data, tmp_path):
+    """A smoke run of the wall-clock comparison (2 tiny epochs each): its files, not its timings."""
+    import json
+
+    from lightning_app.bench.progressive import main
+
+    result = main(["--data-dir", str(tiny_data), "--image-size", "32", "--start-size", "16", "--step", "8",
+                   "--epochs", "2", "--ramp", "0", "0.5", "--budget", "300", "--batch-size", "32",
+                   "--num-workers", "0", "--out", str(tmp_path)])
+    assert [p["train_size"] for p in result["plain"]["points"]] == [32, 32]
+    assert [p["train_size"] for p in result["progressive"]["points"]] == [16, 32]
+    for run in ("plain", "progressive"):
+        seconds = [p["seconds"] for p in result[run]["points"]]
+        assert seconds == sorted(seconds) and seconds[0] > 0
+    stem = tmp_path / f"{result['machine_name']}.progressive"
+    assert json.loads((tmp_path / f"{stem.name}.json").read_text())["comparison"]["verdict"]
+    assert "**Verdict:**" in (tmp_path / f"{stem.name}.md").read_text()
+    assert (tmp_path / f"{stem.name}.png").stat().st_size > 1000
