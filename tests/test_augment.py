@@ -87,3 +87,42 @@ def test_switches_off_give_todays_pixels():
         torch.manual_seed(3)
         outs.append(torch.stack([train_transform(size, 0.35)(image) for _ in range(5)]))
     assert torch.equal(outs[0], outs[1])
+
+
+# -- DALI's native subset (real DALI, CPU) -------------------------------------------------
+def _dali_batch(policy: str, images: list) -> list:
+    from nvidia.dali import fn, pipeline_def
+
+    from datamodules.dali_augment import dali_auto_augment
+
+    @pipeline_def(enable_conditionals=True, batch_size=len(images), num_threads=1, device_id=None, seed=1)
+    def pipe():
+        x = fn.external_source(source=lambda: images, batch=True, layout="HWC")
+        return dali_auto_augment(x, policy)
+
+    p = pipe()
+    p.build()
+    (out,) = p.run()
+    return [out.at(i) for i in range(len(images))]
+
+
+@pytest.mark.parametrize("policy", ["trivialaugment", "randaugment", "autoaugment"])
+def test_dali_policies_keep_uint8_hwc(policy):
+    pytest.importorskip("nvidia.dali")
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (40, 48, 3), dtype=np.uint8) for _ in range(8)]
+    out = _dali_batch(policy, images)
+    assert all(o.dtype == np.uint8 and o.shape == i.shape for o, i in zip(out, images))
+    assert sum(not np.array_equal(o, i) for o, i in zip(out, images)) >= 4
+
+
+def test_dali_refuses_what_it_does_not_have():
+    from datamodules.dali_augment import check_dali_augment
+
+    check_dali_augment("trivialaugment")
+    with pytest.raises(DataError, match="data.auto_augment 'augmix'.*DALI"):
+        check_dali_augment("augmix")
+    with pytest.raises(DataError, match="data.random_erasing"):
+        check_dali_augment(None, 0.1)
