@@ -11,6 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from datamodules import ImageFolderDataModule
 from lightning_app.module import ImageClassifier
 from lightning_app.schedules import ProgressiveResizing, scheduled_size
+from tests.conftest import free_port, quick_args, run_main
 
 
 def ffcv_get_resolution(epoch, min_res, max_res, end_ramp, start_ramp):
@@ -45,6 +46,21 @@ class SizeRecorder(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         images = batch[0]
         self.seen.append((trainer.current_epoch, images.shape[-2], images.shape[-1]))
+
+
+class RankSizeRecorder(SizeRecorder):
+    """SizeRecorder that writes what each rank saw to OUT_DIR/rank<N>.json (for runs in subprocesses)."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+
+    def on_fit_end(self, trainer, pl_module):
+        import json
+        from pathlib import Path
+
+        Path(self.out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(self.out_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.seen))
 
 
 def _fit(data, root, epochs, recorder, ckpt_path=None, workers=1):
@@ -121,3 +137,26 @@ def test_progressive_vs_plain_bench_writes_both_curves(tiny_data, tmp_path):
     assert json.loads((tmp_path / f"{stem.name}.json").read_text())["comparison"]["verdict"]
     assert "**Verdict:**" in (tmp_path / f"{stem.name}.md").read_text()
     assert (tmp_path / f"{stem.name}.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_progressive_resizing_under_ddp_from_the_cli(tiny_data, tmp_path):
+    """Two gloo processes with persistent workers: every rank trains each epoch at that epoch's size."""
+    import json
+
+    out = tmp_path / "seen"
+    config = tmp_path / "progressive.yaml"
+    config.write_text(json.dumps({"trainer": {"callbacks": [
+        {"class_path": "lightning_app.schedules.ProgressiveResizing",
+         "init_args": {"start_size": 16, "end_size": 32, "start_epoch": 0, "end_epoch": 2, "step": 8}},
+        {"class_path": "tests.test_schedules.RankSizeRecorder", "init_args": {"out_dir": str(out)}}]}}))
+    args = ["fit", *quick_args(tiny_data, tmp_path, epochs=3, batch=32), "--config", str(config),
+            "--data.num_workers", "1", "--trainer.strategy", "ddp", "--trainer.devices", "2",
+            "--trainer.limit_train_batches", "2", "--trainer.num_sanity_val_steps", "0"]
+    run_main(args, env={"MASTER_PORT": str(free_port())})
+    for rank in (0, 1):
+        seen = json.loads((out / f"rank{rank}.json").read_text())
+        assert [(e, h) for e, h, _ in seen] == [(0, 16), (0, 16), (1, 24), (1, 24), (2, 32), (2, 32)]
+    acc = EventAccumulator(str(next(tmp_path.glob("version_*"))), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("train/image_size")] == [16.0, 24.0, 32.0]
