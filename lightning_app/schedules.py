@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.utilities import rank_zero_info
 
 
@@ -92,13 +93,29 @@ class ProgressiveResizing(pl.Callback):
                 f"ProgressiveResizing needs a datamodule with set_train_size(size); "
                 f"{type(datamodule).__name__} has none. Use one of the datamodules.* backends."
             )
-        current = getattr(datamodule, "train_size", None)
-        before = current.get() if hasattr(current, "get") else current
-        if before == size:
+        if train_size_of(datamodule) == size:
             return False
         datamodule.set_train_size(size)
         rank_zero_info(f"Progressive resizing: train crop {size} px from epoch {epoch}.")
         return True
+
+
+def train_size_of(datamodule: Any) -> int | None:
+    """The train crop size in force in `datamodule`, or None when it does not say.
+
+    Reads `train_size` (an int, or a shared value with `.get()`) or a shared tensor `_train_size`,
+    whichever the datamodule keeps (datamodules/base.py; the batch-path rewrite keeps the latter).
+    """
+    for name in ("train_size", "_train_size"):
+        value = getattr(datamodule, name, None)
+        if value is None:
+            continue
+        if hasattr(value, "get"):
+            return int(value.get())
+        if isinstance(value, torch.Tensor):
+            return int(value.reshape(-1)[0])
+        return int(value)
+    return None
 
 
 def resumed_epoch(checkpoint: dict[str, Any]) -> int:

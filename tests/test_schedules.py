@@ -160,3 +160,22 @@ def test_progressive_resizing_under_ddp_from_the_cli(tiny_data, tmp_path):
     acc = EventAccumulator(str(next(tmp_path.glob("version_*"))), size_guidance={"scalars": 0})
     acc.Reload()
     assert [e.value for e in acc.Scalars("train/image_size")] == [16.0, 24.0, 32.0]
+
+
+def test_train_size_of_reads_either_kind_of_datamodule():
+    import torch
+
+    from datamodules.transforms import TrainSize
+    from lightning_app.schedules import train_size_of
+
+    class Shared:
+        train_size = TrainSize(24)
+
+    class Private:
+        _train_size = torch.tensor([40], dtype=torch.int64)
+
+    class Plain:
+        train_size = 32
+
+    assert [train_size_of(c()) for c in (Shared, Private, Plain)] == [24, 40, 32]
+    assert train_size_of(object()) is None

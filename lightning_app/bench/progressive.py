@@ -46,12 +46,13 @@ class AccuracyClock(pl.Callback):
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or trainer.global_rank != 0 or "val/acc1" not in trainer.callback_metrics:
             return
-        size = getattr(trainer.datamodule, "train_size", None)
+        from lightning_app.schedules import train_size_of
+
         self.points.append({
             "epoch": trainer.current_epoch,
             "seconds": round(time.perf_counter() - self._t0, 3),
             "val_acc1": float(trainer.callback_metrics["val/acc1"]),
-            "train_size": size.get() if hasattr(size, "get") else size,
+            "train_size": train_size_of(trainer.datamodule),
         })
         path = os.environ.get(CURVE_ENV)
         if path:
