@@ -16,6 +16,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from datamodules.augment import make_train_augment
 from datamodules.cpus import cpus_per_process
 from datamodules.crop import Augment, TrainCrop, ValCrop
 from datamodules.index import DataError, Index, find_classes, load_indexes
@@ -53,6 +54,8 @@ class ImageDataModule(pl.LightningDataModule):
         skip_invalid: leave unreadable files out (listed in a warning) instead of failing.
         predict_dir: `predict` reads every image under this folder (datamodules/predict.py); without
             data_dir, no training tree is read or generated and the classes come from the checkpoint.
+        auto_augment: per-sample policy after crop and flip: trivialaugment, randaugment, autoaugment, or null.
+        random_erasing: probability of erasing a random rectangle (filled with the mean colour), 0 = off.
     """
 
     def __init__(
@@ -69,6 +72,8 @@ class ImageDataModule(pl.LightningDataModule):
         persistent_workers: bool = True,
         skip_invalid: bool = False,
         predict_dir: str | None = None,
+        auto_augment: str | None = None,
+        random_erasing: float = 0.0,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -92,7 +97,10 @@ class ImageDataModule(pl.LightningDataModule):
         # The train crop size lives in shared memory: persistent (forked or spawned) DataLoader workers
         # read it once per batch, so set_train_size reaches them between epochs.
         self._train_size = torch.tensor([image_size], dtype=torch.int64).share_memory_()
-        self.train_augment: Augment | None = None  # per-sample hook after crop+flip; set before setup()
+        self.auto_augment = auto_augment
+        self.random_erasing = random_erasing
+        # per-sample hook after crop+flip (may be replaced before setup())
+        self.train_augment: Augment | None = make_train_augment(auto_augment, random_erasing)
         # Read now (cheaply, and before any process group starts) so a bad layout fails
         # at once and num_classes can be linked to the model.
         self.predict_dir = predict_dir
@@ -116,6 +124,11 @@ class ImageDataModule(pl.LightningDataModule):
         if split == "train":
             return SampleDataset(source, labels, TrainCrop(self.min_scale, self.train_augment), self._train_size)
         return SampleDataset(source, labels, ValCrop(self.val_crop_ratio), self.val_image_size)
+
+    @property
+    def train_size(self) -> int:
+        """The train crop size in force (image_size unless progressive resizing changed it)."""
+        return int(self._train_size[0])
 
     def set_train_size(self, size: int) -> None:
         """Change the train crop size from the next batch a worker starts (call at an epoch's start).

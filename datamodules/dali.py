@@ -203,6 +203,9 @@ class DALIDataModule(ImageDataModule):
         **kwargs: Any,
     ) -> None:
         require_dali()
+        from datamodules.dali_augment import check_dali_augment
+
+        check_dali_augment(kwargs.get("auto_augment"), kwargs.get("random_erasing", 0.0))
         if dali_device not in DEVICES:
             raise DataError(f"data.dali_device must be one of {DEVICES}, got {dali_device!r}.")
         if source not in SOURCES:
@@ -225,6 +228,7 @@ class DALIDataModule(ImageDataModule):
         self.lmdb_meta: dict | None = None
         self.loaders: dict[str, DALILoader] = {}
         super().__init__(**kwargs)
+        self.train_augment = None  # the pipeline applies auto_augment itself (datamodules/dali_augment.py)
 
     # -- data discovery -------------------------------------------------------------------
     def discover_classes(self) -> list[str]:
@@ -300,12 +304,13 @@ class DALIDataModule(ImageDataModule):
     def _spec(self, train: bool):
         from datamodules.dali_pipelines import PipelineSpec
 
-        size = self.image_size if train else self.val_image_size
+        size = self.train_size if train else self.val_image_size
         return PipelineSpec(
             train=train, decoder_device=self.decoder_device, image_size=size,
             val_resize=round(self.val_image_size / self.val_crop_ratio), min_scale=self.min_scale,
             fp16=self._fp16(), hw_decoder_load=self.hw_decoder_load,
             device_memory_padding=DEVICE_MEMORY_PADDING, host_memory_padding=HOST_MEMORY_PADDING,
+            auto_augment=self.auto_augment if train else None,
         )
 
     # -- loaders --------------------------------------------------------------------------
@@ -326,7 +331,6 @@ class DALIDataModule(ImageDataModule):
         if self.decoder_device == "mixed" and device is not None and device.type != "cuda":
             raise DataError(f"data.dali_device gpu decodes onto a CUDA device, but the trainer runs on {device}; "
                             "use --data.dali_device auto (or cpu), or train on the GPU.")
-        spec = self._spec(train)
         pin = self.decoder_device == "cpu" and self.pin_memory and device is not None and device.type == "cuda"
         common = {"batch_size": batch, "num_threads": self._threads(), "device_id": self._device_id(),
                       "prefetch_queue_depth": self.prefetch_queue_depth}
@@ -343,7 +347,7 @@ class DALIDataModule(ImageDataModule):
             steps = (n // world) // batch if train else math.ceil(math.ceil(n / world) / batch)
 
             def build(epoch: int):
-                pipe = dp.file_pipeline(spec, files, positions, (rank + epoch) % world, world,
+                pipe = dp.file_pipeline(self._spec(train), files, positions, (rank + epoch) % world, world,
                                         seed=self.seed + 1000 * epoch + rank, **common)
                 pipe.build()
                 return DALIGenericIterator([pipe], ["images", "index"], reader_name=dp.READER_NAME,
@@ -358,7 +362,7 @@ class DALIDataModule(ImageDataModule):
 
         def build_lmdb(epoch: int):
             source = dp.LMDBSampleSource(self.lmdb_path, split, n, rank, world, batch, steps, train, self.seed, epoch)
-            pipe = dp.external_pipeline(spec, source, seed=self.seed + 1000 * epoch + rank,
+            pipe = dp.external_pipeline(self._spec(train), source, seed=self.seed + 1000 * epoch + rank,
                                         py_num_workers=max(1, self.num_workers), py_start_method="spawn", **common)
             pipe.start_py_workers()
             pipe.build()
@@ -372,6 +376,14 @@ class DALIDataModule(ImageDataModule):
         if key not in self.loaders:
             self.loaders[key] = self._make_loader(split, train)
         return self.loaders[key]
+
+    def set_train_size(self, size: int) -> None:
+        """Progressive resizing: the train pipeline is rebuilt at the next epoch, once per new size."""
+        changed = int(size) != self.train_size
+        super().set_train_size(size)
+        loader = self.loaders.get("train:1")
+        if changed and loader is not None:
+            loader.close()  # the next iter() builds the pipeline with the new size (and that epoch's shard/seed)
 
     def teardown(self, stage: str | None = None) -> None:
         for loader in self.loaders.values():

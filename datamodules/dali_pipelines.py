@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from nvidia.dali import fn, pipeline_def, types
 
+from datamodules.dali_augment import dali_auto_augment
 from datamodules.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 READER_NAME = "Reader"
@@ -36,6 +37,7 @@ class PipelineSpec:
     hw_decoder_load: float
     device_memory_padding: int = 16 << 20  # per thread (datamodules.dali sizes these)
     host_memory_padding: int = 8 << 20  # two pinned buffers per thread
+    auto_augment: str | None = None  # datamodules/dali_augment.py: DALI's native policies
 
 
 def _decode_and_augment(encoded, spec: PipelineSpec):
@@ -59,6 +61,7 @@ def _decode_and_augment(encoded, spec: PipelineSpec):
         )
         images = fn.resize(images, resize_x=spec.image_size, resize_y=spec.image_size,
                            interp_type=types.INTERP_LINEAR, antialias=True)
+        images = dali_auto_augment(images, spec.auto_augment)  # uint8 HWC; after the flip in the other backends
         mirror = fn.random.coin_flip(probability=0.5)
         return fn.crop_mirror_normalize(images, output_layout="HWC", mirror=mirror, **norm)
     images = fn.decoders.image(encoded, device=spec.decoder_device, output_type=types.RGB, **extra)
@@ -69,7 +72,7 @@ def _decode_and_augment(encoded, spec: PipelineSpec):
                                     crop_pos_x=0.5, crop_pos_y=0.5, **norm)
 
 
-@pipeline_def
+@pipeline_def(enable_conditionals=True)  # nvidia.dali.auto_aug selects its ops with `if`
 def file_pipeline(spec: PipelineSpec, files: list[str], indices: list[int], shard_id: int, num_shards: int):
     """Reads the Index's files (an explicit list: the labels are the Index's, not DALI's walk).
 
@@ -85,7 +88,7 @@ def file_pipeline(spec: PipelineSpec, files: list[str], indices: list[int], shar
     return _decode_and_augment(encoded, spec), index
 
 
-@pipeline_def
+@pipeline_def(enable_conditionals=True)
 def external_pipeline(spec: PipelineSpec, source):
     encoded, index, label = fn.external_source(
         source=source, num_outputs=3, batch=False, parallel=True, dtype=[types.UINT8, types.INT32, types.INT32],

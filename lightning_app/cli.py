@@ -12,8 +12,12 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_app.callbacks import LogFriendlyProgressBar, ThroughputMonitor
-from lightning_app.faults import (CheckpointOnSigterm, ReseedEveryEpoch, ResumableCheckpoint,
-                                  describe_distributed_failure)
+from lightning_app.faults import (
+    CheckpointOnSigterm,
+    ReseedEveryEpoch,
+    ResumableCheckpoint,
+    describe_distributed_failure,
+)
 from lightning_app.module import ImageClassifier
 from lightning_app.strategies import DDPStrategy  # importing registers --trainer.strategy dp and our ddp
 from lightning_app.weights import WeightsError, safe_load

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics.classification import MulticlassAccuracy
+from torchvision.transforms import v2
 
 from datamodules.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize
 from lightning_app import weights as weights_lib
@@ -37,6 +38,12 @@ class ImageClassifier(pl.LightningModule):
         freeze_backbone_epochs: train only the head for this many epochs first (BatchNorm statistics frozen too).
         backbone_lr_scale: the backbone's learning rate as a fraction of the head's (e.g. 0.1 when fine-tuning).
         pictures: TensorBoard images (lightning_app.pictures): confusion_matrix, mistakes, train_batch; [] for none.
+        mixup_alpha, cutmix_alpha: Beta(alpha, alpha) of MixUp / CutMix on the device batch
+            (torchvision v2.MixUp / v2.CutMix; 0 = off). Soft targets go to the loss; train/acc1
+            is measured against each mixed sample's dominant label.
+        mix_switch_prob: when both are on, the probability that a batch gets CutMix rather than MixUp.
+        test_time_flip: validate, test and predict on the average of the logits of each image
+            and its horizontal mirror (FFCV's test-time augmentation).
     """
 
     def __init__(
@@ -59,6 +66,10 @@ class ImageClassifier(pl.LightningModule):
         freeze_backbone_epochs: int = 0,
         backbone_lr_scale: float = 1.0,
         pictures: list[str] = ["confusion_matrix", "mistakes", "train_batch"],  # noqa: B006 (jsonargparse default)
+        mixup_alpha: float = 0.0,
+        cutmix_alpha: float = 0.0,
+        mix_switch_prob: float = 0.5,
+        test_time_flip: bool = False,
     ) -> None:
         super().__init__()
         if matmul_precision not in (None, "highest", "high", "medium"):
@@ -80,6 +91,7 @@ class ImageClassifier(pl.LightningModule):
         self.train_acc1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.val_acc1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.val_acc5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
+        self.batch_mix = batch_mix(num_classes, h.mixup_alpha, h.cutmix_alpha, h.mix_switch_prob)
 
     def configure_model(self) -> None:
         if self.hparams.get("matmul_precision"):
@@ -100,19 +112,24 @@ class ImageClassifier(pl.LightningModule):
         return backbone(images)
 
     # -- steps ----------------------------------------------------------------------------
+    def eval_logits(self, images: torch.Tensor) -> torch.Tensor:
+        """Logits for validate, test and predict: with test_time_flip, averaged with the mirror image's."""
+        logits = self(images)
+        if self.hparams.get("test_time_flip"):
+            logits = (logits + self(images.flip(-1))) / 2
+        return logits
+
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images, labels = batch
+        if self.batch_mix is not None:
+            images, labels = self.batch_mix(images, labels)  # labels become soft targets (N, classes)
         logits = self(images)
         loss = F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing)
-        self.train_acc1(logits, labels)
+        self.train_acc1(logits, labels.argmax(-1) if labels.ndim == 2 else labels)
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/acc1", self.train_acc1, on_step=True, on_epoch=False)  # tag train/acc1, as DESIGN.md
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
         return loss
-
-    def eval_logits(self, images: torch.Tensor) -> torch.Tensor:
-        """Logits at evaluation (validation, test, predict, pictures)."""
-        return self(images)
 
     def validation_step(self, batch, batch_idx: int) -> None:
         images, labels = batch
@@ -243,6 +260,20 @@ def inference_settings(datamodule) -> dict:
         return {}
     ratio = float(getattr(datamodule, "val_crop_ratio", 1.0) or 1.0)
     return {"image_size": int(size), "resize": round(size / ratio), "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}
+def batch_mix(num_classes: int, mixup_alpha: float, cutmix_alpha: float,
+              switch_prob: float = 0.5) -> v2.Transform | None:
+    """MixUp, CutMix, or a random choice between them per batch (as torchvision's reference recipe); None when off."""
+    if mixup_alpha < 0 or cutmix_alpha < 0 or not 0 <= switch_prob <= 1:
+        raise ValueError(f"model.mixup_alpha and model.cutmix_alpha must be >= 0 and model.mix_switch_prob in [0, 1], "
+                         f"got {mixup_alpha}, {cutmix_alpha}, {switch_prob}.")
+    mixes = []
+    if mixup_alpha > 0:
+        mixes.append((v2.MixUp(alpha=mixup_alpha, num_classes=num_classes), 1 - switch_prob))
+    if cutmix_alpha > 0:
+        mixes.append((v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes), switch_prob))
+    if len(mixes) < 2:
+        return mixes[0][0] if mixes else None
+    return v2.RandomChoice([m for m, _ in mixes], p=[p for _, p in mixes])
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int):
