@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from datamodules.images import check_file, decode_rgb, is_image_name
+from datamodules.crop import ValCrop
+from datamodules.decode import decode
+from datamodules.images import check_file, is_image_name
 from datamodules.index import DataError
-from datamodules.transforms import val_transform
 
 
 def find_images(root: str | os.PathLike) -> tuple[list[str], list[tuple[str, str]]]:
@@ -52,7 +53,7 @@ class PredictDataset(Dataset):
         self.root = Path(root).expanduser().resolve()
         self.paths, self.bad_files = find_images(self.root)
         self.image_size = image_size
-        self.transform = val_transform(image_size, crop_ratio)
+        self.crop = ValCrop(crop_ratio)  # validation's decode and crop: the same pixels as validate
         if self.bad_files:
             listed = "; ".join(f"{p} ({why})" for p, why in self.bad_files[:20])
             more = f"; ... and {len(self.bad_files) - 20} more" if len(self.bad_files) > 20 else ""
@@ -71,6 +72,7 @@ class PredictDataset(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         try:
-            return self.transform(decode_rgb(self.path(i))), i
+            with open(self.path(i), "rb") as f:
+                return self.crop(decode(f.read()), self.image_size), i
         except Exception:  # noqa: BLE001 - a bad file is reported by the writer, the run goes on
             return torch.zeros(3, self.image_size, self.image_size, dtype=torch.uint8), -1 - i
