@@ -34,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
-from tqdm import tqdm
+
+from datamodules.packing import progress_display
 
 try:
     import fcntl
@@ -332,8 +333,7 @@ def generate(
         chunks = [(str(tmp), p, seed, jobs[i:i + chunk]) for i in range(0, len(jobs), chunk)]
         workers = max(1, min(workers or os.cpu_count() or 1, len(chunks)))
         t0 = time.perf_counter()
-        with tqdm(total=len(jobs), unit="img", desc=f"builtin/{p.name}", disable=not progress,
-                  dynamic_ncols=True) as bar:
+        with progress_display(total=len(jobs), unit="img", desc=f"builtin/{p.name}", disable=not progress) as bar:
             if workers == 1:
                 for c in chunks:
                     bar.update(_write_chunk(c))

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import atexit
 import io
+import logging
 import os
+import shutil
 import sys
 import traceback
 from contextlib import redirect_stderr
@@ -51,9 +53,11 @@ class ClassifierArgumentParser(LightningArgumentParser):
 class ClassifierCLI(LightningCLI):
     def __init__(self, args=None, run: bool = True) -> None:
         silence_known_noise()
+        info_to_stdout()
         self.run_dir: Path | None = None
         self.resolved_ckpt_path: str | None = None
         self.run_lock: runs.RunLock | None = None
+        self.fresh_run = False
         super().__init__(
             ImageClassifier,
             LightningDataModule,
@@ -102,7 +106,11 @@ class ClassifierCLI(LightningCLI):
         checkpoint = self._get(self.config_init, "checkpoint", default=None)
         if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath is None and self.run_dir is not None:
             checkpoint.dirpath = os.path.realpath(self.run_dir / runs.CHECKPOINTS)
-        return super().instantiate_trainer(**kwargs)
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except BaseException:
+            self._discard_failed_run()
+            raise
 
     # -- run folders -------------------------------------------------------------------------
     def _plan_run(self, root: Path) -> tuple[int | str | None, Path]:
@@ -140,6 +148,7 @@ class ClassifierCLI(LightningCLI):
             version, self.run_dir = run
         elif runs.is_launch_rank_zero():
             version, self.run_dir = runs.new_run(root)
+            self.fresh_run = True
         else:
             return None, root  # a fresh run on rank > 0: rank 0's folder is broadcast by Lightning
         if runs.is_launch_rank_zero():
@@ -169,9 +178,21 @@ class ClassifierCLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         try:
             super()._run_subcommand(subcommand)
+        except BaseException:
+            self._discard_failed_run()
+            raise
         finally:
             if self.run_lock is not None:
                 self.run_lock.release()
+
+    def _discard_failed_run(self) -> None:
+        """A fresh run that failed before its first checkpoint leaves no folder behind."""
+        if self.run_lock is not None:
+            self.run_lock.release()
+        if self.fresh_run and self.run_dir is not None and runs.is_launch_rank_zero():
+            ckpts = self.run_dir / runs.CHECKPOINTS
+            if not (ckpts.is_dir() and any(ckpts.iterdir())):
+                shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def after_fit(self) -> None:
         trainer = self.trainer
@@ -189,6 +210,16 @@ class ClassifierCLI(LightningCLI):
         if trainer.checkpoint_callback and trainer.checkpoint_callback.best_model_path:
             parts.append(f"best checkpoint {trainer.checkpoint_callback.best_model_path}")
         rank_zero_info("Done: " + "; ".join(parts))
+
+
+def info_to_stdout() -> None:
+    """Lightning's info lines ("GPU available", "Seed set to") go to stdout with the epoch lines, so
+    stderr holds warnings and errors only. Lightning gives its package loggers one StreamHandler on
+    stderr (pytorch_lightning/__init__.py, lightning_fabric/__init__.py)."""
+    for name in ("pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning.fabric"):
+        for handler in logging.getLogger(name).handlers:
+            if type(handler) is logging.StreamHandler and handler.stream is sys.__stderr__:
+                handler.setStream(sys.stdout)
 
 
 def default_config_kwargs(run: bool) -> dict:

@@ -18,8 +18,9 @@ def _columns(columns: dict[str, str]) -> str:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="bench/results", help="folder for <machine>.<kind>.md/.json/.png and the "
-                   "combined <machine>.md (default: bench/results)")
+    p.add_argument("--out", default="bench/out", help="folder for <machine>.<kind>.md/.json/.png and the "
+                   "combined <machine>.md (default: bench/out, ignored by git; the committed results are "
+                   "updated only with --out bench/results)")
     p.add_argument("--machine", default=None, help="file name for this machine (default: derived from CPU/GPU model)")
     p.add_argument("--note", default=None, help=NOTE_HELP)
 
@@ -102,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not sys.stderr.isatty():
+        # a log file gets no redrawn bars (tqdm reads TQDM_* defaults from the environment: tqdm.utils.envwrap);
+        # the data tools print plain lines instead (datamodules.packing.progress)
+        os.environ.setdefault("TQDM_DISABLE", "1")
     from lightning_app.bench import report
 
     if args.command == "loaders":
