@@ -42,7 +42,7 @@ try:
 except ImportError:  # not POSIX: ensure_builtin then relies on the atomic rename only
     fcntl = None
 
-__all__ = ["CLASSES", "DEFAULT_ROOT", "PRESETS", "Preset", "VERSION", "dataset_name", "ensure_builtin", "generate", "main", "render"]
+__all__ = ["CLASSES", "DEFAULT_ROOT", "PRESETS", "VERSION", "Preset", "dataset_name", "ensure_builtin", "generate", "main", "render"]
 
 # Bump when the drawing changes, so that old trees on disk are regenerated.
 VERSION = 1
@@ -424,8 +424,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=None, help="processes (default: all CPU cores)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
-    kw = dict(train_per_class=a.train_per_class, val_per_class=a.val_per_class, seed=a.seed,
-              workers=a.workers, progress=not a.quiet)
+    kw = {"train_per_class": a.train_per_class, "val_per_class": a.val_per_class, "seed": a.seed,
+          "workers": a.workers, "progress": not a.quiet}
     t0 = time.perf_counter()
     out = generate(a.dst, a.preset, **kw) if a.dst else ensure_builtin(a.preset, DEFAULT_ROOT, **kw)
     m = _read_marker(out) or {}

@@ -68,7 +68,7 @@ class LineProgress:
             self._print()
         self._closed = True
 
-    def __enter__(self) -> LineProgress:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:

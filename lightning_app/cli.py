@@ -25,10 +25,21 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_only, rank_zer
 
 from lightning_app import runs
 from lightning_app.callbacks import ThroughputMonitor, progress_callback
-from lightning_app.errors import (EXIT_USER_ERROR, UserError, error_line_first, find_user_error, paragraph,
-                                  show_traceback, silence_known_noise)
-from lightning_app.faults import (CheckpointOnSigterm, ReseedEveryEpoch, ResumableCheckpoint,
-                                  describe_distributed_failure)
+from lightning_app.errors import (
+    EXIT_USER_ERROR,
+    UserError,
+    error_line_first,
+    find_user_error,
+    paragraph,
+    show_traceback,
+    silence_known_noise,
+)
+from lightning_app.faults import (
+    CheckpointOnSigterm,
+    ReseedEveryEpoch,
+    ResumableCheckpoint,
+    describe_distributed_failure,
+)
 from lightning_app.module import ImageClassifier
 from lightning_app.strategies import DDPStrategy  # importing registers --trainer.strategy dp and our ddp
 

@@ -20,10 +20,11 @@ class UserError(ValueError):
 
 
 def _is_user_error(error: BaseException) -> bool:
-    from datamodules.index import DataError
     # Lightning's own configuration errors (a bad strategy/devices/precision combination) are
     # one clear sentence too: lightning_fabric/utilities/exceptions.py
     from lightning_fabric.utilities.exceptions import MisconfigurationException
+
+    from datamodules.index import DataError
 
     return isinstance(error, (UserError, DataError, MisconfigurationException))
 

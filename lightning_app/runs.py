@@ -90,7 +90,7 @@ class ModelSignature:
         """Read with weights_only=True (no code from the file runs) and mmap (no weights read)."""
         try:
             ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as e:  # noqa: BLE001 - any unreadable file: say which and why
+        except Exception as e:
             raise UserError(f"cannot read checkpoint {path}: {type(e).__name__}: "
                             f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
         hp = ckpt.get("hyper_parameters") or {}

@@ -26,8 +26,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lightning_app.bench.loaders import BACKENDS, COLUMNS as LOADER_COLUMNS
-    from lightning_app.bench.train import COLUMNS as TRAIN_COLUMNS, ROW_NAMES
+    from lightning_app.bench.loaders import BACKENDS
+    from lightning_app.bench.loaders import COLUMNS as LOADER_COLUMNS
+    from lightning_app.bench.train import COLUMNS as TRAIN_COLUMNS
+    from lightning_app.bench.train import ROW_NAMES
 
     ap = argparse.ArgumentParser(prog="python -m lightning_app.bench",
                                  description="Benchmarks of this template on this machine. Results go to "
