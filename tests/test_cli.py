@@ -51,7 +51,7 @@ def test_short_fit_beats_chance_and_logs_everything(learnable_data, tmp_path):
     cli = ClassifierCLI(args=args)
     best = float(cli.trainer.checkpoint_callback.best_model_score)
     assert best > 0.4, f"val/acc1 {best} is not clearly above chance (0.1)"
-    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "version_0" / "checkpoints" / "last.ckpt").is_file()
     assert Path(cli.trainer.checkpoint_callback.best_model_path).is_file()
     run_dir = tmp_path / "version_0"
     assert (run_dir / "config.yaml").is_file()
@@ -89,7 +89,7 @@ def test_resume_continues_at_the_right_epoch_and_step(tiny_data, tmp_path):
     # the resumed run trained only the third epoch: its logged steps start where the first stopped
     steps = [e.step for e in event_file_scalars(tmp_path / "version_1").Scalars("train/loss")]
     assert min(steps) >= 2 * steps_per_epoch - 1 and max(steps) < 3 * steps_per_epoch
-    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    ckpt = torch.load(tmp_path / "version_0" / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
     assert ckpt["global_step"] == 3 * steps_per_epoch
     sched = ckpt["lr_schedulers"][0]
     assert sched["last_epoch"] == 3 * steps_per_epoch  # the LR schedule continued, not restarted
