@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 NOTE_HELP = "a line printed in bold above the table (e.g. 'contended smoke run, not a result')"
@@ -103,12 +105,48 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+@contextlib.contextmanager
+def _no_bars_in_a_log_file() -> Iterator[None]:
+    """No redrawn tqdm bars (carriage returns, cursor-up escapes) while the output goes to a file.
+
+    tqdm reads TQDM_* defaults from the environment only once, when it is imported
+    (tqdm.utils.envwrap), which happened before this runs: set it for the `main.py` subprocesses
+    of `bench train`, and disable the bars of this process by a subclass the bench modules use.
+    The data tools print plain lines instead (datamodules.packing.progress_display).
+    """
+    if sys.stderr.isatty():
+        yield
+        return
+    import tqdm as tqdm_module
+
+    from lightning_app.bench import loaders
+
+    class QuietTqdm(tqdm_module.tqdm):
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    saved = (tqdm_module.tqdm, loaders.tqdm, os.environ.get("TQDM_DISABLE"))
+    os.environ["TQDM_DISABLE"] = "1"
+    loaders.tqdm = QuietTqdm  # imported at module level there
+    tqdm_module.tqdm = QuietTqdm  # bench/train.py imports it inside run()
+    try:
+        yield
+    finally:
+        tqdm_module.tqdm, loaders.tqdm = saved[0], saved[1]
+        if saved[2] is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = saved[2]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not sys.stderr.isatty():
-        # a log file gets no redrawn bars (tqdm reads TQDM_* defaults from the environment: tqdm.utils.envwrap);
-        # the data tools print plain lines instead (datamodules.packing.progress)
-        os.environ.setdefault("TQDM_DISABLE", "1")
+    with _no_bars_in_a_log_file():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from lightning_app.bench import report
 
     if args.command == "loaders":
