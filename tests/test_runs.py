@@ -182,3 +182,12 @@ def test_bench_loaders_leaves_the_repository_clean(tiny_data):
     assert status() == before
     assert "bench/out/" in proc.stdout
     assert "\x1b" not in proc.stdout + proc.stderr and "\r" not in proc.stdout + proc.stderr
+
+
+def test_a_data_tool_logged_to_a_file_prints_plain_lines(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "datamodules.builtin", "--dst", str(tmp_path / "tiny"),
+                           "--preset", "tiny", "--workers", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
+    log = proc.stdout + proc.stderr
+    assert "\x1b" not in log and "\r" not in log
+    assert "builtin/tiny: 320/320 img (100%)" in proc.stderr
