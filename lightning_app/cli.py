@@ -189,7 +189,7 @@ class ClassifierCLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         try:
             super()._run_subcommand(subcommand)
-        except BaseException:
+        except Exception:  # not on Ctrl-C or SIGTERM: an interrupted run keeps what it logged
             self._discard_failed_run()
             raise
         finally:
@@ -197,7 +197,7 @@ class ClassifierCLI(LightningCLI):
                 self.run_lock.release()
 
     def _discard_failed_run(self) -> None:
-        """A fresh run that failed before its first checkpoint leaves no folder behind."""
+        """A fresh run that failed (a bad setting, say) before its first checkpoint leaves no folder behind."""
         if self.run_lock is not None:
             self.run_lock.release()
         if self.fresh_run and self.run_dir is not None and runs.is_launch_rank_zero():
