@@ -109,6 +109,9 @@ class ClassifierCLI(LightningCLI):
         root = Path(config.get("default_root_dir") or "logs")
         self._warn_about_workers()
         version, log_parent = self._plan_run(root)
+        if self.subcommand == "fit" and self.run_dir is not None:
+            # what Lightning writes by itself (SLURM's hpc_ckpt_K.ckpt on requeue) goes into the run too
+            kwargs["default_root_dir"] = str(self.run_dir)
         if config.get("logger") in (None, True):
             kwargs["logger"] = TensorBoardLogger(save_dir=str(log_parent), name="", version=version,
                                                  default_hp_metric=False)

@@ -63,13 +63,12 @@ def new_run(root: str | os.PathLike) -> tuple[int, Path]:
 
 
 def run_of_checkpoint(ckpt_path: str | os.PathLike) -> tuple[int, Path] | None:
-    """(N, run folder) when ckpt_path lies in `<root>/version_N/checkpoints/`, else None."""
+    """(N, run folder) when ckpt_path lies in `<root>/version_N/checkpoints/` (or, as Lightning's
+    SLURM hpc_ckpt_K.ckpt, in `<root>/version_N/` itself), else None."""
     path = Path(ckpt_path).resolve()
-    run = path.parent.parent
+    run = path.parent.parent if path.parent.name == CHECKPOINTS else path.parent
     m = RUN_PATTERN.match(run.name)
-    if path.parent.name != CHECKPOINTS or not m:
-        return None
-    return int(m.group(1)), run
+    return (int(m.group(1)), run) if m else None
 
 
 # -- what a checkpoint holds ---------------------------------------------------------------
@@ -128,12 +127,17 @@ def check_compatible(ckpt_path: str | os.PathLike, config: ModelSignature) -> No
 
 
 def find_last(root: str | os.PathLike, config: ModelSignature) -> tuple[Path | None, int]:
-    """(newest compatible ROOT/version_*/checkpoints/last.ckpt or None, how many last.ckpt were looked at)."""
+    """(newest compatible ROOT/version_*/checkpoints/last.ckpt or None, how many were looked at).
+
+    Lightning's SLURM auto-requeue saves `hpc_ckpt_K.ckpt` into the trainer's default_root_dir, which
+    is the run folder (lightning_app.cli): the newest of those and last.ckpt wins.
+    """
     candidates = []
     for _, run in run_dirs(root):
         last = run / CHECKPOINTS / LAST
         if last.is_file():
             candidates.append(last)
+        candidates += [p for p in run.glob("hpc_ckpt_*.ckpt") if p.is_file()]
     candidates.sort(key=lambda p: (p.stat().st_mtime, run_of_checkpoint(p)[0]), reverse=True)
     for last in candidates:
         try:
@@ -177,7 +181,7 @@ class RunLock:
     def _record(self) -> dict:
         return {"pid": os.getpid(), "host": socket.gethostname(), "pid_start": _process_start(os.getpid()),
                 "started": datetime.datetime.now().isoformat(timespec="seconds"),
-                "command": " ".join(sys.argv)}
+                "command": " ".join(sys.argv), **_slurm_job()}
 
     def read(self) -> dict | None:
         try:
@@ -200,7 +204,9 @@ class RunLock:
     def _take_over_if_stale(self, record: str) -> None:
         owner = self.read() or {}
         pid, host = owner.get("pid"), owner.get("host")
-        if isinstance(pid, int) and host == socket.gethostname():
+        if _requeued_after(owner):
+            pass  # SLURM requeued this very job: the owner was its previous run, which is over
+        elif isinstance(pid, int) and host == socket.gethostname():
             if _alive(pid, owner.get("pid_start")):
                 raise UserError(
                     f"run folder {self.path.parent} is in use by process {pid} on {host} (started "
@@ -228,6 +234,19 @@ class RunLock:
             except FileNotFoundError:
                 pass
         self.held = False
+
+
+def _slurm_job() -> dict:
+    env = os.environ
+    if "SLURM_JOB_ID" not in env:
+        return {}
+    return {"slurm_job_id": env["SLURM_JOB_ID"], "slurm_restart_count": int(env.get("SLURM_RESTART_COUNT", 0) or 0)}
+
+
+def _requeued_after(owner: dict) -> bool:
+    me = _slurm_job()
+    return bool(me) and owner.get("slurm_job_id") == me["slurm_job_id"] and \
+        int(owner.get("slurm_restart_count", 0)) < me["slurm_restart_count"]
 
 
 # -- which process may touch the run folder -----------------------------------------------

@@ -191,3 +191,19 @@ def test_a_data_tool_logged_to_a_file_prints_plain_lines(tmp_path):
     log = proc.stdout + proc.stderr
     assert "\x1b" not in log and "\r" not in log
     assert "builtin/tiny: 320/320 img (100%)" in proc.stderr
+
+
+def test_a_lock_from_another_host_is_refused_unless_slurm_requeued_this_job(tmp_path, monkeypatch):
+    run = tmp_path / "version_0"
+    run.mkdir()
+    (run / runs.LOCK_NAME).write_text('{"pid": 4242, "host": "node-a", "started": "then", '
+                                      '"slurm_job_id": "77", "slurm_restart_count": 0}')
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    with pytest.raises(UserError, match=r"locked by process 4242 on host node-a.*delete"):
+        runs.RunLock(run).acquire()
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the requeued job: its previous run is over
+    lock = runs.RunLock(run).acquire()
+    assert lock.took_over["host"] == "node-a"
+    assert runs.RunLock(run).read()["slurm_restart_count"] == 1
+    lock.release()
