@@ -50,8 +50,14 @@ def find_user_error(error: BaseException) -> BaseException | None:
 
 
 def paragraph(error: BaseException) -> str:
-    text = str(error).strip()
-    return text if text else type(error).__name__
+    from lightning_fabric.utilities.exceptions import MisconfigurationException
+
+    text = str(error).strip() or type(error).__name__
+    if isinstance(error, MisconfigurationException) and not isinstance(error, UserError):
+        # Lightning's wording names its own arguments; say which of ours set them
+        text = (f"The trainer settings do not work together here: {text} Check --trainer.accelerator, "
+                "--trainer.devices, --trainer.strategy, --trainer.num_nodes and --trainer.precision.")
+    return text
 
 
 def show_traceback() -> bool:
