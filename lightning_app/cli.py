@@ -21,7 +21,7 @@ from pytorch_lightning import LightningDataModule
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.loggers import TensorBoardLogger
-from pytorch_lightning.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 
 from lightning_app import runs
 from lightning_app.callbacks import ThroughputMonitor, progress_callback
@@ -185,7 +185,8 @@ class ClassifierCLI(LightningCLI):
         workers = getattr(self.datamodule, "num_workers", None)
         cpus = usable_cpus()
         if isinstance(workers, int) and cpus and workers > cpus:
-            rank_zero_warn(f"--data.num_workers {workers} per process is more than the {cpus} usable CPUs here; "
+            # one info line instead of torch's warning at every DataLoader (silenced in lightning_app.errors)
+            rank_zero_info(f"--data.num_workers {workers} per process is more than the {cpus} usable CPUs here; "
                            f"{cpus} or fewer is usually faster.")
 
     # -- after the subcommand ------------------------------------------------------------------

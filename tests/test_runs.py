@@ -133,13 +133,14 @@ def test_parse_errors_put_the_error_line_first():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["data_dir", "arch", "batch", "typo"])
+@pytest.mark.parametrize("case", ["data_dir", "arch", "batch", "trainer", "typo"])
 def test_user_errors_are_one_paragraph_with_status_2(case, tiny_data, tmp_path):
     args = quick_args(tiny_data, tmp_path)
     expected = {
         "data_dir": ["--data.data_dir", str(tmp_path / "missing")],
         "arch": ["--model.arch", "resnet5"],
         "batch": ["--data.batch_size", "1000"],
+        "trainer": ["--trainer.devices", "0"],
         "typo": ["--trainer.max_epochz", "2"],
     }[case]
     proc = run_main(["fit", *args, *expected], check=False)
@@ -150,7 +151,8 @@ def test_user_errors_are_one_paragraph_with_status_2(case, tiny_data, tmp_path):
         assert err.splitlines()[0].startswith("error:") and "max_epochz" in err.splitlines()[0]
         return
     assert len(err.splitlines()) == 1, err  # the paragraph alone
-    assert {"data_dir": str(tmp_path / "missing"), "arch": "'resnet5'", "batch": "lower --data.batch_size"}[case] in err
+    assert {"data_dir": str(tmp_path / "missing"), "arch": "'resnet5'", "batch": "lower --data.batch_size",
+            "trainer": "Check --trainer.accelerator, --trainer.devices"}[case] in err
     assert not list(tmp_path.glob("version_*"))  # a run that never started leaves no folder
 
 
