@@ -111,6 +111,7 @@ class EpochLineProgress(ProgressBar):
         self._images = 0
         self._loss_sum = 0.0
         self._loss_n = 0
+        self._validated = False
 
     def enable(self) -> None:
         self._enabled = True
@@ -129,6 +130,9 @@ class EpochLineProgress(ProgressBar):
             self._loss_sum += float(loss.detach())
             self._loss_n += 1
 
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._validated = self._validated or not trainer.sanity_checking
+
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         if not (self._enabled and trainer.is_global_zero):
             return
@@ -137,7 +141,7 @@ class EpochLineProgress(ProgressBar):
         if self._loss_n:
             parts.append(f"train/loss {self._loss_sum / self._loss_n:.4f}")
         acc = trainer.callback_metrics.get("val/acc1")
-        if acc is not None:
+        if acc is not None and self._validated:  # not a stale value on epochs without validation
             parts.append(f"val/acc1 {float(acc):.4f}")
         if seconds > 0 and self._images:
             # every rank runs the same number of steps on equal batches
