@@ -34,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
-from tqdm import tqdm
+
+from datamodules.packing import progress_display
 
 try:
     import fcntl
@@ -332,8 +333,7 @@ def generate(
         chunks = [(str(tmp), p, seed, jobs[i:i + chunk]) for i in range(0, len(jobs), chunk)]
         workers = max(1, min(workers or os.cpu_count() or 1, len(chunks)))
         t0 = time.perf_counter()
-        with tqdm(total=len(jobs), unit="img", desc=f"builtin/{p.name}", disable=not progress,
-                  dynamic_ncols=True) as bar:
+        with progress_display(total=len(jobs), unit="img", desc=f"builtin/{p.name}", disable=not progress) as bar:
             if workers == 1:
                 for c in chunks:
                     bar.update(_write_chunk(c))
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
     kw = {"train_per_class": a.train_per_class, "val_per_class": a.val_per_class, "seed": a.seed,
-              "workers": a.workers, "progress": not a.quiet}
+          "workers": a.workers, "progress": not a.quiet}
     t0 = time.perf_counter()
     out = generate(a.dst, a.preset, **kw) if a.dst else ensure_builtin(a.preset, DEFAULT_ROOT, **kw)
     m = _read_marker(out) or {}

@@ -1,7 +1,8 @@
-"""What the data tools share: a parallel, ordered decode pool with a progress bar, and a file lock.
+"""What the data tools share: a parallel, ordered decode pool with a progress display, and a file lock.
 
 `parallel_imap` runs a picklable function over many files in worker processes and yields the
-results in input order (so a writer can number them), while a tqdm bar shows images/s and MB/s.
+results in input order (so a writer can number them), while `progress` shows images/s and MB/s:
+a tqdm bar on a terminal, a plain line every 10% in a log file (no redraws, no escapes).
 """
 from __future__ import annotations
 
@@ -26,6 +27,59 @@ def _mp_context() -> mp.context.BaseContext:
     # fork where it exists: the jobs touch only files, PIL and numpy, and spawn would
     # re-import the caller's __main__.
     return mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+
+
+class LineProgress:
+    """The part of tqdm's interface the tools use, printing `desc: n/total unit (p%), rate, postfix`
+    to stderr at every `every` fraction of the total and at the end."""
+
+    def __init__(self, total: int, desc: str = "", unit: str = "it", every: float = 0.1, file=None,
+                 quiet: bool = False) -> None:
+        self.total, self.desc, self.unit, self.quiet = total, desc, unit, quiet
+        self.n = 0
+        self.postfix = ""
+        self.file = file or sys.stderr
+        self._t0 = time.perf_counter()
+        self._step = max(1, int(total * every)) if total else 0
+        self._next = self._step
+        self._closed = False
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self._step and self.n >= self._next and self.n < self.total:
+            self._next = (self.n // self._step + 1) * self._step
+            self._print()
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        self.postfix = s
+
+    def _print(self) -> None:
+        if self.quiet:
+            return
+        seconds = time.perf_counter() - self._t0
+        pct = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
+        rate = f", {self.n / seconds:,.1f} {self.unit}/s" if seconds > 0 else ""
+        post = f", {self.postfix}" if self.postfix else ""
+        print(f"{self.desc}: {self.n}/{self.total} {self.unit}{pct}{rate}{post}, {seconds:.1f} s",
+              file=self.file, flush=True)
+
+    def close(self) -> None:
+        if not self._closed and self.n:
+            self._print()
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def progress_display(total: int, desc: str = "", unit: str = "it", disable: bool = False, **tqdm_kwargs: Any):
+    """A tqdm bar when stderr is a terminal, LineProgress otherwise; nothing shown when disabled."""
+    if not disable and sys.stderr.isatty():
+        return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, **tqdm_kwargs)
+    return LineProgress(total, desc, unit, quiet=disable)
 
 
 def default_workers(workers: int | None) -> int:
@@ -53,8 +107,7 @@ def parallel_imap(
     workers = min(default_workers(workers), max(1, len(items)))
     t0 = time.perf_counter()
     done_bytes = 0
-    with tqdm(total=len(items), unit="img", desc=desc, disable=not progress, dynamic_ncols=True,
-              mininterval=0.5) as bar:
+    with progress_display(total=len(items), unit="img", desc=desc, disable=not progress, mininterval=0.5) as bar:
         if workers == 1:
             results: Iterable = map(fn, items)
             pool = None

@@ -1,17 +1,39 @@
-"""`python main.py {fit,validate,test,predict}`: LightningCLI with configs/default.yaml read first."""
+"""`python main.py {fit,validate,test,predict}`: LightningCLI with configs/default.yaml read first.
+
+Every fit gets its own run folder, ROOT/version_N (ROOT = --trainer.default_root_dir, `logs`):
+TensorBoard events, config.yaml and checkpoints/ (best and last.ckpt). `--ckpt_path last` resumes
+the newest run of this configuration in its own folder. validate/test/predict log into a subfolder
+of their checkpoint's run (ROOT/version_N/validate/), or ROOT/<subcommand>/ for any other checkpoint.
+"""
 from __future__ import annotations
 
+import atexit
+import io
+import logging
 import os
+import shutil
 import sys
+import traceback
+from contextlib import redirect_stderr
 from pathlib import Path
 
 from pytorch_lightning import LightningDataModule
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.loggers import TensorBoardLogger
-from pytorch_lightning.utilities import rank_zero_info
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 
-from lightning_app.callbacks import LogFriendlyProgressBar, ThroughputMonitor
+from lightning_app import runs
+from lightning_app.callbacks import ThroughputMonitor, progress_callback
+from lightning_app.errors import (
+    EXIT_USER_ERROR,
+    UserError,
+    error_line_first,
+    find_user_error,
+    paragraph,
+    show_traceback,
+    silence_known_noise,
+)
 from lightning_app.faults import (
     CheckpointOnSigterm,
     ReseedEveryEpoch,
@@ -20,15 +42,34 @@ from lightning_app.faults import (
 )
 from lightning_app.module import ImageClassifier
 from lightning_app.strategies import DDPStrategy  # importing registers --trainer.strategy dp and our ddp
-from lightning_app.weights import WeightsError, safe_load
+from lightning_app.weights import safe_load
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
+class ClassifierArgumentParser(LightningArgumentParser):
+    """jsonargparse's parse errors with the `error: ...` line first instead of after 70 lines of usage."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        captured = io.StringIO()
+        try:
+            with redirect_stderr(captured):
+                super().error(message, ex)
+        finally:
+            sys.stderr.write(error_line_first(captured.getvalue()))
+            sys.stderr.flush()
+
+
 class ClassifierCLI(LightningCLI):
     def __init__(self, args=None, run: bool = True) -> None:
+        silence_known_noise()
+        info_to_stdout()
+        self.run_dir: Path | None = None
+        self.resolved_ckpt_path: str | None = None
+        self.run_lock: runs.RunLock | None = None
+        self.fresh_run = False
         super().__init__(
             ImageClassifier,
             LightningDataModule,
@@ -36,6 +77,7 @@ class ClassifierCLI(LightningCLI):
             parser_kwargs=default_config_kwargs(run),
             save_config_kwargs={"overwrite": True},
             trainer_defaults={"callbacks": [ThroughputMonitor(), CheckpointOnSigterm(), ReseedEveryEpoch()]},
+            parser_class=ClassifierArgumentParser,
             args=args,
             run=run,
         )
@@ -70,20 +112,118 @@ class ClassifierCLI(LightningCLI):
             safe_load(ckpt_path, "--ckpt_path")
         super()._parse_ckpt_path()
 
+    def before_instantiate_classes(self) -> None:
+        from models import list_models
+
+        arch = self._get(self.config, "model").get("arch")
+        if arch not in list_models():
+            raise UserError(f"--model.arch {arch!r} is not a known architecture; choose one of "
+                            f"{', '.join(list_models())} (or a configs/model/*.yaml).")
+
     def instantiate_trainer(self, **kwargs):
         config = self._get(self.config, "trainer")
-        root = config.get("default_root_dir") or "logs"
-        # One knob, --trainer.default_root_dir, places everything: TensorBoard runs in
-        # ROOT/version_N, checkpoints in ROOT/checkpoints (one fixed folder, so that
-        # --ckpt_path last finds the newest last.ckpt of any earlier run).
+        root = Path(config.get("default_root_dir") or "logs")
+        self._warn_about_workers()
+        version, log_parent = self._plan_run(root)
+        if self.subcommand == "fit" and self.run_dir is not None:
+            # what Lightning writes by itself (SLURM's hpc_ckpt_K.ckpt on requeue) goes into the run too
+            kwargs["default_root_dir"] = str(self.run_dir)
         if config.get("logger") in (None, True):
-            kwargs["logger"] = TensorBoardLogger(save_dir=root, name="", default_hp_metric=False)
+            kwargs["logger"] = TensorBoardLogger(save_dir=str(log_parent), name="", version=version,
+                                                 default_hp_metric=False)
         if config.get("enable_progress_bar", True) is not False:
-            self.trainer_defaults["callbacks"].append(LogFriendlyProgressBar())
+            self.trainer_defaults["callbacks"].append(progress_callback())
         checkpoint = self._get(self.config_init, "checkpoint", default=None)
-        if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath is None:
-            checkpoint.dirpath = os.path.realpath(os.path.join(root, "checkpoints"))
-        return super().instantiate_trainer(**kwargs)
+        if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath is None and self.run_dir is not None:
+            checkpoint.dirpath = os.path.realpath(self.run_dir / runs.CHECKPOINTS)
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except BaseException:
+            self._discard_failed_run()
+            raise
+
+    # -- run folders -------------------------------------------------------------------------
+    def _plan_run(self, root: Path) -> tuple[int | str | None, Path]:
+        """Decide the run folder and the checkpoint to load: (logger version, logger save_dir)."""
+        sub = self.subcommand
+        if sub is None:  # run=False: parse and instantiate only; nothing is written
+            return None, root
+        ckpt = self._get(self.config, "ckpt_path")
+        signature = runs.ModelSignature.of_module(self.model)
+        run = None
+        if ckpt == "last":
+            found, looked_at = runs.find_last(root, signature)
+            if found is None:
+                where = f"{looked_at} run(s) under {root}" if looked_at else f"no run under {root}"
+                if sub != "fit":
+                    raise UserError(f"--ckpt_path last: {where}, none with {signature.describe()} (this config); "
+                                    "pass --ckpt_path PATH/TO.ckpt.")
+                rank_zero_info(f"--ckpt_path last: {where}, none with {signature.describe()}; starting a fresh run.")
+            else:
+                ckpt = str(found)
+                run = runs.run_of_checkpoint(found)
+                rank_zero_info(f"--ckpt_path last: resuming {found}")
+        elif ckpt is not None and ckpt not in ("best", "hpc", "registry"):
+            if not Path(ckpt).is_file():
+                raise UserError(f"--ckpt_path {ckpt}: no such file.")
+            runs.check_compatible(ckpt, signature)
+            run = runs.run_of_checkpoint(ckpt)
+        self.resolved_ckpt_path = None if ckpt == "last" else ckpt
+
+        if sub != "fit":
+            # never a new version_N: a subfolder of the checkpoint's run, or ROOT/<subcommand>
+            self.run_dir = run[1] if run else None
+            return sub, (run[1] if run else root)
+        if run is not None:
+            version, self.run_dir = run
+        elif runs.is_launch_rank_zero():
+            version, self.run_dir = runs.new_run(root)
+            self.fresh_run = True
+        else:
+            return None, root  # a fresh run on rank > 0: rank 0's folder is broadcast by Lightning
+        if runs.is_launch_rank_zero():
+            self.run_lock = runs.RunLock(self.run_dir).acquire()
+            atexit.register(self.run_lock.release)
+            if self.run_lock.took_over:
+                rank_zero_info(f"took over the lock of {self.run_dir} from process "
+                               f"{self.run_lock.took_over.get('pid')}, which is no longer running.")
+        return version, root
+
+    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict:
+        kwargs = super()._prepare_subcommand_kwargs(subcommand)
+        if "ckpt_path" in kwargs:
+            kwargs["ckpt_path"] = self.resolved_ckpt_path
+        return kwargs
+
+    def _warn_about_workers(self) -> None:
+        from datamodules.cpus import usable_cpus
+
+        workers = getattr(self.datamodule, "num_workers", None)
+        cpus = usable_cpus()
+        if isinstance(workers, int) and cpus and workers > cpus:
+            # one info line instead of torch's warning at every DataLoader (silenced in lightning_app.errors)
+            rank_zero_info(f"--data.num_workers {workers} per process is more than the {cpus} usable CPUs here; "
+                           f"{cpus} or fewer is usually faster.")
+
+    # -- after the subcommand ------------------------------------------------------------------
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except Exception:  # not on Ctrl-C or SIGTERM: an interrupted run keeps what it logged
+            self._discard_failed_run()
+            raise
+        finally:
+            if self.run_lock is not None:
+                self.run_lock.release()
+
+    def _discard_failed_run(self) -> None:
+        """A fresh run that failed (a bad setting, say) before its first checkpoint leaves no folder behind."""
+        if self.run_lock is not None:
+            self.run_lock.release()
+        if self.fresh_run and self.run_dir is not None and runs.is_launch_rank_zero():
+            ckpts = self.run_dir / runs.CHECKPOINTS
+            if not (ckpts.is_dir() and any(ckpts.iterdir())):
+                shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def after_fit(self) -> None:
         trainer = self.trainer
@@ -103,6 +243,16 @@ class ClassifierCLI(LightningCLI):
         rank_zero_info("Done: " + "; ".join(parts))
 
 
+def info_to_stdout() -> None:
+    """Lightning's info lines ("GPU available", "Seed set to") go to stdout with the epoch lines, so
+    stderr holds warnings and errors only. Lightning gives its package loggers one StreamHandler on
+    stderr (pytorch_lightning/__init__.py, lightning_fabric/__init__.py)."""
+    for name in ("pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning.fabric"):
+        for handler in logging.getLogger(name).handlers:
+            if type(handler) is logging.StreamHandler and handler.stream is sys.__stderr__:
+                handler.setStream(sys.stdout)
+
+
 def default_config_kwargs(run: bool) -> dict:
     """configs/default.yaml for every subcommand (or for the bare parser when run=False)."""
     defaults = {"default_config_files": [str(DEFAULT_CONFIG)]}
@@ -112,10 +262,14 @@ def default_config_kwargs(run: bool) -> dict:
 def main(args=None) -> ClassifierCLI:
     try:
         return ClassifierCLI(args=args)
-    except WeightsError as error:  # --model.weights / --ckpt_path: one paragraph, exit 2
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
     except Exception as error:
+        user_error = find_user_error(error)
+        if user_error is not None:
+            if show_traceback():
+                traceback.print_exc()
+            if rank_zero_only.rank == 0:  # once, from rank 0; the other ranks exit quietly
+                print(paragraph(user_error), file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_USER_ERROR) from None
         message = describe_distributed_failure(error, DDPStrategy.last_timeout_s, DDPStrategy.last_rank)
         if message is None:
             raise

@@ -12,6 +12,7 @@ from torchvision.transforms import v2
 
 from datamodules.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize
 from lightning_app import weights as weights_lib
+from lightning_app.errors import UserError
 from models import create_model
 
 
@@ -73,9 +74,9 @@ class ImageClassifier(pl.LightningModule):
     ) -> None:
         super().__init__()
         if matmul_precision not in (None, "highest", "high", "medium"):
-            raise ValueError(f"model.matmul_precision must be highest, high, medium or null, got {matmul_precision!r}.")
+            raise UserError(f"model.matmul_precision must be highest, high, medium or null, got {matmul_precision!r}.")
         if freeze_backbone_epochs < 0 or not 0 < backbone_lr_scale:
-            raise ValueError("model.freeze_backbone_epochs must be >= 0 and model.backbone_lr_scale > 0.")
+            raise UserError("model.freeze_backbone_epochs must be >= 0 and model.backbone_lr_scale > 0.")
         self.save_hyperparameters()
         self.class_names: list[str] = []  # set from the data (fit) or the checkpoint (predict)
         self.inference_settings: dict = {}  # val size and normalisation: for export, kept in checkpoints
@@ -264,7 +265,7 @@ def batch_mix(num_classes: int, mixup_alpha: float, cutmix_alpha: float,
               switch_prob: float = 0.5) -> v2.Transform | None:
     """MixUp, CutMix, or a random choice between them per batch (as torchvision's reference recipe); None when off."""
     if mixup_alpha < 0 or cutmix_alpha < 0 or not 0 <= switch_prob <= 1:
-        raise ValueError(f"model.mixup_alpha and model.cutmix_alpha must be >= 0 and model.mix_switch_prob in [0, 1], "
+        raise UserError(f"model.mixup_alpha and model.cutmix_alpha must be >= 0 and model.mix_switch_prob in [0, 1], "
                          f"got {mixup_alpha}, {cutmix_alpha}, {switch_prob}.")
     mixes = []
     if mixup_alpha > 0:

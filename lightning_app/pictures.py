@@ -18,6 +18,7 @@ import torch
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from datamodules.transforms import IMAGENET_MEAN, IMAGENET_STD
+from lightning_app.errors import UserError
 
 KINDS = ("confusion_matrix", "mistakes", "train_batch")
 
@@ -27,7 +28,7 @@ def picture_callbacks(hparams) -> list[pl.Callback]:
     kinds = [] if kinds in (None, False) else list(KINDS if kinds is True else kinds)
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
-        raise ValueError(f"model.pictures: unknown {unknown}; choose from {list(KINDS)} ([] for none).")
+        raise UserError(f"model.pictures: unknown {unknown}; choose from {list(KINDS)} ([] for none).")
     return [TensorBoardPictures(kinds)] if kinds else []
 
 

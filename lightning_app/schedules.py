@@ -25,6 +25,8 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_info
 
+from lightning_app.errors import UserError
+
 
 def scheduled_size(epoch: int, start_size: int, end_size: int, start_epoch: int, end_epoch: int,
                    step: int = 32) -> int:
@@ -52,9 +54,9 @@ class ProgressiveResizing(pl.Callback):
     def __init__(self, start_size: int, end_size: int, start_epoch: int = 0, end_epoch: int = 1,
                  step: int = 32) -> None:
         if min(start_size, end_size, step) < 1:
-            raise ValueError(f"ProgressiveResizing sizes and step must be >= 1 px, got {start_size}, {end_size}, {step}.")
+            raise UserError(f"ProgressiveResizing sizes and step must be >= 1 px, got {start_size}, {end_size}, {step}.")
         if end_epoch <= start_epoch:
-            raise ValueError(f"ProgressiveResizing needs end_epoch > start_epoch, got {start_epoch} and {end_epoch}.")
+            raise UserError(f"ProgressiveResizing needs end_epoch > start_epoch, got {start_epoch} and {end_epoch}.")
         self.start_size, self.end_size = start_size, end_size
         self.start_epoch, self.end_epoch, self.step = start_epoch, end_epoch, step
         self._first_epoch_of_run = True
@@ -88,7 +90,7 @@ class ProgressiveResizing(pl.Callback):
         size = self.size_at(epoch)
         datamodule = trainer.datamodule
         if datamodule is None or not hasattr(datamodule, "set_train_size"):
-            raise ValueError(
+            raise UserError(
                 f"ProgressiveResizing needs a datamodule with set_train_size(size); "
                 f"{type(datamodule).__name__} has none. Use one of the datamodules.* backends."
             )

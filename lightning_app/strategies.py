@@ -15,6 +15,8 @@ from pytorch_lightning.strategies import SingleDeviceStrategy, StrategyRegistry
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_app.errors import UserError
+
 # Where ImageClassifier.forward looks for the DataParallel view of its backbone. It lives in the
 # module's __dict__, not in _modules, so state_dict keys stay exactly those of a single-device run.
 DP_ATTR = "data_parallel_backbone"
@@ -78,7 +80,7 @@ def check_compile(strategy: Any) -> None:
       autograd Function (torch/nn/modules/_functions.py) breaks the graph at every BatchNorm.
     """
     if isinstance(strategy, DataParallelStrategy):
-        raise ValueError(DP_COMPILE_MESSAGE)  # noqa: TRY004 - a refused setting, not a wrong type
+        raise UserError(DP_COMPILE_MESSAGE)
     if isinstance(strategy, _LightningDDP):
         sync = getattr(strategy, "_layer_sync", None) is not None
         rank_zero_warn(
@@ -133,7 +135,7 @@ class DataParallelStrategy(SingleDeviceStrategy):
         net = getattr(module, self.module_attr, None)
         if isinstance(net, nn.Module) and is_compiled(net):
             # refused on any machine, so a config fails on a laptop before it reaches the GPUs
-            raise ValueError(DP_COMPILE_MESSAGE)
+            raise UserError(DP_COMPILE_MESSAGE)
         cuda = self.cuda_devices
         if len(cuda) < 2:
             why = "no CUDA device" if not cuda else "only one CUDA device chosen"
@@ -183,7 +185,7 @@ class DDPStrategy(_LightningDDP):
         if timeout_s is None:
             timeout_s = float(os.environ.get("FIC_DDP_TIMEOUT_S", DEFAULT_DDP_TIMEOUT_S))
         if timeout_s <= 0:
-            raise ValueError(f"DDPStrategy timeout_s must be > 0 seconds, got {timeout_s}.")
+            raise UserError(f"DDPStrategy timeout_s must be > 0 seconds, got {timeout_s}.")
         ddp_kwargs: dict[str, Any] = {
             "gradient_as_bucket_view": gradient_as_bucket_view,
             "static_graph": static_graph,

@@ -24,13 +24,15 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
+from lightning_app.errors import UserError
+
 TORCHVISION_NAME = re.compile(r"^[A-Za-z0-9_]+_Weights\.[A-Za-z0-9_]+$")
 # Prefixes that wrappers add to state-dict keys: ours (the LightningModule), DDP / DataParallel, torch.compile.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 LISTED = 8  # names shown per list in the report
 
 
-class WeightsError(ValueError):
+class WeightsError(UserError):
     """A weights source that cannot be used as it is (the message says why and what to do)."""
 
 

@@ -51,7 +51,7 @@ def test_short_fit_beats_chance_and_logs_everything(learnable_data, tmp_path):
     cli = ClassifierCLI(args=args)
     best = float(cli.trainer.checkpoint_callback.best_model_score)
     assert best > 0.4, f"val/acc1 {best} is not clearly above chance (0.1)"
-    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "version_0" / "checkpoints" / "last.ckpt").is_file()
     assert Path(cli.trainer.checkpoint_callback.best_model_path).is_file()
     run_dir = tmp_path / "version_0"
     assert (run_dir / "config.yaml").is_file()
@@ -73,8 +73,10 @@ def test_short_fit_beats_chance_and_logs_everything(learnable_data, tmp_path):
         if data.HasField("experiment"):
             metrics |= {m.name.tag for m in data.experiment.metric_infos}
     assert "val/acc1" in metrics
-    # a rerun into the same folder does not fail on the saved config
-    ClassifierCLI(args=["fit", *quick_args(learnable_data, tmp_path, epochs=1, batch=32)])
+    # a rerun into the same root gets its own run folder
+    again = ClassifierCLI(args=["fit", *quick_args(learnable_data, tmp_path, epochs=1, batch=32)])
+    assert Path(again.trainer.log_dir) == tmp_path / "version_1"
+    assert (tmp_path / "version_1" / "checkpoints" / "last.ckpt").is_file()
 
 
 def test_resume_continues_at_the_right_epoch_and_step(tiny_data, tmp_path):
@@ -86,10 +88,14 @@ def test_resume_continues_at_the_right_epoch_and_step(tiny_data, tmp_path):
                                  "--ckpt_path", "last"])
     assert second.trainer.current_epoch == 3
     assert second.trainer.global_step == 3 * steps_per_epoch
-    # the resumed run trained only the third epoch: its logged steps start where the first stopped
-    steps = [e.step for e in event_file_scalars(tmp_path / "version_1").Scalars("train/loss")]
-    assert min(steps) >= 2 * steps_per_epoch - 1 and max(steps) < 3 * steps_per_epoch
-    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    # the resumed run continued in the same run folder, and trained only the third epoch: its curve
+    # continues the first run's, with no step logged twice
+    assert Path(second.trainer.log_dir) == tmp_path / "version_0"
+    assert not (tmp_path / "version_1").exists()
+    steps = [e.step for e in event_file_scalars(tmp_path / "version_0").Scalars("train/loss")]
+    assert len(steps) == len(set(steps)) == 3 * steps_per_epoch
+    assert max(steps) == 3 * steps_per_epoch - 1
+    ckpt = torch.load(tmp_path / "version_0" / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
     assert ckpt["global_step"] == 3 * steps_per_epoch
     sched = ckpt["lr_schedulers"][0]
     assert sched["last_epoch"] == 3 * steps_per_epoch  # the LR schedule continued, not restarted

@@ -36,10 +36,10 @@ def test_sigkill_at_epoch_boundary_resumes_to_identical_weights(tiny_data, tmp_p
     assert clean.returncode == 0
     killed = run_main(_args(tiny_data, tmp_path / "killed", epochs=3, extra=_signal_at(2, 0, "SIGKILL")), check=False)
     assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
-    last = tmp_path / "killed" / "checkpoints" / "last.ckpt"
+    last = tmp_path / "killed" / "version_0" / "checkpoints" / "last.ckpt"
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 12  # end of epoch 1
     run_main(_args(tiny_data, tmp_path / "killed", epochs=3, extra=["--ckpt_path", "last"]))
-    a = _weights(tmp_path / "clean" / "checkpoints" / "last.ckpt")
+    a = _weights(tmp_path / "clean" / "version_0" / "checkpoints" / "last.ckpt")
     b = _weights(last)
     assert a.keys() == b.keys()
     for k in a:
@@ -51,7 +51,7 @@ def test_sigkill_mid_epoch_then_resume_finishes(tiny_data, tmp_path):
     every = ["--checkpoint.every_n_train_steps", "2"]
     killed = run_main(_args(tiny_data, tmp_path, epochs=2, extra=[*every, *_signal_at(1, 3, "SIGKILL")]), check=False)
     assert killed.returncode == -9
-    last = tmp_path / "checkpoints" / "last.ckpt"
+    last = tmp_path / "version_0" / "checkpoints" / "last.ckpt"
     saved = torch.load(last, map_location="cpu", weights_only=False)
     assert saved["global_step"] == 8  # mid-epoch 1 (steps 6..11): the every-2-steps save before the kill
     resumed = run_main(_args(tiny_data, tmp_path, epochs=2, extra=[*every, "--ckpt_path", "last"]))
@@ -68,11 +68,11 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_data, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "SIGTERM: saved" in out
-    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    saved = torch.load(tmp_path / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert saved["global_step"] == 6 + 3  # the batch that was running when the signal came finished
     resumed = run_main(_args(tiny_data, tmp_path, epochs=3, extra=["--ckpt_path", "last"]))
     assert "Done: best val/acc1" in resumed.stdout + resumed.stderr
-    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 18
+    assert torch.load(tmp_path / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 18
 
 
 @pytest.mark.slow

@@ -18,4 +18,4 @@ def test_quickstart_reaches_90_percent(tmp_path):
     assert float(match.group(1)) >= 0.90
     assert int(match.group(2)) == 15
     assert "Where the time went:" in out
-    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "version_0" / "checkpoints" / "last.ckpt").is_file()

@@ -31,10 +31,10 @@ def test_dp_trains_and_writes_the_single_device_checkpoint_format(tiny_data, tmp
         dp = ClassifierCLI(args=["fit", "--config", "configs/dp.yaml", *quick_args(tiny_data, tmp_path / "dp")])
     assert isinstance(dp.trainer.strategy, DataParallelStrategy)
     assert dp.trainer.global_step == single.trainer.global_step == 240 // 32
-    a, b = _ckpt(tmp_path / "single/checkpoints/last.ckpt"), _ckpt(tmp_path / "dp/checkpoints/last.ckpt")
+    a, b = _ckpt(tmp_path / "single/version_0/checkpoints/last.ckpt"), _ckpt(tmp_path / "dp/version_0/checkpoints/last.ckpt")
     assert a["state_dict"].keys() == b["state_dict"].keys()
     assert all(k.startswith(("backbone.", "train_acc1", "val_acc")) for k in b["state_dict"])
-    plain = ImageClassifier.load_from_checkpoint(tmp_path / "dp/checkpoints/last.ckpt", map_location="cpu")
+    plain = ImageClassifier.load_from_checkpoint(tmp_path / "dp/version_0/checkpoints/last.ckpt", map_location="cpu")
     assert "data_parallel_backbone" not in plain.__dict__
     assert plain(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
     # the same seed and data: dp on one device is the single-device run, step for step
@@ -133,7 +133,7 @@ def test_dp_splits_each_batch_over_the_gpus(tiny_data, tmp_path):
     view = cli.model.__dict__.get("data_parallel_backbone")
     assert view is None  # removed at teardown
     assert cli.trainer.strategy.root_device.type == "cuda" and len(cli.trainer.strategy.cuda_devices) >= 2
-    keys = _ckpt(tmp_path / "checkpoints/last.ckpt")["state_dict"].keys()
+    keys = _ckpt(tmp_path / "version_0/checkpoints/last.ckpt")["state_dict"].keys()
     assert all(not k.startswith(("module.", "data_parallel")) for k in keys)
 
 

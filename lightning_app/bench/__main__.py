@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 NOTE_HELP = "a line printed in bold above the table (e.g. 'contended smoke run, not a result')"
@@ -18,8 +20,9 @@ def _columns(columns: dict[str, str]) -> str:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="bench/results", help="folder for <machine>.<kind>.md/.json/.png and the "
-                   "combined <machine>.md (default: bench/results)")
+    p.add_argument("--out", default="bench/out", help="folder for <machine>.<kind>.md/.json/.png and the "
+                   "combined <machine>.md (default: bench/out, ignored by git; the committed results are "
+                   "updated only with --out bench/results)")
     p.add_argument("--machine", default=None, help="file name for this machine (default: derived from CPU/GPU model)")
     p.add_argument("--note", default=None, help=NOTE_HELP)
 
@@ -108,8 +111,48 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+@contextlib.contextmanager
+def _no_bars_in_a_log_file() -> Iterator[None]:
+    """No redrawn tqdm bars (carriage returns, cursor-up escapes) while the output goes to a file.
+
+    tqdm reads TQDM_* defaults from the environment only once, when it is imported
+    (tqdm.utils.envwrap), which happened before this runs: set it for the `main.py` subprocesses
+    of `bench train`, and disable the bars of this process by a subclass the bench modules use.
+    The data tools print plain lines instead (datamodules.packing.progress_display).
+    """
+    if sys.stderr.isatty():
+        yield
+        return
+    import tqdm as tqdm_module
+
+    from lightning_app.bench import loaders
+
+    class QuietTqdm(tqdm_module.tqdm):
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    saved = (tqdm_module.tqdm, loaders.tqdm, os.environ.get("TQDM_DISABLE"))
+    os.environ["TQDM_DISABLE"] = "1"
+    loaders.tqdm = QuietTqdm  # imported at module level there
+    tqdm_module.tqdm = QuietTqdm  # bench/train.py imports it inside run()
+    try:
+        yield
+    finally:
+        tqdm_module.tqdm, loaders.tqdm = saved[0], saved[1]
+        if saved[2] is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = saved[2]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    with _no_bars_in_a_log_file():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from lightning_app.bench import report
 
     if args.command == "loaders":

@@ -1,0 +1,211 @@
+"""Run folders, `--ckpt_path last`, run locks, one-paragraph errors and logs a person can read."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_app import runs
+from lightning_app.cli import ClassifierCLI, main
+from lightning_app.errors import UserError, error_line_first
+from tests.conftest import REPO, make_tree, quick_args, run_main
+
+
+@pytest.fixture(scope="module")
+def three_classes(tmp_path_factory) -> Path:
+    """A second dataset with another class count: a different configuration for the same model."""
+    return make_tree(tmp_path_factory.mktemp("three") / "tree", {"a": 16, "b": 16, "c": 16}, size=(32, 32))
+
+
+def _fit(data: Path, root: Path, *extra: str) -> ClassifierCLI:
+    return ClassifierCLI(args=["fit", *quick_args(data, root, batch=16), "--trainer.num_sanity_val_steps", "0", *extra])
+
+
+def _run_of(cli: ClassifierCLI) -> str:
+    return Path(cli.trainer.log_dir).name
+
+
+@pytest.mark.slow
+def test_last_resumes_the_newest_run_of_each_config_in_its_own_folder(tiny_data, three_classes, tmp_path):
+    a1 = _fit(tiny_data, tmp_path)             # version_0: 10 classes
+    b = _fit(three_classes, tmp_path)          # version_1: 3 classes
+    a2 = _fit(tiny_data, tmp_path)             # version_2: 10 classes again, the newest of that config
+    assert [_run_of(c) for c in (a1, b, a2)] == ["version_0", "version_1", "version_2"]
+    for run in ("version_0", "version_1", "version_2"):
+        assert (tmp_path / run / "checkpoints" / "last.ckpt").is_file()
+        assert (tmp_path / run / "config.yaml").is_file()
+    assert not (tmp_path / "checkpoints").exists()
+    steps_a, steps_b = a2.trainer.global_step, b.trainer.global_step
+
+    resumed_a = _fit(tiny_data, tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", "last")
+    assert _run_of(resumed_a) == "version_2"
+    assert resumed_a.trainer.global_step == 2 * steps_a
+    assert Path(resumed_a.trainer.checkpoint_callback.dirpath) == (tmp_path / "version_2" / "checkpoints").resolve()
+    resumed_b = _fit(three_classes, tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", "last")
+    assert _run_of(resumed_b) == "version_1"
+    assert resumed_b.trainer.global_step == 2 * steps_b
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["version_0", "version_1", "version_2"]
+    # the other runs' checkpoints are untouched
+    assert len(list((tmp_path / "version_0" / "checkpoints").glob("*.ckpt"))) == 2
+
+    # validate logs into a subfolder of the checkpoint's run, never a new version_N
+    ckpt = tmp_path / "version_1" / "checkpoints" / "last.ckpt"
+    val = ClassifierCLI(args=["validate", *quick_args(three_classes, tmp_path, batch=16), "--ckpt_path", str(ckpt)])
+    assert Path(val.trainer.log_dir) == tmp_path / "version_1" / "validate"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["version_0", "version_1", "version_2"]
+
+
+def test_last_without_a_matching_run_starts_fresh_and_a_foreign_checkpoint_is_one_paragraph(
+        tiny_data, three_classes, tmp_path, capsys, caplog):
+    _fit(three_classes, tmp_path)
+    with caplog.at_level("INFO"):
+        fresh = _fit(tiny_data, tmp_path, "--ckpt_path", "last")
+    assert _run_of(fresh) == "version_1" and fresh.trainer.global_step > 0
+    assert "none with arch conv11 with 10 classes; starting a fresh run" in caplog.text
+
+    ckpt = tmp_path / "version_0" / "checkpoints" / "last.ckpt"  # 3 classes, into a 10-class config
+    with pytest.raises(SystemExit) as exit_:
+        main(["validate", *quick_args(tiny_data, tmp_path, batch=16), "--ckpt_path", str(ckpt)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "3 classes" in err and "10 classes" in err and str(ckpt) in err
+    assert "Traceback" not in err and "state_dict" not in err and "size mismatch" not in err
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_run_lock_refuses_a_live_owner_and_takes_over_a_dead_one(tmp_path):
+    run = tmp_path / "version_0"
+    run.mkdir()
+    mine = runs.RunLock(run).acquire()
+    with pytest.raises(UserError, match=rf"in use by process {os.getpid()} on "):
+        runs.RunLock(run).acquire()
+    mine.release()
+    assert not (run / runs.LOCK_NAME).exists()
+
+    (run / runs.LOCK_NAME).write_text(f'{{"pid": {_dead_pid()}, "host": "{os.uname().nodename}"}}')
+    lock = runs.RunLock(run).acquire()
+    assert lock.took_over is not None
+    assert runs.RunLock(run).read()["pid"] == os.getpid()
+    lock.release()
+
+
+@pytest.mark.slow
+def test_a_second_fit_into_a_live_run_is_refused(tiny_data, tmp_path, capsys):
+    _fit(tiny_data, tmp_path)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock = tmp_path / "version_0" / runs.LOCK_NAME
+        lock.write_text(f'{{"pid": {sleeper.pid}, "host": "{os.uname().nodename}", '
+                        f'"started": "now", "command": "python main.py fit"}}')
+        with pytest.raises(SystemExit) as exit_:
+            main(["fit", *quick_args(tiny_data, tmp_path, batch=16, epochs=2), "--ckpt_path", "last"])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"in use by process {sleeper.pid}" in err and "Traceback" not in err
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    # the owner is gone now: its stale lock is taken over and the run resumes
+    resumed = _fit(tiny_data, tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", "last")
+    assert _run_of(resumed) == "version_0" and resumed.trainer.current_epoch == 2
+    assert not lock.exists()  # released at the end
+
+
+def test_val_image_size_follows_image_size(tiny_data, tmp_path):
+    cli = ClassifierCLI(args=[*quick_args(tiny_data, tmp_path), "--data.image_size", "48"], run=False)
+    assert cli.datamodule.val_image_size == 48
+    cli = ClassifierCLI(args=[*quick_args(tiny_data, tmp_path), "--data.image_size", "48",
+                              "--data.val_image_size", "56"], run=False)
+    assert cli.datamodule.val_image_size == 56
+
+
+def test_parse_errors_put_the_error_line_first():
+    text = "usage: main.py fit [-h]\n   [--x X]\ntip: run --help\nerror: unrecognized arguments: --y\n"
+    assert error_line_first(text).splitlines()[0] == "error: unrecognized arguments: --y"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["data_dir", "arch", "batch", "trainer", "typo"])
+def test_user_errors_are_one_paragraph_with_status_2(case, tiny_data, tmp_path):
+    args = quick_args(tiny_data, tmp_path)
+    expected = {
+        "data_dir": ["--data.data_dir", str(tmp_path / "missing")],
+        "arch": ["--model.arch", "resnet5"],
+        "batch": ["--data.batch_size", "1000"],
+        "trainer": ["--trainer.devices", "0"],
+        "typo": ["--trainer.max_epochz", "2"],
+    }[case]
+    proc = run_main(["fit", *args, *expected], check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    err = proc.stderr.strip()
+    assert "Traceback" not in err and "[rank" not in err
+    if case == "typo":  # jsonargparse's own message, its error line first
+        assert err.splitlines()[0].startswith("error:") and "max_epochz" in err.splitlines()[0]
+        return
+    assert len(err.splitlines()) == 1, err  # the paragraph alone
+    assert {"data_dir": str(tmp_path / "missing"), "arch": "'resnet5'", "batch": "lower --data.batch_size",
+            "trainer": "Check --trainer.accelerator, --trainer.devices"}[case] in err
+    assert not list(tmp_path.glob("version_*"))  # a run that never started leaves no folder
+
+
+@pytest.mark.slow
+def test_a_fit_logged_to_a_file_has_one_line_per_epoch_and_no_escapes(tiny_data, tmp_path):
+    proc = run_main(["fit", *quick_args(tiny_data, tmp_path, epochs=2), "--trainer.enable_progress_bar", "true"])
+    log = proc.stdout + proc.stderr
+    assert "\x1b" not in log and "\r" not in log
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    assert [line.split(":")[0] for line in lines] == ["epoch 1/2", "epoch 2/2"]
+    assert all("train/loss" in line and "val/acc1" in line and "images/s" in line for line in lines)
+    for noise in ("litlogger", "LeafSpec", "is not supported by the model summary", "exists and is not empty"):
+        assert noise not in log
+
+
+@pytest.mark.slow
+def test_bench_loaders_leaves_the_repository_clean(tiny_data):
+    def status() -> str:
+        return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO,
+                              capture_output=True, text=True, check=True).stdout
+
+    before = status()
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_app.bench", "loaders", "--data-dir", str(tiny_data), "--backends",
+         "imagefolder", "--batch-size", "8", "--num-workers", "0", "--rounds", "1", "--warm-epochs", "1",
+         "--max-batches", "2", "--no-ceilings", "--note", "test run"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert status() == before
+    assert "bench/out/" in proc.stdout
+    assert "\x1b" not in proc.stdout + proc.stderr and "\r" not in proc.stdout + proc.stderr
+
+
+def test_a_data_tool_logged_to_a_file_prints_plain_lines(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "datamodules.builtin", "--dst", str(tmp_path / "tiny"),
+                           "--preset", "tiny", "--workers", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
+    log = proc.stdout + proc.stderr
+    assert "\x1b" not in log and "\r" not in log
+    assert "builtin/tiny: 320/320 img (100%)" in proc.stderr
+
+
+def test_a_lock_from_another_host_is_refused_unless_slurm_requeued_this_job(tmp_path, monkeypatch):
+    run = tmp_path / "version_0"
+    run.mkdir()
+    (run / runs.LOCK_NAME).write_text('{"pid": 4242, "host": "node-a", "started": "then", '
+                                      '"slurm_job_id": "77", "slurm_restart_count": 0}')
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    with pytest.raises(UserError, match=r"locked by process 4242 on host node-a.*delete"):
+        runs.RunLock(run).acquire()
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the requeued job: its previous run is over
+    lock = runs.RunLock(run).acquire()
+    assert lock.took_over["host"] == "node-a"
+    assert runs.RunLock(run).read()["slurm_restart_count"] == 1
+    lock.release()
