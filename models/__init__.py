@@ -1,7 +1,6 @@
 """Backbones and their registry: conv11, resnet50, vgg11, vgg16."""
-from models.registry import create_model, list_models, register_model
-
 # Imported for their @register_model side effect.
-from models import conv11, resnet, vgg  # noqa: E402,F401
+from models import conv11, resnet, vgg  # noqa: F401
+from models.registry import create_model, list_models, register_model
 
 __all__ = ["create_model", "list_models", "register_model"]

@@ -1,7 +1,8 @@
 """A tiny timm-style model registry: ``@register_model("name")`` and ``create_model``."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
