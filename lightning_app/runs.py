@@ -81,6 +81,8 @@ class ModelSignature:
     @classmethod
     def of_module(cls, module: torch.nn.Module) -> ModelSignature:
         hp = getattr(module, "hparams", {})
+        if not hp.get("num_classes"):  # predicting a folder without the training tree: the checkpoint's count
+            return cls(hp.get("arch"), None, {})
         return cls(hp.get("arch"), hp.get("num_classes"),
                    {k: tuple(v.shape) for k, v in module.state_dict().items()})
 
@@ -103,7 +105,8 @@ class ModelSignature:
 
 def mismatch(saved: ModelSignature, config: ModelSignature) -> str | None:
     """Why a checkpoint with `saved` cannot load into the model of `config`, or None when it can."""
-    if saved.arch != config.arch or saved.num_classes != config.num_classes:
+    classes_differ = config.num_classes is not None and saved.num_classes != config.num_classes
+    if saved.arch != config.arch or classes_differ:
         return f"it holds {saved.describe()}, this config builds {config.describe()}"
     for key, shape in config.shapes.items():
         if key in saved.shapes and saved.shapes[key] != shape:

@@ -87,11 +87,11 @@ def test_bench_gpu_on_cpu_skips_every_gpu_row_and_runs_the_ceiling_and_shares(ti
     checks = {c["name"]: c for c in data["checks"]}
     ceiling = checks["compute ceiling"]
     assert ceiling["status"] == "ok" and ceiling["images_s"] > 0 and "conv11 at 32 px" in ceiling["verdict"]
-    for name in ("ImageFolder (PIL)", "DALI CPU"):
+    for name in ("ImageFolder", "DALI CPU"):
         row = checks[name]
         assert row["status"] == "ok" and row["images_s"] > 0, row
         assert row["extra"]["share"] == pytest.approx(row["images_s"] / ceiling["images_s"])
-    assert checks["LMDB (PIL)"]["verdict"] == "not selected (--backends)"
+    assert checks["LMDB"]["verdict"] == "not selected (--backends)"
     gpu_rows = [c for c in data["checks"] if c["group"] not in ("compute ceiling", "backend")]
     assert {c["group"] for c in gpu_rows} == {"DALI mixed", "precision", "speed flag", "dp", "DDP"}
     if not torch.cuda.is_available():

@@ -68,7 +68,7 @@ def test_recipe_runs_one_short_epoch(recipe, tiny_data, tmp_path):
     if "ffcv" in recipe:
         small += ["--trainer.callbacks.init_args.start_size", "64", "--trainer.callbacks.init_args.end_size", "96"]
     run_main(["fit", "--config", recipe, *quick_args(tiny_data, tmp_path, batch=8, width=None), *small])
-    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    ckpt = torch.load(tmp_path / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     if "torchvision" in recipe:
         assert "current_model_state" in ckpt and "averaging_state" in ckpt  # the EMA travels in the checkpoint
     else:

@@ -46,13 +46,11 @@ class AccuracyClock(pl.Callback):
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or trainer.global_rank != 0 or "val/acc1" not in trainer.callback_metrics:
             return
-        from lightning_app.schedules import train_size_of
-
         self.points.append({
             "epoch": trainer.current_epoch,
             "seconds": round(time.perf_counter() - self._t0, 3),
             "val_acc1": float(trainer.callback_metrics["val/acc1"]),
-            "train_size": train_size_of(trainer.datamodule),
+            "train_size": trainer.datamodule.train_size,
         })
         path = os.environ.get(CURVE_ENV)
         if path:

@@ -278,6 +278,7 @@ def plain_loop(spec: dict) -> dict:
     from torch.utils.data import DataLoader
 
     from datamodules import ImageFolderDataModule
+    from datamodules.sample import built_batch
     from datamodules.transforms import normalize
     from lightning_app.module import warmup_cosine
     from models import create_model
@@ -292,8 +293,9 @@ def plain_loop(spec: dict) -> dict:
                                min_scale=spec["min_scale"], val_crop_ratio=spec["val_crop_ratio"])
     dm.setup("fit")
     workers = spec["num_workers"]
+    # The template's own sample path (a worker builds whole batches), so only the training loop differs.
     loader = DataLoader(dm.datasets["train"], batch_size=spec["batch_size"], shuffle=True, drop_last=True,
-                        num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0,
+                        collate_fn=built_batch, num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0,
                         prefetch_factor=4 if workers > 0 else None)
     kw = {"width": spec["width"]} if spec["arch"] == "conv11" else {}
     model = create_model(spec["arch"], num_classes=dm.num_classes, image_size=spec["image_size"], **kw).to(device)
