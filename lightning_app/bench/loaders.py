@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -37,7 +38,8 @@ DECODERS = ("pil", "torchvision")
 COLUMNS = {
     "backend": "the DataModule whose train_dataloader() is timed (same tree, same batch, image size, workers)",
     "images/s cold | warm": "training images per second through the whole pipeline (read, decode, augment, "
-                            "batch, copy to the device, normalise in on_after_batch_transfer); cold: the "
+                            "batch, copy to the device) as uint8 batches on the device; the model step's "
+                            "normalisation there is timed on its own (notes); cold: the "
                             "backend's files evicted from the page cache first (method in the notes); warm: the "
                             "next epochs (--warm-epochs), files in RAM",
     "MB/s cold | warm": "megabytes (1e6) of encoded image bytes the backend reads per second (images/s x mean "
@@ -277,7 +279,12 @@ def _count(batch) -> int:
 
 def time_epoch(dm, loader, device: torch.device, max_batches: int | None, desc: str) -> tuple[int, float]:
     """One epoch of ``loader`` (the backend's train_dataloader(), made once as Lightning does) as training
-    iterates it: to the device, then the DataModule's on_after_batch_transfer. Returns (images, seconds)."""
+    iterates it, up to the batch on the device. Returns (images, seconds).
+
+    The DataModule's on_after_batch_transfer (uint8 -> normalised float) is the first operation of the
+    model step, on the training device: on a GPU it is nearly free, and on a CPU-only machine it would
+    charge the loader with work the decode-only ceilings do not contain. `normalize_cost` times it apart.
+    """
     try:
         total = len(loader)
     except TypeError:
@@ -288,7 +295,7 @@ def time_epoch(dm, loader, device: torch.device, max_batches: int | None, desc: 
     t0 = time.perf_counter()
     with tqdm(total=total, desc=desc, unit="batch", leave=False, dynamic_ncols=True) as bar:
         for i, batch in enumerate(loader):
-            batch = dm.on_after_batch_transfer(_to_device(batch, device), 0)
+            batch = _to_device(batch, device)
             images += _count(batch)
             bar.update(1)
             if max_batches and i + 1 >= max_batches:
@@ -296,6 +303,23 @@ def time_epoch(dm, loader, device: torch.device, max_batches: int | None, desc: 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return images, time.perf_counter() - t0
+
+
+def normalize_cost(batch_size: int, image_size: int, device: torch.device, repeats: int = 7) -> dict:
+    """Milliseconds the device-side normalisation (datamodules.transforms.normalize) takes per batch."""
+    from datamodules.transforms import normalize
+
+    images = torch.randint(0, 256, (batch_size, 3, image_size, image_size), dtype=torch.uint8, device=device)
+    images = images.contiguous(memory_format=torch.channels_last)  # what the sample path delivers
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        normalize(images)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    ms = 1000 * statistics.median(times[1:])
+    return {"ms_per_batch": ms, "images_s": batch_size / ms * 1000, "threads": torch.get_num_threads()}
 
 
 def _start_workers(loader) -> None:
@@ -419,6 +443,7 @@ def run(settings: Settings, backends: list[str], measure_ceilings: bool = True,
             rate = ceilings.decode_rate(sample, decoder=decoder, cold=cache == "cold", drop_caches=settings.drop_caches)
             ceil["decode"].setdefault(key, {}).setdefault(decoder, {})[cache] = rate.as_dict()
         ceil["stages_us"] = ceilings.stage_times(tree[:: max(1, len(tree) // 100)][:100], settings.image_size)
+        ceil["normalize"] = normalize_cost(settings.batch_size, settings.image_size, device)
     pil = ceil["decode"].get("original", {}).get("pil", {}).get("warm", {}).get("images_s")
     for r in rows:
         if r.status != "ok":
@@ -487,6 +512,11 @@ def to_markdown(result: dict[str, Any]) -> str:
     if c.get("stages_us"):
         lines.append("- Stages of the sample path, one thread, original images, warm (microseconds per image): "
                      + "; ".join(f"{k} {v:,.0f}" for k, v in c["stages_us"].items()))
+    if c.get("normalize"):
+        n = c["normalize"]
+        lines.append(f"- Not in the rows: the model step's normalisation on the device (uint8 -> float, mean/std), "
+                     f"{n['ms_per_batch']:.1f} ms per batch ({n['images_s']:,.0f} images/s, {n['threads']} threads); "
+                     "on a GPU it runs there, on a CPU-only machine it is part of the model's compute")
     s = result["settings"]
     lines.append(f"- Cold cache by: {result['eviction']}")
     lines.append(f"- Dataset: {repo_relative(s['root'])} (train split); batch {s['batch_size']}, {s['num_workers']} workers, "
