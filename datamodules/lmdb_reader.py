@@ -114,31 +114,43 @@ class MapPrefetch:
 
     def __init__(self, path: str) -> None:
         self.file = os.path.realpath(os.path.join(path, "data.mdb"))
-        self._pid: int | None = None
-        self._fd = self._base = None
+        # (pid, fd, base) published as ONE attribute: the sample threads of a worker call this at once,
+        # and must never see a base without its fd (that race once passed fd None to posix_fadvise).
+        self._state: tuple[int, int | None, int | None] | None = None
+        self._lock = threading.Lock()
 
     def __call__(self, view: memoryview) -> None:
-        if self._pid != os.getpid():
-            self._open()
-        if self._base is not None and len(view) > 4096:
+        state = self._state
+        if state is None or state[0] != os.getpid():
+            state = self._open()
+        _, fd, base = state
+        if fd is not None and len(view) > 4096:
             addr = np.frombuffer(view, dtype=np.uint8).ctypes.data
-            os.posix_fadvise(self._fd, addr - self._base, len(view), os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(fd, addr - base, len(view), os.POSIX_FADV_WILLNEED)
 
-    def _open(self) -> None:
-        self._pid, self._fd, self._base = os.getpid(), None, None
-        if not hasattr(os, "posix_fadvise"):
-            return
-        try:
-            with open("/proc/self/maps") as f:
-                for line in f:
-                    fields = line.split(maxsplit=5)
-                    if len(fields) == 6 and fields[5].strip() == self.file:
-                        self._base = int(fields[0].split("-")[0], 16) - int(fields[2], 16)
-                        break
-            if self._base is not None:
-                self._fd = os.open(self.file, os.O_RDONLY)
-        except (OSError, ValueError):
-            self._base = None
+    def _open(self) -> tuple[int, int | None, int | None]:
+        with self._lock:
+            state = self._state
+            if state is not None and state[0] == os.getpid():
+                return state  # another thread opened it meanwhile
+            fd = base = None
+            if hasattr(os, "posix_fadvise"):
+                try:
+                    with open("/proc/self/maps") as f:
+                        for line in f:
+                            fields = line.split(maxsplit=5)
+                            if len(fields) == 6 and fields[5].strip() == self.file:
+                                base = int(fields[0].split("-")[0], 16) - int(fields[2], 16)
+                                break
+                    if base is not None:
+                        fd = os.open(self.file, os.O_RDONLY)
+                except (OSError, ValueError):
+                    fd = base = None
+            self._state = (os.getpid(), fd, base)
+            return self._state
 
     def __getstate__(self) -> dict:
-        return {"file": self.file, "_pid": None, "_fd": None, "_base": None}
+        return {"file": self.file, "_state": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())

@@ -246,11 +246,34 @@ def test_killed_just_before_the_rename_only_renames(tiny_data, tmp_path):
 def test_prefetch_targets_the_values_own_bytes_in_data_mdb(tiny_db):
     source = LMDBSource(LMDBReader(tiny_db), "val")
     view = source.read(5)  # opens the map, then prefetches the value
-    prefetch = source.prefetch
-    if prefetch._base is None:
+    _, fd, base = source.prefetch._state
+    if fd is None:
         pytest.skip("no /proc/self/maps or posix_fadvise here: prefetching is off")
-    offset = np.frombuffer(view, dtype=np.uint8).ctypes.data - prefetch._base
+    offset = np.frombuffer(view, dtype=np.uint8).ctypes.data - base
     with open(tiny_db / "data.mdb", "rb") as f:
         f.seek(offset)
         assert f.read(len(view)) == bytes(view)
+    source.reader.close()
+
+
+def test_prefetch_opened_by_many_sample_threads_at_once(tiny_db):
+    """The sample threads of a worker hit a fresh MapPrefetch together: none may see a half-opened state."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    source = LMDBSource(LMDBReader(tiny_db), "val")
+    views = [source.read(i) for i in range(8)]
+    for _ in range(50):
+        prefetch = type(source.prefetch)(source.reader.path)  # fresh: not yet opened in this process
+        start = threading.Barrier(8)
+
+        def call(view, prefetch=prefetch, start=start):
+            start.wait()
+            prefetch(view)
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(call, views))  # re-raises what any thread raised
+        fd = prefetch._state[1]
+        if fd is not None:
+            os.close(fd)
     source.reader.close()
