@@ -248,7 +248,7 @@ class ImageDataModule(pl.LightningDataModule):
         from datamodules.predict import PredictDataset  # Lightning adds a DistributedSampler under DDP
 
         dataset = PredictDataset(self.predict_dir, self.val_image_size, self.val_crop_ratio)
-        return DataLoader(dataset, batch_size=self.per_process_batch_size, num_workers=self.num_workers,
+        return DataLoader(dataset, batch_size=self.per_process_batch_size, num_workers=self.workers(),
                           pin_memory=self.pins_memory)
 
     @property

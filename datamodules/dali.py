@@ -363,7 +363,7 @@ class DALIDataModule(ImageDataModule):
         def build_lmdb(epoch: int):
             source = dp.LMDBSampleSource(self.lmdb_path, split, n, rank, world, batch, steps, train, self.seed, epoch)
             pipe = dp.external_pipeline(self._spec(train), source, seed=self.seed + 1000 * epoch + rank,
-                                        py_num_workers=max(1, self.num_workers), py_start_method="spawn", **common)
+                                        py_num_workers=max(1, self.workers()), py_start_method="spawn", **common)
             pipe.start_py_workers()
             pipe.build()
             return DALIGenericIterator([pipe], ["images", "index", "label"], auto_reset=False,

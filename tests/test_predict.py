@@ -35,10 +35,11 @@ def test_dataset_walks_recursively_and_lists_bad_files(tiny_data, tmp_path):
     assert image.dtype == torch.uint8 and image.shape == (3, 32, 32) and index == 1
 
 
-def test_predict_only_datamodule_reads_no_training_tree(tiny_data, tmp_path):
+@pytest.mark.parametrize("workers", [0, "auto"])
+def test_predict_only_datamodule_reads_no_training_tree(tiny_data, tmp_path, workers):
     from datamodules import ImageFolderDataModule
 
-    dm = ImageFolderDataModule(data_dir=None, predict_dir=str(tiny_data / "val"), batch_size=16, num_workers=0,
+    dm = ImageFolderDataModule(data_dir=None, predict_dir=str(tiny_data / "val"), batch_size=16, num_workers=workers,
                                image_size=32, val_crop_ratio=1.0)
     assert dm.classes == [] and not hasattr(dm, "root")  # nothing discovered, nothing generated
     dm.setup("predict")
