@@ -151,3 +151,23 @@ def slow_tree(tmp_path_factory) -> Path:
                 arr = rng.integers(0, 255, (240, 320, 3), dtype=np.uint8)
                 (d / f"{i:03d}.png").write_bytes(_png(Image.fromarray(arr)))
     return root
+
+
+def train_checkpoint(data_dir: Path, root: Path, *, epochs: int, batch: int, **model_kwargs):
+    """(trainer, model, datamodule, checkpoint path): conv11 width 8 fitted on `data_dir` at 32 px, in-process."""
+    import pytorch_lightning as pl
+
+    from datamodules import ImageFolderDataModule
+    from lightning_app.module import ImageClassifier
+
+    pl.seed_everything(0)
+    dm = ImageFolderDataModule(data_dir=str(data_dir), batch_size=batch, num_workers=0, image_size=32,
+                               val_crop_ratio=1.0, persistent_workers=False)
+    model = ImageClassifier(arch="conv11", num_classes=dm.num_classes, image_size=32, global_batch_size=batch,
+                            arch_kwargs={"width": 8}, pictures=[], **model_kwargs)
+    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
+    trainer.fit(model, dm)
+    path = root / "model.ckpt"
+    trainer.save_checkpoint(path)
+    return trainer, model, dm, path

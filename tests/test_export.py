@@ -5,13 +5,13 @@ import json
 
 import numpy as np
 import pytest
-import pytorch_lightning as pl
 import torch
 
 from datamodules.images import decode_rgb
 from datamodules.transforms import normalize, val_transform
 from lightning_app.export import export, main
 from lightning_app.module import ImageClassifier
+from tests.conftest import train_checkpoint
 
 # Stated tolerance: probabilities agree to 1e-4 (absolute) with the checkpoint's own model in float32.
 ATOL = 1e-4
@@ -20,20 +20,8 @@ ATOL = 1e-4
 @pytest.fixture(scope="module")
 def trained_ckpt(tiny_data, tmp_path_factory):
     """A real Lightning checkpoint of a channels_last conv11 after one epoch on the tiny built-in data."""
-    from datamodules import ImageFolderDataModule
-
-    pl.seed_everything(0)
-    root = tmp_path_factory.mktemp("export_run")
-    dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=40, num_workers=0, image_size=32,
-                               val_crop_ratio=1.0, persistent_workers=False)
-    model = ImageClassifier(arch="conv11", num_classes=dm.num_classes, image_size=32, global_batch_size=40,
-                            arch_kwargs={"width": 8}, channels_last=True, pictures=[])
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
-    trainer.fit(model, dm)
-    path = root / "model.ckpt"
-    trainer.save_checkpoint(path)
-    return path
+    return train_checkpoint(tiny_data, tmp_path_factory.mktemp("export_run"), epochs=1, batch=40,
+                            channels_last=True)[3]
 
 
 def real_batch(data_dir, n: int) -> torch.Tensor:

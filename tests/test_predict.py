@@ -5,13 +5,11 @@ import csv
 import shutil
 
 import pytest
-import pytorch_lightning as pl
 import torch
 
 from datamodules.predict import PredictDataset
-from lightning_app.module import ImageClassifier
 from lightning_app.predict import PredictionsCSV, columns
-from tests.conftest import free_port, run_main
+from tests.conftest import free_port, run_main, train_checkpoint
 
 JPEG = b"\xff\xd8\xff\xe0" + b"\x00" * 64 + b"\xff\xd9"
 
@@ -68,20 +66,9 @@ def test_merge_keeps_one_row_per_index(tmp_path):
 
 @pytest.fixture(scope="module")
 def trained(tiny_data, tmp_path_factory):
-    """(checkpoint, validate's val/acc1) for conv11 trained 2 epochs on the tiny built-in data."""
-    from datamodules import ImageFolderDataModule
-
-    pl.seed_everything(0)
+    """(checkpoint, validate's val/acc1, flat folder) for conv11 trained 3 epochs on the tiny built-in data."""
     root = tmp_path_factory.mktemp("predict_run")
-    dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=32, num_workers=0, image_size=32,
-                               val_crop_ratio=1.0, persistent_workers=False)
-    model = ImageClassifier(arch="conv11", num_classes=dm.num_classes, image_size=32, global_batch_size=32,
-                            arch_kwargs={"width": 8}, pictures=[])
-    trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
-    trainer.fit(model, dm)
-    ckpt = root / "model.ckpt"
-    trainer.save_checkpoint(ckpt)
+    trainer, model, dm, ckpt = train_checkpoint(tiny_data, root, epochs=3, batch=32)
     acc = trainer.validate(model, dm, verbose=False)[0]["val/acc1"]
     flat = root / "flat"
     flat.mkdir()
