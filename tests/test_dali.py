@@ -354,7 +354,7 @@ def test_mixed_decoding_outputs_on_gpu_and_fp16(tiny_data):
 # ---------------------------------------------------------------------------- threads, memory, output
 
 def test_threads_come_from_the_affinity_share_and_are_capped_for_gpu_decoding():
-    from datamodules.dali import MAX_MIXED_THREADS, dali_memory_bill, dali_threads
+    from datamodules.dali_loader import MAX_MIXED_THREADS, dali_memory_bill, dali_threads
 
     # a 224-thread DGX, 8 ranks: 28 CPUs each; nvJPEG gets at most MAX_MIXED_THREADS of them
     assert dali_threads("cpu", 8, usable=224) == 28
