@@ -137,7 +137,6 @@ class ImageDataModule(pl.LightningDataModule):
         """
         if size < 1:
             raise DataError(f"train size must be >= 1, got {size}.")
-        self.image_size = int(size)
         self._train_size[0] = int(size)
 
     def workers(self) -> int:

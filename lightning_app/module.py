@@ -10,7 +10,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics.classification import MulticlassAccuracy
 from torchvision.transforms import v2
 
-from datamodules.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize
+from datamodules.transforms import IMAGENET_MEAN, IMAGENET_STD
 from lightning_app import weights as weights_lib
 from lightning_app.errors import UserError
 from models import create_model
@@ -147,10 +147,10 @@ class ImageClassifier(pl.LightningModule):
         self.validation_step(batch, batch_idx)  # returns None: no pictures from test
 
     def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
-        """Class probabilities (float32). A `--data.predict_dir` batch is (uint8 images, dataset indices);
-        uint8 images are normalised here too, for loaders whose transfer hook does not (DALI's)."""
+        """Class probabilities (float32). A `--data.predict_dir` batch is (images, dataset indices); the
+        DataModule's on_after_batch_transfer has normalised the images, as for validation."""
         images = batch[0] if isinstance(batch, (tuple, list)) else batch
-        return self.eval_logits(normalize(images)).float().softmax(dim=-1)
+        return self.eval_logits(images).float().softmax(dim=-1)
 
     # -- optimisation ---------------------------------------------------------------------
     @property

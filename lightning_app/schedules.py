@@ -76,14 +76,14 @@ class ProgressiveResizing(pl.Callback):
             self._apply(trainer, resumed_epoch(checkpoint))
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        size = self.size_at(trainer.current_epoch)
         changed = self._apply(trainer, trainer.current_epoch)
         if self._first_epoch_of_run:
             self._first_epoch_of_run = False
             fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
             if changed and fetcher is not None:
                 iter(fetcher)  # this epoch's iterator was made before the hook, at the old size: make it again
-        pl_module.log("train/image_size", float(size), on_step=False, on_epoch=True, rank_zero_only=True)
+        pl_module.log("train/image_size", float(trainer.datamodule.train_size), on_step=False, on_epoch=True,
+                      rank_zero_only=True)
 
     def _apply(self, trainer: pl.Trainer, epoch: int) -> bool:
         """Put epoch `epoch`'s size in force; True when it changed."""
