@@ -17,10 +17,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from datamodules.augment import make_train_augment
+from datamodules.batches import SampleLoader, built_batch
 from datamodules.cpus import cpus_per_process
 from datamodules.crop import Augment, TrainCrop, ValCrop
 from datamodules.index import DataError, Index, find_classes, load_indexes
-from datamodules.sample import SampleDataset, Source, built_batch
+from datamodules.sample import SampleDataset, Source
 from datamodules.transforms import normalize
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -220,7 +221,8 @@ class ImageDataModule(pl.LightningDataModule):
                 seed=int(os.environ.get("PL_GLOBAL_SEED", "0")), drop_last=True,
             )
         dataset = self.datasets[split]
-        return DataLoader(
+        loader = SampleLoader if isinstance(dataset, SampleDataset) else DataLoader
+        return loader(
             dataset,
             batch_size=batch_size,
             collate_fn=built_batch if isinstance(dataset, SampleDataset) else None,

@@ -5,9 +5,8 @@ A backend only says where a sample's encoded bytes come from (a `Source`); decod
 
 A DataLoader calls `SampleDataset.__getitems__(indices)` once per batch (torch/utils/data/_utils/
 fetch.py, _MapDatasetFetcher). It writes every sample straight into one preallocated uint8
-batch tensor, in shared memory when it runs in a worker (as default_collate allocates its
-output there: no copy when the batch crosses to the main process), and the loader's
-`collate_fn` is `built_batch`, which returns it as it is. The samples of a batch run on a small
+batch tensor, in shared memory when it runs in a worker (a reused ring buffer: batches.py), and
+the loader's `collate_fn` is `built_batch`, which returns it as it is. The samples of a batch run on a small
 thread pool: file reads wait on the disk with the GIL released, and libjpeg-turbo decoding and
 the resize release it too (decode.py says where), so a worker overlaps its reads and, on a
 machine with spare cores, its decodes.
@@ -26,6 +25,7 @@ from typing import Protocol
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from datamodules.batches import RingBatch, new_batch
 from datamodules.decode import decode
 from datamodules.index import DataError, Index
 
@@ -67,21 +67,6 @@ def sample_pool() -> ThreadPoolExecutor:
     if _pool is None or _pool[0] != os.getpid():
         _pool = (os.getpid(), ThreadPoolExecutor(SAMPLE_THREADS, thread_name_prefix="sample"))
     return _pool[1]
-
-
-def new_batch(n: int, size: int) -> torch.Tensor:
-    """An uninitialised uint8 (n, 3, size, size) channels-last batch, in shared memory inside a worker."""
-    shape, numel = (n, 3, size, size), n * 3 * size * size
-    stride = (3 * size * size, 1, 3 * size, 3)  # channels_last: what the resize kernel writes
-    if get_worker_info() is None:
-        return torch.empty_strided(shape, stride, dtype=torch.uint8)
-    storage = torch.UntypedStorage._new_shared(numel)
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, shape, stride)
-
-
-def built_batch(batch):
-    """The DataLoader's collate_fn: `__getitems__` already built the batch."""
-    return batch
 
 
 class SampleDataset(Dataset):
@@ -127,4 +112,5 @@ class SampleDataset(Dataset):
 
         # list() re-raises the first failure (a DataError naming the sample) here, in this thread.
         list(sample_pool().map(fill, range(len(indices))))
-        return images, self.labels[list(indices)]
+        labels = self.labels[list(indices)]
+        return RingBatch((images, labels)) if get_worker_info() is not None else (images, labels)

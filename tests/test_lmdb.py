@@ -14,8 +14,8 @@ import lmdb
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
+from datamodules.batches import SampleLoader, built_batch
 from datamodules.images import decode_rgb
 from datamodules.index import DataError, load_indexes
 from datamodules.lmdb import (
@@ -29,7 +29,6 @@ from datamodules.lmdb import (
     sample_key,
     unpack_value,
 )
-from datamodules.sample import built_batch
 from tests.conftest import REPO, make_tree, quick_args, run_main
 
 
@@ -182,7 +181,7 @@ def test_datamodule_matches_imagefolder_labels_with_workers(tiny_data, tiny_db):
 def test_spawned_workers_open_their_own_environment(tiny_db):
     dm = LMDBDataModule(str(tiny_db), batch_size=40, num_workers=1, image_size=32)
     dm.setup("validate")
-    loader = DataLoader(dm.datasets["val"], batch_size=40, num_workers=1, multiprocessing_context="spawn",
+    loader = SampleLoader(dm.datasets["val"], batch_size=40, num_workers=1, multiprocessing_context="spawn",
                         collate_fn=built_batch)  # the dataset writes whole batches itself
     labels = torch.cat([y for _, y in loader])
     assert labels.tolist() == [dm.reader.get("val", i)[1] for i in range(80)]

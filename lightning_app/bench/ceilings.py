@@ -149,9 +149,10 @@ def stage_times(paths: Sequence[str], image_size: int = 224, min_scale: float = 
 
     import torch
 
+    from datamodules.batches import new_batch
     from datamodules.crop import TrainCrop
     from datamodules.decode import decode
-    from datamodules.sample import FileSource, new_batch
+    from datamodules.sample import FileSource
     from datamodules.transforms import train_transform
 
     threads = torch.get_num_threads()

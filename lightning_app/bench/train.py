@@ -275,10 +275,9 @@ def plain_loop(spec: dict) -> dict:
     """The same training, by hand: DataLoader, model, SGD + warm-up/cosine, autocast. No Lightning."""
     import numpy as np
     import torch.nn.functional as F
-    from torch.utils.data import DataLoader
 
     from datamodules import ImageFolderDataModule
-    from datamodules.sample import built_batch
+    from datamodules.batches import SampleLoader, built_batch
     from datamodules.transforms import normalize
     from lightning_app.module import warmup_cosine
     from models import create_model
@@ -294,7 +293,7 @@ def plain_loop(spec: dict) -> dict:
     dm.setup("fit")
     workers = spec["num_workers"]
     # The template's own sample path (a worker builds whole batches), so only the training loop differs.
-    loader = DataLoader(dm.datasets["train"], batch_size=spec["batch_size"], shuffle=True, drop_last=True,
+    loader = SampleLoader(dm.datasets["train"], batch_size=spec["batch_size"], shuffle=True, drop_last=True,
                         collate_fn=built_batch, num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0,
                         prefetch_factor=4 if workers > 0 else None)
     kw = {"width": spec["width"]} if spec["arch"] == "conv11" else {}
