@@ -95,11 +95,11 @@ def _root(args) -> Path:
 def train_through(dm, w: Workload, epochs: int, max_batches: int | None) -> float:
     """Training images/s through a backend's train_dataloader(): to the device, on_after_batch_transfer,
     then the ceiling's training step. One untimed warm-up epoch first (workers, autotuning)."""
-    from lightning_app.bench.loaders import _close, _start_workers, _to_device
+    from lightning_app.bench.loaders import _close, _prepare, _to_device
 
     device = torch.device(w.device)
     loader = dm.train_dataloader()
-    _start_workers(loader)
+    _prepare(loader)
     images, seconds = 0, 0.0
     try:
         with gc.cudnn_flags(benchmark=device.type == "cuda"):
