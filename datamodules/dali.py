@@ -16,10 +16,14 @@ disjoint within every epoch and each rank sees all the data over world-size epoc
 uses DROP (every rank runs the steps of the smallest shard), val PARTIAL (each rank its
 exact shard, no duplicates).
 
-Validation vs torchvision (PIL bilinear + antialias, shorter side, center crop): identical
-when no resize happens; with a resize the mean absolute difference is 0.19 grey levels on
-32 px images (24 px crop) and 1.5 on ImageNet-size images (224 crop), from DALI rounding the
-longer side and the crop offset differently (a 1 px shift on some images).
+CPU decoding: DALI reads, picks the random crop and decodes only that region; the sample
+path's resize kernel makes the batch (`dali_loader.HostFinish`), because DALI's own CPU resize
+cost more than its decoding (dali_pipelines.py). Validation then takes the other backends' exact
+geometry (shorter side, centre crop): on the built-in test images its batches equal
+ImageFolder's (tests/test_dali.py). Under a DALI auto-augment policy, and with `mixed`, DALI
+resizes itself: against torchvision's resize + centre crop that is 1.5 grey levels mean
+difference on ImageNet-size images (224 crop), from DALI rounding the longer side and the crop
+offset differently (a 1 px shift on some images).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from datamodules.dali_loader import (
     HOST_MEMORY_PADDING,
     MAX_MIXED_THREADS,
     DALILoader,
+    HostFinish,
     dali_memory_bill,
     dali_threads,
 )
@@ -181,6 +186,11 @@ class DALIDataModule(ImageDataModule):
                           f"{MAX_MIXED_THREADS} threads are plenty for nvJPEG.", stacklevel=2)
         return threads
 
+    def _resize_on_host(self, train: bool) -> bool:
+        """CPU decoding resizes with the sample path's kernel (dali_pipelines.py says why), except under a
+        DALI auto-augment policy, which runs in the pipeline on the resized images."""
+        return self.decoder_device == "cpu" and not (train and self.auto_augment)
+
     def _spec(self, train: bool):
         from datamodules.dali_pipelines import PipelineSpec
 
@@ -190,13 +200,13 @@ class DALIDataModule(ImageDataModule):
             val_resize=round(self.val_image_size / self.val_crop_ratio), min_scale=self.min_scale,
             fp16=self._fp16(), hw_decoder_load=self.hw_decoder_load,
             device_memory_padding=DEVICE_MEMORY_PADDING, host_memory_padding=HOST_MEMORY_PADDING,
-            auto_augment=self.auto_augment if train else None,
+            auto_augment=self.auto_augment if train else None, resize_on_host=self._resize_on_host(train),
         )
 
     # -- loaders --------------------------------------------------------------------------
     def _make_loader(self, split: str, train: bool) -> DALILoader:
         from nvidia.dali.plugin.base_iterator import LastBatchPolicy
-        from nvidia.dali.plugin.pytorch import DALIGenericIterator
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, DALIRaggedIterator
 
         from datamodules import dali_pipelines as dp
 
@@ -212,8 +222,21 @@ class DALIDataModule(ImageDataModule):
             raise DataError(f"data.dali_device gpu decodes onto a CUDA device, but the trainer runs on {device}; "
                             "use --data.dali_device auto (or cpu), or train on the GPU.")
         pin = self.decoder_device == "cpu" and self.pin_memory and device is not None and device.type == "cuda"
-        common = {"batch_size": batch, "num_threads": self._threads(), "device_id": self._device_id(),
-                      "prefetch_queue_depth": self.prefetch_queue_depth}
+        threads = self._threads()
+        common = {"batch_size": batch, "num_threads": threads, "device_id": self._device_id(),
+                  "prefetch_queue_depth": self.prefetch_queue_depth}
+        finish = None
+        if self._resize_on_host(train):
+            size = (lambda: self.train_size) if train else (lambda: self.val_image_size)
+            finish = HostFinish(train, size, self.val_crop_ratio, threads, pin)
+
+        def iterator(pipe, lmdb: bool, **kw):
+            names = dp.output_names(self._spec(train), lmdb)
+            if finish is None:
+                return DALIGenericIterator([pipe], names, **kw)
+            ragged = [DALIRaggedIterator.SPARSE_LIST_TAG if n == "images" else DALIRaggedIterator.DENSE_TAG
+                      for n in names]
+            return DALIRaggedIterator([pipe], names, output_types=ragged, **kw)
 
         if self.source == "folder":
             files = [index.path(i) for i in range(n)]
@@ -230,11 +253,10 @@ class DALIDataModule(ImageDataModule):
                 pipe = dp.file_pipeline(self._spec(train), files, positions, (rank + epoch) % world, world,
                                         seed=self.seed + 1000 * epoch + rank, **common)
                 pipe.build()
-                return DALIGenericIterator([pipe], ["images", "index"], reader_name=dp.READER_NAME,
-                                           last_batch_policy=policy, auto_reset=False)
+                return iterator(pipe, False, reader_name=dp.READER_NAME, last_batch_policy=policy, auto_reset=False)
 
             table = torch.tensor(index.labels, dtype=torch.int64)
-            return DALILoader(build, steps, table, pin=pin)
+            return DALILoader(build, steps, table, pin=pin, finish=finish)
 
         shard_len = len(range(rank, n, world))
         steps = (n // world) // batch if train else math.ceil(shard_len / batch)
@@ -246,10 +268,9 @@ class DALIDataModule(ImageDataModule):
                                         py_num_workers=max(1, self.workers()), py_start_method="spawn", **common)
             pipe.start_py_workers()
             pipe.build()
-            return DALIGenericIterator([pipe], ["images", "index", "label"], auto_reset=False,
-                                       last_batch_policy=LastBatchPolicy.PARTIAL)
+            return iterator(pipe, True, auto_reset=False, last_batch_policy=LastBatchPolicy.PARTIAL)
 
-        return DALILoader(build_lmdb, steps, None, trim, pin=pin)
+        return DALILoader(build_lmdb, steps, None, trim, pin=pin, finish=finish)
 
     def _loader(self, split: str, train: bool) -> DALILoader:
         key = f"{split}:{int(train)}"

@@ -13,11 +13,13 @@ loader therefore rebuilds its pipeline when an epoch was left unfinished, so eac
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from datamodules.cpus import cpus_per_process
+from datamodules.crop import ValCrop, resize
 from datamodules.index import DataError
 
 # nvJPEG preallocates, PER DALI THREAD, one device buffer of device_memory_padding and two pinned host
@@ -56,6 +58,44 @@ def dali_memory_bill(decoder_device: str, threads: int) -> dict[str, int]:
     return {"device": threads * DEVICE_MEMORY_PADDING, "pinned": threads * 2 * HOST_MEMORY_PADDING}
 
 
+class HostFinish:
+    """DALI's CPU-decoded images (HWC uint8, each its own size) -> one uint8 (N, 3, S, S) channels-last batch.
+
+    The shared sample path's resize (datamodules/crop.py): train resizes DALI's random crop to
+    S x S and flips it where DALI's coin says so; val resizes the shorter side and takes the centre
+    crop (`ValCrop`). Runs on `threads` threads (the resize releases the GIL) while DALI's own threads
+    decode the next batch. `size()` is read per batch (progressive resizing rebuilds the pipeline).
+    """
+
+    def __init__(self, train: bool, size: Callable[[], int], crop_ratio: float, threads: int, pin: bool) -> None:
+        self.train, self.size, self.pin = train, size, pin
+        self.val_crop = ValCrop(crop_ratio)
+        self.threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __call__(self, images: list[torch.Tensor], mirror: torch.Tensor | None) -> torch.Tensor:
+        size = self.size()
+        n = len(images)
+        batch = torch.empty_strided((n, 3, size, size), (3 * size * size, 1, 3 * size, 3), dtype=torch.uint8,
+                                    pin_memory=self.pin)
+        flips = mirror.view(-1).tolist() if mirror is not None else [0] * n
+        inference = torch.is_inference_mode_enabled()
+
+        def fill(k: int) -> None:
+            with torch.inference_mode(inference):
+                image = images[k].permute(2, 0, 1)  # CHW view of HWC: channels-last, what resize wants
+                if self.train:
+                    out = resize(image, size, size)
+                    batch[k].copy_(out.flip(-1) if flips[k] else out)
+                else:
+                    batch[k].copy_(self.val_crop(image, size))
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dali-resize")
+        list(self._pool.map(fill, range(n)))
+        return batch
+
+
 class DALILoader:
     """One split's DALI iterator as a re-iterable loader of (images, labels).
 
@@ -65,9 +105,11 @@ class DALILoader:
     """
 
     def __init__(self, build: Callable[[int], Any], steps: int, label_table: torch.Tensor | None,
-                 last_batch_sizes: dict[int, int] | None = None, pin: bool = False) -> None:
+                 last_batch_sizes: dict[int, int] | None = None, pin: bool = False,
+                 finish: HostFinish | None = None) -> None:
         self._build = build
         self._pin = pin
+        self._finish = finish
         self._steps = steps
         self._labels = label_table
         self._trim = last_batch_sizes or {}
@@ -110,9 +152,12 @@ class DALILoader:
                 ) from e
             # DALI emits HWC: the NCHW view of it is channels-last memory (no copy here or in the model).
             images, index = data["images"], data["index"].view(-1).long()
-            if self._pin and not images.is_cuda and not images.is_pinned():
-                images = images.pin_memory()  # DALI's iterator returns pageable CPU tensors
-            images = images.permute(0, 3, 1, 2)
+            if isinstance(images, list):  # one tensor per sample, at its decoded size
+                images = self._finish(images, data.get("mirror"))
+            else:
+                if self._pin and not images.is_cuda and not images.is_pinned():
+                    images = images.pin_memory()  # DALI's iterator returns pageable CPU tensors
+                images = images.permute(0, 3, 1, 2)
             labels = data["label"].view(-1).long() if "label" in data else self._labels[index.cpu()]
             keep = self._trim.get(step)
             if keep is not None:

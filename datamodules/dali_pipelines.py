@@ -1,10 +1,17 @@
 """DALI pipelines: train (random resized crop, flip) and val (resize, center crop).
 
 Only imported by `datamodules.dali` once DALI is known to be installed. Every pipeline
-outputs ("images", "index"): HWC images and the sample's position in the Index (the backend
+outputs `output_names(spec)`: HWC images and the sample's position in the Index (the backend
 maps it to the label, so a test can also see exactly which samples each rank read). Images
 are uint8 when decoded on the CPU (normalised later, on the training device), float (or fp16)
 normalised with the ImageNet mean and std when decoded on the GPU ("mixed").
+
+With CPU decoding (`spec.resize_on_host`), DALI reads, picks the random crop and decodes only
+that region; the images leave the pipeline at their decoded size (plus a flip flag when
+training) and `dali_loader.HostFinish` resizes them with the shared sample path's kernel. DALI's
+own CPU resize cost more than its decoding (`python -m lightning_app.bench loaders`, DALI CPU
+stages: about 2,100 images/s decoding on 2 cores, 1,040 with its resize); the sample path's
+kernel takes about 134 us per image.
 
 Spawned LMDB workers unpickle `LMDBSampleSource` from here: this module must not import
 Lightning (nor anything that does, such as `datamodules.base`).
@@ -38,10 +45,25 @@ class PipelineSpec:
     device_memory_padding: int = 16 << 20  # per thread (datamodules.dali sizes these)
     host_memory_padding: int = 8 << 20  # two pinned buffers per thread
     auto_augment: str | None = None  # datamodules/dali_augment.py: DALI's native policies
+    resize_on_host: bool = False  # CPU decoding: the loader resizes (see the module doc)
 
 
-def _decode_and_augment(encoded, spec: PipelineSpec):
+def output_names(spec: PipelineSpec, lmdb: bool = False) -> list[str]:
+    """The pipeline's outputs, in order: what the loader's iterator maps them to."""
+    flip = ["mirror"] if spec.resize_on_host and spec.train else []
+    return ["images", *flip, "index", *(["label"] if lmdb else [])]
+
+
+def _decode_and_augment(encoded, spec: PipelineSpec) -> tuple:
     mixed = spec.decoder_device == "mixed"
+    if spec.resize_on_host:
+        if spec.train:
+            images = fn.decoders.image_random_crop(
+                encoded, device="cpu", output_type=types.RGB,
+                random_area=[spec.min_scale, 1.0], random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10,
+            )
+            return images, fn.random.coin_flip(probability=0.5, dtype=types.UINT8)
+        return (fn.decoders.image(encoded, device="cpu", output_type=types.RGB),)
     extra = (
         {"hw_decoder_load": spec.hw_decoder_load, "device_memory_padding": spec.device_memory_padding,
          "host_memory_padding": spec.host_memory_padding}
@@ -63,13 +85,13 @@ def _decode_and_augment(encoded, spec: PipelineSpec):
                            interp_type=types.INTERP_LINEAR, antialias=True)
         images = dali_auto_augment(images, spec.auto_augment)  # uint8 HWC; after the flip in the other backends
         mirror = fn.random.coin_flip(probability=0.5)
-        return fn.crop_mirror_normalize(images, output_layout="HWC", mirror=mirror, **norm)
+        return (fn.crop_mirror_normalize(images, output_layout="HWC", mirror=mirror, **norm),)
     images = fn.decoders.image(encoded, device=spec.decoder_device, output_type=types.RGB, **extra)
     # torchvision: PIL bilinear with antialias (a triangle filter widened when shrinking),
     # shorter side to val_resize; DALI's linear + antialias is the same filter family.
     images = fn.resize(images, resize_shorter=spec.val_resize, interp_type=types.INTERP_LINEAR, antialias=True)
-    return fn.crop_mirror_normalize(images, output_layout="HWC", crop=(spec.image_size, spec.image_size),
-                                    crop_pos_x=0.5, crop_pos_y=0.5, **norm)
+    return (fn.crop_mirror_normalize(images, output_layout="HWC", crop=(spec.image_size, spec.image_size),
+                                     crop_pos_x=0.5, crop_pos_y=0.5, **norm),)
 
 
 @pipeline_def(enable_conditionals=True)  # nvidia.dali.auto_aug selects its ops with `if`
@@ -85,7 +107,7 @@ def file_pipeline(spec: PipelineSpec, files: list[str], indices: list[int], shar
         # every rank sees the whole dataset over num_shards epochs.
         stick_to_shard=False,
     )
-    return _decode_and_augment(encoded, spec), index
+    return (*_decode_and_augment(encoded, spec), index)
 
 
 @pipeline_def(enable_conditionals=True)
@@ -93,7 +115,7 @@ def external_pipeline(spec: PipelineSpec, source):
     encoded, index, label = fn.external_source(
         source=source, num_outputs=3, batch=False, parallel=True, dtype=[types.UINT8, types.INT32, types.INT32],
     )
-    return _decode_and_augment(encoded, spec), index, label
+    return (*_decode_and_augment(encoded, spec), index, label)
 
 
 # --- LMDB source ------------------------------------------------------------------------

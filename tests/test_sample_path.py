@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from datamodules import ImageFolderDataModule
@@ -179,3 +180,15 @@ def test_num_workers_auto_divides_the_cpus_by_the_training_processes_on_the_node
     dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=8)
     dm.trainer = trainer
     assert dm.workers() == cpus_per_process(processes)
+
+
+def test_resize_of_a_hwc_view_equals_the_dense_copys():
+    # A decoded image is a CHW view of HWC memory; resize() hands the kernel a dense batch stride for it.
+    hwc = torch.randint(0, 256, (249, 390, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    view = hwc.permute(2, 0, 1)
+    for size in ((224, 224), (256, 401)):
+        as_is = F.interpolate(view[None], size=size, mode="bilinear", antialias=True, align_corners=False)[0]
+        assert torch.equal(resize(view, *size), as_is)  # the kernel on the batch stride of 3: same pixels
+        assert torch.equal(resize(view.contiguous(), *size), as_is)  # and a plain CHW tensor
+    crop = view[:, 10:200, 20:300]  # not contiguous: copied once
+    assert torch.equal(resize(crop, 224, 224), resize(crop.contiguous(), 224, 224))

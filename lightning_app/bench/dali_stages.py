@@ -1,8 +1,10 @@
-"""Where DALI CPU's time goes: the train pipeline cut after each of its steps, on all usable cores.
+"""Where a DALI CPU pipeline's time goes: DALI's own train pipeline cut after each step, on all usable cores.
 
 Each cut is a DALI pipeline of its own (same files, same threads, CPU decoding), run for a few
-batches after a warm-up: reading + random-crop decoding only, then + the resize, then the whole
-train pipeline (+ flip and the uint8 output). The drop between two cuts is what that step costs.
+batches after a warm-up: reading + random-crop decoding only, then + DALI's resize, then DALI's
+whole train pipeline (+ flip and the uint8 output). The drop between two cuts is what that step
+costs. The first cut is what the DALI CPU backend runs in DALI; it resizes on the host instead
+(datamodules/dali_pipelines.py), because DALI's CPU resize costs more than its decoding.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def dali_stage_rates(files: Sequence[str], image_size: int = 224, min_scale: flo
     pipes = {
         "read + random-crop decode": cut(False, **kw),
         "+ resize (antialiased linear)": cut(True, **kw),
-        "+ flip, uint8 HWC out (the train pipeline)": file_pipeline(spec, files, list(range(len(files))), 0, 1, **kw),
+        "+ flip, uint8 HWC out (all in DALI)": file_pipeline(spec, files, list(range(len(files))), 0, 1, **kw),
     }
     out = {}
     for name, pipe in pipes.items():
