@@ -14,6 +14,10 @@ metadata (Image.getexif); torchvision does not, so a JPEG with an XMP packet tak
 tests/test_sample_path.py asserts identical pixels on the odd-image set, all 8 orientations and
 built-in ImageNet-size images.
 
+torchvision 0.29 deprecates its image decoders (a DeprecationWarning on every call, hidden by
+Python's default filters) in favour of TorchCodec >= 0.16, which wraps the same libjpeg-turbo:
+this module's one `decode_jpeg` call is the line to move when torchvision drops them.
+
 `torchvision.io.decode_jpeg` calls `torch.ops.image.decode_jpeg`, and torch releases the GIL
 while a `torch.ops` operator runs (torch/csrc/jit/python/pybind_utils.h, invokeOperatorFromPython:
 `pybind11::gil_scoped_release`), so several threads decode at once.
