@@ -9,8 +9,9 @@ import torch
 
 from datamodules.builtin import generate
 from lightning_app.bench.__main__ import main
-from lightning_app.bench.loaders import BACKENDS, classify
-from lightning_app.bench.loaders import COLUMNS as LOADER_COLUMNS
+from lightning_app.bench.loader_backends import BACKENDS
+from lightning_app.bench.loader_report import COLUMNS as LOADER_COLUMNS
+from lightning_app.bench.loader_report import classify
 from lightning_app.bench.train import COLUMNS as TRAIN_COLUMNS
 from lightning_app.bench.train import RowSpec, row_specs, skip_reason
 
@@ -182,7 +183,8 @@ def test_train_workload_is_gpu_sized_on_cuda_and_flags_win():
 
 def test_dali_loader_built_before_the_clock_and_not_rebuilt_with_max_batches(tmp_path, photo_data):
     pytest.importorskip("nvidia.dali")
-    from lightning_app.bench.loaders import Settings, _dali, _prepare, time_epoch
+    from lightning_app.bench.loader_backends import Settings, _dali
+    from lightning_app.bench.loaders import _prepare, time_epoch
 
     s = Settings(root=photo_data, work=tmp_path, batch_size=4, num_workers=1, image_size=32, max_batches=2)
     p = _dali(s, gpu=False)

@@ -28,8 +28,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from lightning_app.bench.loader_report import COLUMNS as LOADER_COLUMNS
     from lightning_app.bench.loaders import BACKENDS
-    from lightning_app.bench.loaders import COLUMNS as LOADER_COLUMNS
     from lightning_app.bench.train import COLUMNS as TRAIN_COLUMNS
     from lightning_app.bench.train import ROW_NAMES
 
@@ -158,9 +158,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "loaders":
         import torch
 
-        from lightning_app.bench import loaders
+        from lightning_app.bench import loader_backends, loader_report, loaders
 
-        root = Path(args.data_dir) if args.data_dir else loaders.default_root(
+        root = Path(args.data_dir) if args.data_dir else loader_backends.default_root(
             args.builtin, args.train_per_class, args.val_per_class)
         work = Path(args.work_dir) if args.work_dir else Path("bench/out/work") / root.name
         work.mkdir(parents=True, exist_ok=True)
@@ -176,8 +176,8 @@ def _run(args: argparse.Namespace) -> int:
                                     device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         result = loaders.run(settings, wanted, measure_ceilings=not args.no_ceilings,
                              ceiling_images=args.ceiling_images)
-        md = loaders.to_markdown(result)
-        paths = report.write_results(args.out, "loaders", md, result, loaders.chart(result), args.machine, args.note)
+        md = loader_report.to_markdown(result)
+        paths = report.write_results(args.out, "loaders", md, result, loader_report.chart(result), args.machine, args.note)
     elif args.command == "gpu":
         from lightning_app.bench import gpu
 

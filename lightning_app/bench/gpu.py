@@ -88,7 +88,7 @@ def gpu_info() -> dict[str, Any]:
 def _root(args) -> Path:
     if args.data_dir:
         return Path(args.data_dir)
-    from lightning_app.bench.loaders import default_root
+    from lightning_app.bench.loader_backends import default_root
 
     return default_root(args.builtin, args.train_per_class, None)
 

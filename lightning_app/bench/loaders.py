@@ -4,86 +4,28 @@ with the bottleneck named.
 Each backend is a row. A backend whose module is not importable, or that cannot run here
 (DALI GPU without CUDA), stays in the table as skipped with the reason; one that fails is
 listed as failed with the error. Packing (LMDB) and downscaling happen before the clock.
+
+The backends are made ready in `loader_backends.py`; the table and chart are written by `loader_report.py`.
 """
 from __future__ import annotations
 
-import inspect
-import os
 import statistics
-import subprocess
-import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from datamodules.base import BUILTIN_ROOT, REPO_ROOT
 from datamodules.index import load_indexes
 from lightning_app.bench import ceilings
-from lightning_app.bench.report import repo_relative
+from lightning_app.bench.loader_backends import BACKENDS, FACTORIES, LABELS, Prepared, Settings, Skip
+from lightning_app.bench.loader_report import classify, fastest_decode
 
-NEAR = 0.8  # a rate at >= 80% of a ceiling is bound by it
-BACKENDS = ("imagefolder", "lmdb", "downscaled", "dali-cpu", "dali-gpu")
-LABELS = {"imagefolder": "ImageFolder", "lmdb": "LMDB", "downscaled": "Downscaled",
-          "dali-cpu": "DALI CPU", "dali-gpu": "DALI GPU (mixed)"}
 # Decode-only ceilings are measured with every decoder the backends use, on every image set:
 # "pil" = datamodules.images.decode_rgb; "torchvision" = datamodules.decode.decode (libjpeg-turbo
 # through torchvision.io for plain JPEGs, PIL for the rest: the shared sample path's decoder).
 DECODERS = ("pil", "torchvision")
-
-COLUMNS = {
-    "backend": "the DataModule whose train_dataloader() is timed (same tree, same batch, image size, workers)",
-    "images/s cold | warm": "training images per second through the whole pipeline (read, decode, augment, "
-                            "batch, copy to the device) as uint8 batches on the device; the model step's "
-                            "normalisation there is timed on its own (notes); cold: the "
-                            "backend's files evicted from the page cache first (method in the notes); warm: the "
-                            "next epochs (--warm-epochs), files in RAM",
-    "MB/s cold | warm": "megabytes (1e6) of encoded image bytes the backend reads per second (images/s x mean "
-                        "stored size)",
-    "% IO ceiling": "cold MB/s as a share of the cold raw read rate of the backend's own files",
-    "% decode ceiling cold | warm": "images/s as a share of the FASTEST full-image decoder's decode-only rate on "
-                                    "all cores for the same images (warm cache), so a faster decoder alone cannot "
-                                    "raise it (CPU-decoding rows)",
-    "% PIL ceiling cold | warm": "images/s as a share of PIL's decode-only rate on all cores for the original "
-                                 "images (warm cache): what the template's targets are stated in",
-    "bottleneck cold | warm": f"IO if MB/s >= {NEAR:.0%} of the IO ceiling; CPU decode if images/s >= {NEAR:.0%} "
-                              "of the decode ceiling; GPU for GPU-decoding rows otherwise; else the work around "
-                              "decoding (crop, resize, batching, transfer)",
-}
-
-
-class Skip(Exception):
-    """A backend that cannot run here; the message is the reason shown in the table."""
-
-
-@dataclass
-class Settings:
-    root: Path
-    work: Path
-    batch_size: int = 64
-    num_workers: int = 2
-    image_size: int = 224
-    downscale_size: int = 160
-    warm_epochs: int = 2
-    rounds: int = 3
-    max_batches: int | None = None
-    drop_caches: bool = False
-    device: str = "cpu"
-
-
-@dataclass
-class Prepared:
-    datamodule: Any
-    files: list[str]           # what to evict for a cold epoch
-    image_bytes: float          # mean stored bytes per train image
-    storage: str                # key of the IO ceiling (the files this backend reads)
-    images: str                 # key of the decode ceiling (the encoded images it decodes)
-    gpu_decode: bool = False
-    note: str = ""
 
 
 @dataclass
@@ -102,156 +44,6 @@ class Row:
     seconds: float = 0.0
     note: str = ""
     extra: dict = field(default_factory=dict)
-
-
-# ------------------------------------------------------------------------------ bottleneck
-
-def classify(images_s: float, mb_s: float, io_mb_s: float | None, decode_images_s: float | None,
-             gpu_decode: bool = False, near: float = NEAR) -> tuple[str, float | None, float | None]:
-    """Name the bottleneck of one row from its rates and the ceilings (None = does not apply).
-
-    Returns (bottleneck, share of the IO ceiling, share of the decode ceiling).
-    """
-    io = mb_s / io_mb_s if io_mb_s else None
-    dec = images_s / decode_images_s if (decode_images_s and not gpu_decode) else None
-    bound = [(frac, name) for frac, name in ((io, "IO"), (dec, "CPU decode")) if frac is not None and frac >= near]
-    if bound:
-        return max(bound)[1], io, dec
-    if gpu_decode:
-        return "GPU", io, dec
-    return "around decoding", io, dec
-
-
-# ------------------------------------------------------------------------------ backends
-
-def _kwargs(cls, s: Settings, **extra) -> dict:
-    """The shared DESIGN.md init args plus whichever of ``extra`` the class accepts."""
-    params = inspect.signature(cls.__init__).parameters
-    kw = {"data_dir": str(s.root), "batch_size": s.batch_size, "num_workers": s.num_workers,
-          "image_size": s.image_size}
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    kw.update({k: v for k, v in extra.items() if k in params or takes_any})
-    return {k: v for k, v in kw.items() if k in params or takes_any}
-
-
-def _mean_size(paths: list[str]) -> float:
-    return sum(os.path.getsize(p) for p in paths) / max(1, len(paths))
-
-
-def _train_files(dm) -> list[str]:
-    index = dm.indexes["train"]
-    return [index.path(i) for i in range(len(index))]
-
-
-def _imagefolder(s: Settings) -> Prepared:
-    from datamodules import ImageFolderDataModule
-
-    dm = ImageFolderDataModule(**_kwargs(ImageFolderDataModule, s))
-    dm.setup("fit")
-    files = _train_files(dm)
-    return Prepared(dm, files, _mean_size(files), "tree", "original")
-
-
-def _run_tool(args: list[str], what: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                          check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{what} failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()[-600:]}")
-
-
-def _lmdb(s: Settings) -> Prepared:
-    try:
-        import datamodules.lmdb  # noqa: F401
-        from datamodules import LMDBDataModule
-    except ImportError as e:
-        raise Skip(f"LMDB backend not importable ({e})") from None
-    dst = s.work / "train.lmdb"
-    if not (dst / "data.mdb").exists():
-        _run_tool(["datamodules.lmdb", "--src", str(s.root), "--dst", str(dst)], "packing the LMDB")
-    params = inspect.signature(LMDBDataModule.__init__).parameters
-    path_arg = next((p for p in ("lmdb_path", "lmdb", "path", "db_path") if p in params), None)
-    kw = _kwargs(LMDBDataModule, s, **({path_arg: str(dst)} if path_arg else {}))
-    if path_arg is None:
-        kw["data_dir"] = str(dst)
-    dm = LMDBDataModule(**kw)
-    dm.setup("fit")
-    from datamodules.lmdb import LMDBReader
-
-    reader = LMDBReader(str(dst))
-    n = reader.count("train")
-    size = sum(len(reader.get("train", i)[0]) for i in range(n)) / max(1, n)
-    return Prepared(dm, ceilings.files_under(str(dst)), size, "lmdb", "original",
-                    note=f"packed once before timing into {dst.name}")
-
-
-def _downscaled(s: Settings) -> Prepared:
-    try:
-        import datamodules.downscale  # noqa: F401
-        from datamodules import DownscaledDataModule
-    except ImportError as e:
-        raise Skip(f"Downscaled backend not importable ({e})") from None
-    dst = s.work / f"downscaled-{s.downscale_size}"
-    params = inspect.signature(DownscaledDataModule.__init__).parameters
-    if not (dst / "train").is_dir():
-        # `python -m datamodules.downscale`, as a user makes the copy; the DataModule then finds it complete.
-        _run_tool(["datamodules.downscale", "--src", str(s.root), "--dst", str(dst),
-                   "--max-size", str(s.downscale_size)],
-                  "downscaling")
-    extra = {"max_size": s.downscale_size}
-    for name in ("downscaled_dir", "dst", "cache_dir", "out_dir"):
-        if name in params:
-            extra[name] = str(dst)
-    kw = _kwargs(DownscaledDataModule, s, **extra)
-    if not any(k in params for k in ("downscaled_dir", "dst", "cache_dir", "out_dir")):
-        kw["data_dir"] = str(dst)  # the downscaled copy is itself an ImageFolder tree
-    dm = DownscaledDataModule(**kw)
-    dm.setup("fit")
-    files = _train_files(dm) if getattr(dm, "indexes", None) else ceilings.files_under(str(dst / "train"))
-    return Prepared(dm, files, _mean_size(files), "downscaled", "downscaled",
-                    note=f"shorter side <= {s.downscale_size} px, made once before timing")
-
-
-def _dali(s: Settings, gpu: bool) -> Prepared:
-    if gpu and not torch.cuda.is_available():
-        raise Skip("needs a CUDA GPU (nvJPEG decoding on the device)")
-    try:
-        import nvidia.dali  # noqa: F401
-
-        from datamodules import DALIDataModule
-    except ImportError as e:
-        raise Skip(f"DALI backend not importable ({e})") from None
-    params = inspect.signature(DALIDataModule.__init__).parameters
-    name = next((p for p in ("decoder_device", "device", "decoder", "dali_device") if p in params), None)
-    if name is None:
-        raise Skip("DALIDataModule has no decoder device argument this benchmark knows")
-    value = "cpu"
-    if gpu:  # DALIDataModule(dali_device="gpu") decodes with DALI's "mixed" (nvJPEG) operators
-        value = "gpu" if name == "dali_device" else "mixed"
-    dm = DALIDataModule(**_kwargs(DALIDataModule, s, **{name: value}))
-    dm.setup("fit")
-    note = f"{name}={value!r}"
-    if s.max_batches and getattr(dm, "indexes", None):
-        # DALI cannot stop mid-epoch: a loader left after --max-batches is rebuilt on the next iter(), and that
-        # rebuild would be timed in every epoch. Give it an epoch of exactly max_batches batches instead
-        # (a seeded sample of the train images, every class mixed).
-        from datamodules.index import Index
-
-        index = dm.indexes["train"]
-        keep = min(len(index), s.max_batches * s.batch_size)
-        picked = sorted(torch.randperm(len(index), generator=torch.Generator().manual_seed(0))[:keep].tolist())
-        dm.indexes["train"] = Index(index.root, index.split, index.classes, [index.samples[i] for i in picked])
-        note += f"; epoch = a sample of {keep} train images (--max-batches: DALI cannot stop mid-epoch)"
-    files = _train_files(dm) if getattr(dm, "indexes", None) else []
-    return Prepared(dm, files, _mean_size(files), "tree", "original", gpu_decode=gpu, note=note)
-
-
-FACTORIES: dict[str, Callable[[Settings], Prepared]] = {
-    "imagefolder": _imagefolder,
-    "lmdb": _lmdb,
-    "downscaled": _downscaled,
-    "dali-cpu": lambda s: _dali(s, gpu=False),
-    "dali-gpu": lambda s: _dali(s, gpu=True),
-}
 
 
 # ------------------------------------------------------------------------------ timing
@@ -473,101 +265,3 @@ def run(settings: Settings, backends: list[str], measure_ceilings: bool = True,
             r.pil_frac = r.images_s / pil
     return {"rows": [r.__dict__ for r in rows], "ceilings": ceil, "eviction": evict_how or "none",
             "settings": {k: str(v) for k, v in settings.__dict__.items()}}
-
-
-# ------------------------------------------------------------------------------ output
-
-def _fmt(x: float | None, spec: str = ",.0f") -> str:
-    return "" if x is None else format(x, spec)
-
-
-def fastest_decode(ceil: dict[str, Any], images: str) -> float | None:
-    """The fastest full-image decoder's warm decode-only rate for an image set (None if not measured)."""
-    rates = [v["warm"]["images_s"] for v in ceil["decode"].get(images, {}).values() if "warm" in v]
-    return max(rates) if rates else None
-
-
-def _pair(by_cache: dict[str, dict], key: str, spec: str = ",.0f", scale: float = 1.0) -> str:
-    vals = [by_cache.get(c, {}).get(key) for c in ("cold", "warm")]
-    return " | ".join("" if v is None else format(v * scale, spec) for v in vals)
-
-
-def to_markdown(result: dict[str, Any]) -> str:
-    """One line per backend, cold and warm side by side; then every ceiling, cold and warm."""
-    headers = []
-    for c in COLUMNS:
-        headers += [c.replace("cold | warm", "cold"), c.replace("cold | warm", "warm")] if "cold | warm" in c else [c]
-    table = []
-    by_backend: dict[str, dict[str, dict]] = {}
-    for r in result["rows"]:
-        by_backend.setdefault(r["backend"], {})[r["cache"]] = r
-    for backend, by_cache in by_backend.items():
-        first = next(iter(by_cache.values()))
-        if first["status"] != "ok":
-            table.append([backend, f"{first['status']}: {first['reason']}"] + [""] * (len(headers) - 2))
-            continue
-        cells = [backend]
-        cells += _pair(by_cache, "images_s").split(" | ")
-        cells += _pair(by_cache, "mb_s", ",.1f").split(" | ")
-        cells.append(_pair(by_cache, "io_frac", ".0f", 100).split(" | ")[0])
-        cells += _pair(by_cache, "decode_frac", ".0f", 100).split(" | ")
-        cells += _pair(by_cache, "pil_frac", ".0f", 100).split(" | ")
-        cells += [by_cache.get(c, {}).get("bottleneck") or "" for c in ("cold", "warm")]
-        table.append(cells)
-    from lightning_app.bench.report import markdown_table
-
-    lines = [markdown_table(headers, table), ""]
-    c = result["ceilings"]
-    for key, v in c["io"].items():
-        lines.append(f"- IO ceiling ({key} files): {v['mb_s']:,.1f} MB/s, {v['images_s']:,.0f} files/s ({v['how']})")
-    for key, decoders in c["decode"].items():
-        for decoder, by_cache in decoders.items():
-            cold, warm = by_cache.get("cold"), by_cache.get("warm")
-            lines.append(f"- Decode ceiling ({key} images, {decoder}): "
-                         f"cold {cold['images_s'] if cold else float('nan'):,.0f} | "
-                         f"warm {warm['images_s'] if warm else float('nan'):,.0f} images/s "
-                         f"({(warm or cold)['how']}; cold: evicted first; median of the rounds, "
-                         f"warm rounds {', '.join(f'{x:,.0f}' for x in (warm or cold).get('rounds_images_s', []))})")
-    if c.get("stages_us"):
-        lines.append("- Stages of the sample path, one thread, original images, warm (microseconds per image): "
-                     + "; ".join(f"{k} {v:,.0f}" for k, v in c["stages_us"].items()))
-    if c.get("dali_stages"):
-        lines.append("- Stages of DALI CPU's train pipeline, all cores, warm (images/s as each step is added): "
-                     + "; ".join(f"{k} {v:,.0f}" for k, v in c["dali_stages"].items()))
-    if c.get("normalize"):
-        n = c["normalize"]
-        lines.append(f"- Not in the rows: the model step's normalisation on the device (uint8 -> float, mean/std), "
-                     f"{n['ms_per_batch']:.1f} ms per batch ({n['images_s']:,.0f} images/s, {n['threads']} threads); "
-                     "on a GPU it runs there, on a CPU-only machine it is part of the model's compute")
-    s = result["settings"]
-    lines.append(f"- Cold cache by: {result['eviction']}")
-    lines.append(f"- Dataset: {repo_relative(s['root'])} (train split); batch {s['batch_size']}, {s['num_workers']} workers, "
-                 f"crop {s['image_size']} px, device {s['device']}; each row the median of {s.get('rounds', '1')} rounds, "
-                 f"each round: one untimed epoch, a cold epoch, then warm = {s.get('warm_epochs', '1')} epochs; "
-                 "the decode ceilings are timed in every round, beside the rows")
-    notes = sorted({f"{r['backend']}: {r['note']}" for r in result["rows"] if r.get("note")})
-    lines += [f"- {n}" for n in notes]
-    return "\n".join(lines)
-
-
-def chart(result: dict[str, Any]) -> dict[str, Any]:
-    """Cold and warm bars per backend; the original images' decode-only ceilings (every decoder, cold and warm)
-    as lines (the downscaled copy's much higher ones are in the table's notes, off this scale)."""
-    labels = list(dict.fromkeys(r["backend"] for r in result["rows"]))
-    series = {}
-    for cache in ("cold", "warm"):
-        by = {r["backend"]: r["images_s"] for r in result["rows"] if r["cache"] == cache}
-        series[cache] = [by.get(b) for b in labels]
-    lines = {}
-    for decoder, by_cache in result["ceilings"]["decode"].get("original", {}).items():
-        for cache in ("cold", "warm"):
-            if cache in by_cache:
-                lines[f"{decoder} decode-only ceiling, {cache}"] = by_cache[cache]["images_s"]
-    return {"title": "Train pipeline throughput per backend (images/s)", "labels": labels, "series": series,
-            "ylabel": "images/s (higher is better)", "lines": lines}
-
-
-def default_root(preset: str, train_per_class: int | None, val_per_class: int | None) -> Path:
-    from datamodules.builtin import ensure_builtin
-
-    return Path(ensure_builtin(preset, root=BUILTIN_ROOT, train_per_class=train_per_class, val_per_class=val_per_class))
