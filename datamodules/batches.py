@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
+from concurrent.futures import Executor
 
 import torch
 from torch.utils.data import DataLoader, get_worker_info
@@ -60,14 +62,15 @@ def _worker_ring() -> list[torch.UntypedStorage]:
     return _ring[1]
 
 
-def new_batch(n: int, size: int) -> torch.Tensor:
+def new_batch(n: int, size: int, pin: bool = False) -> torch.Tensor:
     """An uninitialised uint8 (n, 3, size, size) channels-last batch; in a worker, in shared memory.
 
-    In a worker it is a ring buffer when one is free (see the module doc), stamped as sent.
+    In a worker it is a ring buffer when one is free (see the module doc), stamped as sent;
+    elsewhere private memory, pinned if `pin`.
     """
     shape, stride, nbytes = _pixels(n, size)
     if get_worker_info() is None:
-        return torch.empty_strided(shape, stride, dtype=torch.uint8)
+        return torch.empty_strided(shape, stride, dtype=torch.uint8, pin_memory=pin)
     ring = _worker_ring()
     for storage in ring:
         header = _header(storage, nbytes)
@@ -80,6 +83,22 @@ def new_batch(n: int, size: int) -> torch.Tensor:
         ring.append(storage)
         return _view(storage, shape, stride)
     return _view(torch.UntypedStorage._new_shared(nbytes), shape, stride)  # every ring buffer is still held
+
+
+def fill_batch(batch: torch.Tensor, sample: Callable[[int], torch.Tensor], pool: Executor) -> torch.Tensor:
+    """batch[k] = sample(k) for every k, on `pool`'s threads; the first failure is re-raised here.
+
+    Inference mode is per thread: under trainer.validate in the training process the batch is an
+    inference tensor, which the threads may only write in inference mode too.
+    """
+    inference = torch.is_inference_mode_enabled()
+
+    def fill(k: int) -> None:
+        with torch.inference_mode(inference):
+            batch[k].copy_(sample(k))
+
+    list(pool.map(fill, range(len(batch))))
+    return batch
 
 
 class RingBatch(tuple):

@@ -230,8 +230,8 @@ class DALIDataModule(ImageDataModule):
             size = (lambda: self.train_size) if train else (lambda: self.val_image_size)
             finish = HostFinish(train, size, self.val_crop_ratio, threads, pin)
 
-        def iterator(pipe, lmdb: bool, **kw):
-            names = dp.output_names(self._spec(train), lmdb)
+        def iterator(pipe, spec, lmdb: bool, **kw):
+            names = dp.output_names(spec, lmdb)
             if finish is None:
                 return DALIGenericIterator([pipe], names, **kw)
             ragged = [DALIRaggedIterator.SPARSE_LIST_TAG if n == "images" else DALIRaggedIterator.DENSE_TAG
@@ -250,10 +250,11 @@ class DALIDataModule(ImageDataModule):
             steps = (n // world) // batch if train else math.ceil(math.ceil(n / world) / batch)
 
             def build(epoch: int):
-                pipe = dp.file_pipeline(self._spec(train), files, positions, (rank + epoch) % world, world,
+                spec = self._spec(train)
+                pipe = dp.file_pipeline(spec, files, positions, (rank + epoch) % world, world,
                                         seed=self.seed + 1000 * epoch + rank, **common)
                 pipe.build()
-                return iterator(pipe, False, reader_name=dp.READER_NAME, last_batch_policy=policy, auto_reset=False)
+                return iterator(pipe, spec, False, reader_name=dp.READER_NAME, last_batch_policy=policy, auto_reset=False)
 
             table = torch.tensor(index.labels, dtype=torch.int64)
             return DALILoader(build, steps, table, pin=pin, finish=finish)
@@ -264,11 +265,12 @@ class DALIDataModule(ImageDataModule):
 
         def build_lmdb(epoch: int):
             source = dp.LMDBSampleSource(self.lmdb_path, split, n, rank, world, batch, steps, train, self.seed, epoch)
-            pipe = dp.external_pipeline(self._spec(train), source, seed=self.seed + 1000 * epoch + rank,
+            spec = self._spec(train)
+            pipe = dp.external_pipeline(spec, source, seed=self.seed + 1000 * epoch + rank,
                                         py_num_workers=max(1, self.workers()), py_start_method="spawn", **common)
             pipe.start_py_workers()
             pipe.build()
-            return iterator(pipe, True, auto_reset=False, last_batch_policy=LastBatchPolicy.PARTIAL)
+            return iterator(pipe, spec, True, auto_reset=False, last_batch_policy=LastBatchPolicy.PARTIAL)
 
         return DALILoader(build_lmdb, steps, None, trim, pin=pin, finish=finish)
 

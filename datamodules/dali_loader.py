@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from datamodules.batches import fill_batch, new_batch
 from datamodules.cpus import cpus_per_process
 from datamodules.crop import ValCrop, resize
 from datamodules.index import DataError
@@ -75,25 +76,18 @@ class HostFinish:
 
     def __call__(self, images: list[torch.Tensor], mirror: torch.Tensor | None) -> torch.Tensor:
         size = self.size()
-        n = len(images)
-        batch = torch.empty_strided((n, 3, size, size), (3 * size * size, 1, 3 * size, 3), dtype=torch.uint8,
-                                    pin_memory=self.pin)
-        flips = mirror.view(-1).tolist() if mirror is not None else [0] * n
-        inference = torch.is_inference_mode_enabled()
+        flips = mirror.view(-1).tolist() if mirror is not None else [0] * len(images)
 
-        def fill(k: int) -> None:
-            with torch.inference_mode(inference):
-                image = images[k].permute(2, 0, 1)  # CHW view of HWC: channels-last, what resize wants
-                if self.train:
-                    out = resize(image, size, size)
-                    batch[k].copy_(out.flip(-1) if flips[k] else out)
-                else:
-                    batch[k].copy_(self.val_crop(image, size))
+        def sample(k: int) -> torch.Tensor:
+            image = images[k].permute(2, 0, 1)  # CHW view of HWC: channels-last, what resize wants
+            if not self.train:
+                return self.val_crop(image, size)
+            out = resize(image, size, size)
+            return out.flip(-1) if flips[k] else out
 
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dali-resize")
-        list(self._pool.map(fill, range(n)))
-        return batch
+        return fill_batch(new_batch(len(images), size, pin=self.pin), sample, self._pool)
 
 
 class DALILoader:

@@ -56,14 +56,6 @@ def output_names(spec: PipelineSpec, lmdb: bool = False) -> list[str]:
 
 def _decode_and_augment(encoded, spec: PipelineSpec) -> tuple:
     mixed = spec.decoder_device == "mixed"
-    if spec.resize_on_host:
-        if spec.train:
-            images = fn.decoders.image_random_crop(
-                encoded, device="cpu", output_type=types.RGB,
-                random_area=[spec.min_scale, 1.0], random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10,
-            )
-            return images, fn.random.coin_flip(probability=0.5, dtype=types.UINT8)
-        return (fn.decoders.image(encoded, device="cpu", output_type=types.RGB),)
     extra = (
         {"hw_decoder_load": spec.hw_decoder_load, "device_memory_padding": spec.device_memory_padding,
          "host_memory_padding": spec.host_memory_padding}
@@ -81,12 +73,16 @@ def _decode_and_augment(encoded, spec: PipelineSpec) -> tuple:
             encoded, device=spec.decoder_device, output_type=types.RGB,
             random_area=[spec.min_scale, 1.0], random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=10, **extra,
         )
+        if spec.resize_on_host:  # the crop at its decoded size, and the flip to apply after the resize
+            return images, fn.random.coin_flip(probability=0.5, dtype=types.UINT8)
         images = fn.resize(images, resize_x=spec.image_size, resize_y=spec.image_size,
                            interp_type=types.INTERP_LINEAR, antialias=True)
         images = dali_auto_augment(images, spec.auto_augment)  # uint8 HWC; after the flip in the other backends
         mirror = fn.random.coin_flip(probability=0.5)
         return (fn.crop_mirror_normalize(images, output_layout="HWC", mirror=mirror, **norm),)
     images = fn.decoders.image(encoded, device=spec.decoder_device, output_type=types.RGB, **extra)
+    if spec.resize_on_host:
+        return (images,)
     # torchvision: PIL bilinear with antialias (a triangle filter widened when shrinking),
     # shorter side to val_resize; DALI's linear + antialias is the same filter family.
     images = fn.resize(images, resize_shorter=spec.val_resize, interp_type=types.INTERP_LINEAR, antialias=True)

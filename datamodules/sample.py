@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from datamodules.batches import RingBatch, new_batch
+from datamodules.batches import RingBatch, fill_batch, new_batch
 from datamodules.decode import decode
 from datamodules.index import DataError, Index
 
@@ -102,15 +102,7 @@ class SampleDataset(Dataset):
         size = self.size()
         images = new_batch(len(indices), size)
         seeds = torch.randint(2**62, (len(indices),)).tolist()
-        # Inference mode is per thread: under trainer.validate with num_workers=0 the batch is an
-        # inference tensor, which the sample threads may only write in inference mode too.
-        inference = torch.is_inference_mode_enabled()
-
-        def fill(k: int) -> None:
-            with torch.inference_mode(inference):
-                images[k].copy_(self.sample(indices[k], size, random.Random(seeds[k])))
-
-        # list() re-raises the first failure (a DataError naming the sample) here, in this thread.
-        list(sample_pool().map(fill, range(len(indices))))
+        # A failure (a DataError naming the sample) is re-raised here, in this thread.
+        fill_batch(images, lambda k: self.sample(indices[k], size, random.Random(seeds[k])), sample_pool())
         labels = self.labels[list(indices)]
         return RingBatch((images, labels)) if get_worker_info() is not None else (images, labels)

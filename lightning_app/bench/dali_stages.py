@@ -1,13 +1,16 @@
-"""Where a DALI CPU pipeline's time goes: DALI's own train pipeline cut after each step, on all usable cores.
+"""Where a DALI CPU pipeline's time goes: the DALI CPU backend's pipeline against DALI's own whole one.
 
-Each cut is a DALI pipeline of its own (same files, same threads, CPU decoding), run for a few
-batches after a warm-up: reading + random-crop decoding only, then + DALI's resize, then DALI's
-whole train pipeline (+ flip and the uint8 output). The drop between two cuts is what that step
-costs. The first cut is what the DALI CPU backend runs in DALI; it resizes on the host instead
-(datamodules/dali_pipelines.py), because DALI's CPU resize costs more than its decoding.
+Both are `datamodules.dali_pipelines.file_pipeline` on the same files and threads, run for a few
+batches after a warm-up:
+- `resize_on_host`: read, random-crop decode and the flip coin, what the DALI CPU backend runs
+  in DALI (the sample path's kernel then resizes on the host);
+- DALI's own train pipeline: the same, plus DALI's CPU resize, the flip and the uint8 output.
+The drop between the two is what DALI's resize (and flip) costs; that drop is why the backend
+resizes on the host.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -16,34 +19,20 @@ from datamodules.cpus import usable_cpus
 
 def dali_stage_rates(files: Sequence[str], image_size: int = 224, min_scale: float = 0.25, batch_size: int = 64,
                      batches: int = 20, threads: int | None = None) -> dict[str, float]:
-    """Images/s of each cut of DALI's CPU train pipeline (warm cache)."""
-    from nvidia.dali import fn, pipeline_def, types
-
+    """Images/s of DALI's CPU train pipeline with and without its own resize (warm cache)."""
     from datamodules.dali_pipelines import PipelineSpec, file_pipeline
 
-    threads = threads or usable_cpus()
     files = list(files)
-
-    @pipeline_def
-    def cut(resize: bool):
-        encoded, _ = fn.readers.file(files=files, random_shuffle=True, name="Reader")
-        images = fn.decoders.image_random_crop(encoded, device="cpu", output_type=types.RGB,
-                                               random_area=[min_scale, 1.0], random_aspect_ratio=[3 / 4, 4 / 3])
-        if resize:
-            images = fn.resize(images, resize_x=image_size, resize_y=image_size,
-                               interp_type=types.INTERP_LINEAR, antialias=True)
-        return images
-
     spec = PipelineSpec(train=True, decoder_device="cpu", image_size=image_size, val_resize=image_size,
                         min_scale=min_scale, fp16=False, hw_decoder_load=0.0)
-    kw = {"batch_size": batch_size, "num_threads": threads, "device_id": None, "seed": 0}
-    pipes = {
-        "read + random-crop decode": cut(False, **kw),
-        "+ resize (antialiased linear)": cut(True, **kw),
-        "+ flip, uint8 HWC out (all in DALI)": file_pipeline(spec, files, list(range(len(files))), 0, 1, **kw),
+    kw = {"batch_size": batch_size, "num_threads": threads or usable_cpus(), "device_id": None, "seed": 0}
+    specs = {
+        "read + random-crop decode (the DALI CPU backend's part)": dataclasses.replace(spec, resize_on_host=True),
+        "+ DALI's resize, flip, uint8 out (DALI's own pipeline)": spec,
     }
     out = {}
-    for name, pipe in pipes.items():
+    for name, cut in specs.items():
+        pipe = file_pipeline(cut, files, list(range(len(files))), 0, 1, **kw)
         pipe.build()
         for _ in range(3):
             pipe.run()

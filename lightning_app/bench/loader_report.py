@@ -99,7 +99,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         lines.append("- Stages of the sample path, one thread, original images, warm (microseconds per image): "
                      + "; ".join(f"{k} {v:,.0f}" for k, v in c["stages_us"].items()))
     if c.get("dali_stages"):
-        lines.append("- Stages of DALI CPU's train pipeline, all cores, warm (images/s as each step is added): "
+        lines.append("- DALI CPU train pipelines, all cores, warm (images/s): "
                      + "; ".join(f"{k} {v:,.0f}" for k, v in c["dali_stages"].items()))
     if c.get("normalize"):
         n = c["normalize"]
