@@ -145,10 +145,15 @@ class ImageDataModule(pl.LightningDataModule):
 
         One worker process per CPU: decoding is CPU work, and separate processes keep the Python
         parts of every sample off one GIL. Inside a worker, sample.SAMPLE_THREADS threads overlap
-        file reads (and GIL-free decodes) so a cold cache does not leave a CPU idle.
+        file reads so a cold cache does not leave a CPU idle, and decode side by side only when the
+        worker has more than one CPU to itself (`SampleDataset.decode_threads`).
         """
         if self.num_workers != "auto":
             return int(self.num_workers)
+        return self.cpus()
+
+    def cpus(self) -> int:
+        """This training process's share of the usable CPUs (affinity mask) on its node."""
         trainer = self.trainer
         # Training processes on this node: devices under DDP, but one under dp (world_size 1, N devices).
         per_node = max(1, trainer.world_size // max(1, trainer.num_nodes)) if trainer is not None else 1
@@ -221,6 +226,8 @@ class ImageDataModule(pl.LightningDataModule):
                 seed=int(os.environ.get("PL_GLOBAL_SEED", "0")), drop_last=True,
             )
         dataset = self.datasets[split]
+        if isinstance(dataset, SampleDataset):
+            dataset.decode_threads = max(1, self.cpus() // max(1, workers))
         loader = SampleLoader if isinstance(dataset, SampleDataset) else DataLoader
         return loader(
             dataset,

@@ -6,10 +6,18 @@ A backend only says where a sample's encoded bytes come from (a `Source`); decod
 A DataLoader calls `SampleDataset.__getitems__(indices)` once per batch (torch/utils/data/_utils/
 fetch.py, _MapDatasetFetcher). It writes every sample straight into one preallocated uint8
 batch tensor, in shared memory when it runs in a worker (a reused ring buffer: batches.py), and
-the loader's `collate_fn` is `built_batch`, which returns it as it is. The samples of a batch run on a small
-thread pool: file reads wait on the disk with the GIL released, and libjpeg-turbo decoding and
-the resize release it too (decode.py says where), so a worker overlaps its reads and, on a
-machine with spare cores, its decodes.
+the loader's `collate_fn` is `built_batch`, which returns it as it is.
+
+Threads: file reads wait on the disk with the GIL released, so a small pool always reads a
+batch's files ahead of its decoding (a cold cache would otherwise leave the CPU idle). Decoding
+and the resize release the GIL too (decode.py says where), so with CPUs to spare (no workers, or
+fewer workers than CPUs: `decode_threads` > 1) whole samples run side by side on the pool. With
+one CPU per worker (`num_workers: auto`) the worker decodes in its own thread, one sample after
+another from the front of the batch: threads taking turns on one CPU cost context switches and
+evict each other's cache, which measured 4-7% more CPU per image on the 2-core VM of
+bench/results/cpu-2c-amd-epyc.*. One more thread at the lowest priority (`idle_helper`) takes
+samples from the back of the batch: the kernel runs it only on a CPU nothing else wants, such as
+the one a worker leaves idle while its peer builds the last batch of an epoch.
 
 Random crops are drawn from one `random.Random` per sample, seeded from torch's generator in the
 calling thread, so a seeded run gives the same crops whatever order the threads finish in.
@@ -18,7 +26,9 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable, Sequence
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -30,6 +40,7 @@ from datamodules.decode import decode
 from datamodules.index import DataError, Index
 
 SAMPLE_THREADS = 4  # per process: enough reads in flight to hide a local disk's latency on a cold cache
+Encoded = bytes | bytearray | memoryview | torch.Tensor
 
 
 class Source(Protocol):
@@ -69,11 +80,54 @@ def sample_pool() -> ThreadPoolExecutor:
     return _pool[1]
 
 
+_helper: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _lowest_priority() -> None:
+    # Nice 19 for this thread only: on Linux the nice value is per thread, set through its thread ID
+    # (setpriority(2), BUGS). Elsewhere the helper keeps normal priority.
+    if sys.platform == "linux":
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+def idle_helper() -> ThreadPoolExecutor:
+    """This process's one lowest-priority thread (made after any fork), for CPU time no one else wants."""
+    global _helper
+    if _helper is None or _helper[0] != os.getpid():
+        _helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="idle", initializer=_lowest_priority))
+    return _helper[1]
+
+
+def read_ahead(source: Source, indices: Sequence[int], pool: ThreadPoolExecutor,
+               groups: int = SAMPLE_THREADS) -> Iterator[Encoded | Exception]:
+    """The encoded bytes of `indices` in order (or the read's exception), read on `pool` ahead of the caller.
+
+    One task per contiguous group of samples, so a batch wakes the pool a few times, not once per sample.
+    """
+    def read(group: Sequence[int]) -> list[Encoded | Exception]:
+        out: list[Encoded | Exception] = []
+        for i in group:
+            try:
+                out.append(source.read(i))
+            except Exception as e:  # noqa: BLE001 - re-raised, named, by SampleDataset.sample
+                out.append(e)
+        return out
+
+    step = -(-len(indices) // groups)
+    tasks = [pool.submit(read, indices[j:j + step]) for j in range(0, len(indices), step)]
+    for task in tasks:
+        yield from task.result()
+
+
 class SampleDataset(Dataset):
     """Samples of `source`, decoded, cropped to `size()` and written a whole batch at a time.
 
     `size` is read once per batch (a batch never mixes sizes); `crop` is `TrainCrop` or `ValCrop`.
+    `decode_threads`: the CPUs one process of the loader has (set by the DataModule for its loader);
+    above 1, the samples of a batch are decoded side by side (see the module doc).
     """
+
+    decode_threads = SAMPLE_THREADS
 
     def __init__(self, source: Source, labels: Sequence[int], crop: Callable, size: int | torch.Tensor) -> None:
         self.source = source
@@ -87,10 +141,13 @@ class SampleDataset(Dataset):
     def size(self) -> int:
         return int(self._size[0]) if isinstance(self._size, torch.Tensor) else int(self._size)
 
-    def sample(self, i: int, size: int, rng: random.Random | None = None) -> torch.Tensor:
-        """Sample i as a uint8 CHW tensor of size x size."""
+    def sample(self, i: int, size: int, rng: random.Random | None = None,
+               data: Encoded | Exception | None = None) -> torch.Tensor:
+        """Sample i as a uint8 CHW tensor of size x size; `data`: its bytes (or read error) if already read."""
         try:
-            image = decode(self.source.read(i))
+            if isinstance(data, Exception):
+                raise data
+            image = decode(self.source.read(i) if data is None else data)
         except Exception as e:
             raise DataError(self.source.describe(i, e)) from e
         return self.crop(image, size, rng or random.Random(int(torch.randint(2**62, ()))))
@@ -103,6 +160,43 @@ class SampleDataset(Dataset):
         images = new_batch(len(indices), size)
         seeds = torch.randint(2**62, (len(indices),)).tolist()
         # A failure (a DataError naming the sample) is re-raised here, in this thread.
-        fill_batch(images, lambda k: self.sample(indices[k], size, random.Random(seeds[k])), sample_pool())
+        if self.decode_threads > 1:
+            fill_batch(images, lambda k: self.sample(indices[k], size, random.Random(seeds[k])), sample_pool())
+        else:
+            self._fill_here(images, indices, size, seeds)
         labels = self.labels[list(indices)]
         return RingBatch((images, labels)) if get_worker_info() is not None else (images, labels)
+
+    def _fill_here(self, images: torch.Tensor, indices: Sequence[int], size: int, seeds: list[int]) -> None:
+        """Decode the batch in this thread from the front, files read ahead; `idle_helper` works from the back."""
+        lock = threading.Lock()
+        left = [0, len(indices)]  # the samples no thread has taken: left[0] <= k < left[1]
+        inference = torch.is_inference_mode_enabled()
+
+        def take(front: bool) -> int | None:
+            with lock:
+                if left[0] >= left[1]:
+                    return None
+                if front:
+                    left[0] += 1
+                    return left[0] - 1
+                left[1] -= 1
+                return left[1]
+
+        def from_back() -> None:
+            with torch.inference_mode(inference):  # the batch may be an inference tensor (trainer.validate)
+                while (k := take(front=False)) is not None:
+                    images[k].copy_(self.sample(indices[k], size, random.Random(seeds[k])))
+
+        helper = idle_helper().submit(from_back)
+        try:
+            for k, data in enumerate(read_ahead(self.source, indices, sample_pool())):
+                if take(front=True) is None:  # == k: only this thread moves the front
+                    break
+                images[k].copy_(self.sample(indices[k], size, random.Random(seeds[k]), data))
+        finally:
+            with lock:
+                left[0] = left[1]  # on a failure here, stop the helper before the batch is abandoned
+            error = helper.exception()
+        if error is not None:
+            raise error

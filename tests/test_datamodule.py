@@ -66,7 +66,8 @@ def test_bad_files_fail_setup_unless_skipped(tiny_data, tmp_path):
     assert "train/circle/00003.jpg" not in dict(dm.indexes["train"].samples)
 
 
-def test_decode_error_in_a_worker_names_the_file(tiny_data, tmp_path):
+@pytest.mark.parametrize("decode_threads", [1, 4])  # the worker decodes in its own thread / on its pool
+def test_decode_error_in_a_worker_names_the_file(tiny_data, tmp_path, decode_threads):
     # Passes the cheap checks (JPEG start and end markers) but the body is garbage.
     root = copy_tree(tiny_data, tmp_path / "copy")
     bad = root / "val" / "star" / "00001.jpg"
@@ -75,8 +76,10 @@ def test_decode_error_in_a_worker_names_the_file(tiny_data, tmp_path):
     dm = ImageFolderDataModule(data_dir=str(root), batch_size=8, num_workers=1, image_size=32,
                                persistent_workers=False)
     dm.setup("fit")
+    loader = dm.val_dataloader()
+    loader.dataset.decode_threads = decode_threads  # after the loader set it from the CPUs; before any worker
     with pytest.raises(DataError, match=r"cannot decode image .*star/00001\.jpg") as e:
-        for _ in dm.val_dataloader():
+        for _ in loader:
             pass
     assert "Traceback" not in str(e.value) and "in DataLoader worker process 0" in str(e.value)
 

@@ -17,10 +17,10 @@ from datamodules.cpus import cpus_per_process
 from datamodules.crop import TrainCrop, ValCrop, resize
 from datamodules.decode import decode, fast_jpeg
 from datamodules.images import decode_rgb
-from datamodules.index import load_indexes
+from datamodules.index import DataError, load_indexes
 from datamodules.sample import SampleDataset
 from datamodules.transforms import val_transform
-from tests.conftest import odd_images
+from tests.conftest import copy_tree, odd_images
 
 # The val path resizes a uint8 tensor with PyTorch's antialiased bilinear kernel; today's reference
 # resizes the PIL image. Both compute Pillow's filter, rounding differently: pixels may differ by 1.
@@ -120,17 +120,23 @@ def test_train_crop_scales_flips_and_augments():
     assert torch.equal(inverted, 255 - image) or torch.equal(inverted, 255 - image.flip(-1))
 
 
-def test_a_batch_is_one_tensor_with_the_indexs_labels_and_seeded_crops(tiny_data):
+@pytest.mark.parametrize("decode_threads", [1, 4])  # decoded in the calling thread (+ idle helper) / on the pool
+def test_a_batch_is_one_tensor_with_the_indexs_labels_and_seeded_crops(tiny_data, decode_threads):
     dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=8, num_workers=0, image_size=20)
     dm.setup("fit")
     ds = dm.datasets["train"]
     assert isinstance(ds, SampleDataset)
+    ds.decode_threads = dm.datasets["val"].decode_threads = decode_threads
+    torch.manual_seed(0)
+    seeds = torch.randint(2**62, (4,)).tolist()  # what __getitems__ draws first
+    alone = torch.stack([ds.sample(i, 20, random.Random(s)) for i, s in zip([0, 5, 30, 100], seeds)])
     torch.manual_seed(0)
     images, labels = ds.__getitems__([0, 5, 30, 100])
     torch.manual_seed(0)
     again, _ = ds.__getitems__([0, 5, 30, 100])
     assert images.shape == (4, 3, 20, 20) and images.dtype == torch.uint8
     assert torch.equal(images, again)  # the crops come from torch's seed, whatever order the threads ran in
+    assert torch.equal(images, alone)  # whichever thread built which sample
     assert labels.tolist() == [dm.indexes["train"].labels[i] for i in (0, 5, 30, 100)]
     # val: the val crop of the decoded file, the same as one sample on its own
     val = dm.datasets["val"]
@@ -139,6 +145,20 @@ def test_a_batch_is_one_tensor_with_the_indexs_labels_and_seeded_crops(tiny_data
     with torch.inference_mode():  # trainer.validate with num_workers=0: the sample threads write an inference tensor
         again, _ = val.__getitems__([3, 4])
     assert torch.equal(again, batch)
+
+
+@pytest.mark.parametrize("decode_threads", [1, 4])
+def test_a_file_gone_since_the_scan_is_named(tiny_data, tmp_path, decode_threads):
+    root = copy_tree(tiny_data, tmp_path / "copy")
+    dm = ImageFolderDataModule(data_dir=str(root), batch_size=8, num_workers=0, image_size=20)
+    dm.setup("fit")
+    ds = dm.datasets["train"]
+    ds.decode_threads = decode_threads
+    gone = Path(ds.source.paths[6])
+    gone.unlink()
+    with pytest.raises(DataError, match=rf"cannot decode image .*{gone.name}.*No such file"):
+        ds.__getitems__(list(range(8)))
+    ds.__getitems__(list(range(8, 16)))  # the next batch is unharmed
 
 
 def test_set_train_size_reaches_persistent_workers_and_augment_runs_in_them(tiny_data):
