@@ -13,11 +13,12 @@ batch's files ahead of its decoding (a cold cache would otherwise leave the CPU 
 and the resize release the GIL too (decode.py says where), so with CPUs to spare (no workers, or
 fewer workers than CPUs: `decode_threads` > 1) whole samples run side by side on the pool. With
 one CPU per worker (`num_workers: auto`) the worker decodes in its own thread, one sample after
-another from the front of the batch: threads taking turns on one CPU cost context switches and
-evict each other's cache, which measured 4-7% more CPU per image on the 2-core VM of
-bench/results/cpu-2c-amd-epyc.*. One more thread at the lowest priority (`idle_helper`) takes
-samples from the back of the batch: the kernel runs it only on a CPU nothing else wants, such as
-the one a worker leaves idle while its peer builds the last batch of an epoch.
+another from the front of the batch. Threads taking turns on one CPU cost context switches and
+evict each other's cache: 1,320 against 1,240 us of worker CPU per image on the 2-core VM of
+bench/results/cpu-2c-amd-epyc.* (3 pairs of runs side by side). One more thread at the lowest
+priority (`idle_helper`) takes samples from the back of the batch: the kernel runs it only on a
+CPU nothing else wants, such as the one a worker leaves idle while its peer builds the last batch
+of an epoch.
 
 Random crops are drawn from one `random.Random` per sample, seeded from torch's generator in the
 calling thread, so a seeded run gives the same crops whatever order the threads finish in.
