@@ -86,9 +86,13 @@ _helper: tuple[int, ThreadPoolExecutor] | None = None
 
 def _lowest_priority() -> None:
     # Nice 19 for this thread only: on Linux the nice value is per thread, set through its thread ID
-    # (setpriority(2), BUGS). Elsewhere the helper keeps normal priority.
+    # (setpriority(2), BUGS). Elsewhere, or where a sandbox refuses it, the helper keeps normal priority
+    # (an exception here would break the pool, and with it every batch).
     if sys.platform == "linux":
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
 
 
 def idle_helper() -> ThreadPoolExecutor:

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import io
+import os
 import random
+import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -212,3 +215,17 @@ def test_resize_of_a_hwc_view_equals_the_dense_copys():
         assert torch.equal(resize(view.contiguous(), *size), as_is)  # and a plain CHW tensor
     crop = view[:, 10:200, 20:300]  # not contiguous: copied once
     assert torch.equal(resize(crop, 224, 224), resize(crop.contiguous(), 224, 224))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+def test_the_idle_helper_alone_runs_at_the_lowest_priority():
+    from datamodules.sample import idle_helper
+
+    def own_nice() -> tuple[int, int]:
+        tid = threading.get_native_id()
+        return tid, os.getpriority(os.PRIO_PROCESS, tid)
+
+    before = own_nice()
+    tid, nice = idle_helper().submit(own_nice).result()
+    assert tid != before[0] and nice == 19
+    assert own_nice() == before  # the calling thread keeps its priority
