@@ -12,8 +12,8 @@ from lightning_app.bench.__main__ import main
 from lightning_app.bench.loader_backends import BACKENDS
 from lightning_app.bench.loader_report import COLUMNS as LOADER_COLUMNS
 from lightning_app.bench.loader_report import classify
-from lightning_app.bench.train import COLUMNS as TRAIN_COLUMNS
-from lightning_app.bench.train import RowSpec, row_specs, skip_reason
+from lightning_app.bench.train_rows import COLUMNS as TRAIN_COLUMNS
+from lightning_app.bench.train_rows import RowSpec, row_specs, skip_reason
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,8 @@ def _row(name: str, wait: float | None) -> dict:
 
 
 def test_train_table_flags_input_bound_rows():
-    from lightning_app.bench.train import INPUT_BOUND_FRAC, to_markdown
+    from lightning_app.bench.train_report import to_markdown
+    from lightning_app.bench.train_rows import INPUT_BOUND_FRAC
 
     rows = [_row("baseline", 0.05), _row("16-mixed", INPUT_BOUND_FRAC), _row("compile", 0.29), _row("bf16", None)]
     settings = {"arch": "resnet50", "width": 32, "image_size": 96, "batch_size": 256, "epochs": 3,
@@ -168,7 +169,7 @@ def test_train_table_flags_input_bound_rows():
 def test_train_workload_is_gpu_sized_on_cuda_and_flags_win():
     import argparse
 
-    from lightning_app.bench.train import apply_workload
+    from lightning_app.bench.train_rows import apply_workload
 
     args = argparse.Namespace(builtin=None, train_per_class=None, arch=None, width=None, image_size=None,
                               batch_size=None, num_workers=None)

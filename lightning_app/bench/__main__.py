@@ -30,8 +30,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from lightning_app.bench.loader_report import COLUMNS as LOADER_COLUMNS
     from lightning_app.bench.loaders import BACKENDS
-    from lightning_app.bench.train import COLUMNS as TRAIN_COLUMNS
-    from lightning_app.bench.train import ROW_NAMES
+    from lightning_app.bench.train_rows import COLUMNS as TRAIN_COLUMNS
+    from lightning_app.bench.train_rows import ROW_NAMES
 
     ap = argparse.ArgumentParser(prog="python -m lightning_app.bench",
                                  description="Benchmarks of this template on this machine. Results go to "
@@ -183,17 +183,17 @@ def _run(args: argparse.Namespace) -> int:
 
         md, paths = gpu.main(args)
     else:
-        from lightning_app.bench import train
+        from lightning_app.bench import train, train_report, train_rows
 
         rows = [r.strip() for r in args.rows.split(",")] if args.rows else None
-        unknown = sorted(set(rows or ()) - set(train.ROW_NAMES))
+        unknown = sorted(set(rows or ()) - set(train_rows.ROW_NAMES))
         if unknown:
-            print(f"--rows: unknown {unknown}; choose from {','.join(train.ROW_NAMES)}", file=sys.stderr)
+            print(f"--rows: unknown {unknown}; choose from {','.join(train_rows.ROW_NAMES)}", file=sys.stderr)
             return 2
-        train.apply_workload(args)
+        train_rows.apply_workload(args)
         result = train.run(args, rows)
-        md = train.to_markdown(result)
-        paths = report.write_results(args.out, "train", md, result, train.chart(result), args.machine, args.note)
+        md = train_report.to_markdown(result)
+        paths = report.write_results(args.out, "train", md, result, train_report.chart(result), args.machine, args.note)
     print(md)
     print("\nwrote " + ", ".join(str(p) for p in paths.values()))
     return 0
