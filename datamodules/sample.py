@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -85,12 +84,13 @@ _helper: tuple[int, ThreadPoolExecutor] | None = None
 
 
 def _lowest_priority() -> None:
-    # Nice 19 for this thread only: on Linux the nice value is per thread, set through its thread ID
-    # (setpriority(2), BUGS). Elsewhere, or where a sandbox refuses it, the helper keeps normal priority
-    # (an exception here would break the pool, and with it every batch).
-    if sys.platform == "linux":
+    # SCHED_IDLE for this thread only ("very low priority background jobs", sched(7); pid 0 is the
+    # calling thread, sched_setscheduler(2)): it runs when a CPU has nothing else to run. Elsewhere, or
+    # where a sandbox refuses it, the helper keeps normal priority (an exception here would break the
+    # pool, and with it every batch).
+    if hasattr(os, "SCHED_IDLE"):
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except OSError:
             pass
 
@@ -173,35 +173,45 @@ class SampleDataset(Dataset):
         return RingBatch((images, labels)) if get_worker_info() is not None else (images, labels)
 
     def _fill_here(self, images: torch.Tensor, indices: Sequence[int], size: int, seeds: list[int]) -> None:
-        """Decode the batch in this thread from the front, files read ahead; `idle_helper` works from the back."""
+        """Decode the batch in this thread from the front, files read ahead; `idle_helper` works from the back.
+
+        The helper builds its samples apart and writes one into the batch only while it is still its own.
+        At the end, this thread builds whatever the helper has taken and not delivered (on a busy machine
+        it may not run for a long while), so a batch never waits for it, and once this returns the helper
+        can no longer write into the batch.
+        """
         lock = threading.Lock()
         left = [0, len(indices)]  # the samples no thread has taken: left[0] <= k < left[1]
+        helpers: set[int] = set()  # taken by the helper, not yet in the batch
         inference = torch.is_inference_mode_enabled()
-
-        def take(front: bool) -> int | None:
-            with lock:
-                if left[0] >= left[1]:
-                    return None
-                if front:
-                    left[0] += 1
-                    return left[0] - 1
-                left[1] -= 1
-                return left[1]
 
         def from_back() -> None:
             with torch.inference_mode(inference):  # the batch may be an inference tensor (trainer.validate)
-                while (k := take(front=False)) is not None:
-                    images[k].copy_(self.sample(indices[k], size, random.Random(seeds[k])))
+                while True:
+                    with lock:
+                        if left[0] >= left[1]:
+                            return
+                        left[1] -= 1
+                        k = left[1]
+                        helpers.add(k)
+                    sample = self.sample(indices[k], size, random.Random(seeds[k]))
+                    with lock:
+                        if k in helpers:
+                            images[k].copy_(sample)
+                            helpers.discard(k)
 
-        helper = idle_helper().submit(from_back)
+        idle_helper().submit(from_back)  # its failures are this thread's to raise: it builds them again
         try:
             for k, data in enumerate(read_ahead(self.source, indices, sample_pool())):
-                if take(front=True) is None:  # == k: only this thread moves the front
-                    break
+                with lock:
+                    if k >= left[1]:
+                        break
+                    left[0] = k + 1
                 images[k].copy_(self.sample(indices[k], size, random.Random(seeds[k]), data))
         finally:
-            with lock:
-                left[0] = left[1]  # on a failure here, stop the helper before the batch is abandoned
-            error = helper.exception()
-        if error is not None:
-            raise error
+            with lock:  # from here on the helper takes nothing and writes nothing into this batch
+                left[0] = left[1]
+                orphans = sorted(helpers)
+                helpers.clear()
+        for k in orphans:
+            images[k].copy_(self.sample(indices[k], size, random.Random(seeds[k])))

@@ -4,7 +4,6 @@ from __future__ import annotations
 import io
 import os
 import random
-import sys
 import threading
 from pathlib import Path
 
@@ -217,15 +216,56 @@ def test_resize_of_a_hwc_view_equals_the_dense_copys():
     assert torch.equal(resize(crop, 224, 224), resize(crop.contiguous(), 224, 224))
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 def test_the_idle_helper_alone_runs_at_the_lowest_priority():
     from datamodules.sample import idle_helper
 
-    def own_nice() -> tuple[int, int]:
-        tid = threading.get_native_id()
-        return tid, os.getpriority(os.PRIO_PROCESS, tid)
+    def policy() -> tuple[int, int]:
+        return threading.get_native_id(), os.sched_getscheduler(0)
 
-    before = own_nice()
-    tid, nice = idle_helper().submit(own_nice).result()
-    assert tid != before[0] and nice == 19
-    assert own_nice() == before  # the calling thread keeps its priority
+    before = policy()
+    tid, helper = idle_helper().submit(policy).result()
+    assert tid != before[0] and helper == os.SCHED_IDLE
+    assert policy() == before and before[1] != os.SCHED_IDLE  # the calling thread keeps its policy
+
+
+def test_a_stalled_idle_helper_neither_delays_the_batch_nor_writes_into_it_later(tiny_data):
+    dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=8, num_workers=0, image_size=20)
+    dm.setup("fit")
+    ds = dm.datasets["train"]
+    ds.decode_threads = 1
+    files = ds.source
+    stalled, release = threading.Event(), threading.Event()
+
+    class StallTheHelper:  # the helper stalls in its first read; every other read waits until it has
+        def read(self, i: int):
+            if threading.current_thread().name.startswith("idle"):
+                stalled.set()
+                release.wait(60)
+            else:
+                stalled.wait(60)
+            return files.read(i)
+
+        describe = files.describe
+
+    ds.source = StallTheHelper()
+    torch.manual_seed(0)
+    seeds = torch.randint(2**62, (8,)).tolist()
+    torch.manual_seed(0)
+    out = []
+    builder = threading.Thread(target=lambda: out.append(ds.__getitems__(list(range(8)))))
+    builder.start()
+    builder.join(30)
+    try:
+        assert not builder.is_alive(), "the batch waited for the stalled helper"
+        images = out[0][0]
+        assert stalled.is_set()  # the helper had taken a sample (the last), and this thread built it again
+        ds.source = files
+        assert torch.equal(images, torch.stack([ds.sample(i, 20, random.Random(s)) for i, s in enumerate(seeds)]))
+        images.zero_()  # as if the buffer went on to hold another batch
+    finally:
+        release.set()
+    from datamodules.sample import idle_helper
+
+    idle_helper().submit(lambda: None).result(30)  # the helper has finished its stalled sample
+    assert int(images.max()) == 0  # and did not write it into the batch
