@@ -14,11 +14,11 @@ and the resize release the GIL too (decode.py says where), so with CPUs to spare
 fewer workers than CPUs: `decode_threads` > 1) whole samples run side by side on the pool. With
 one CPU per worker (`num_workers: auto`) the worker decodes in its own thread, one sample after
 another from the front of the batch. Threads taking turns on one CPU cost context switches and
-evict each other's cache: 1,320 against 1,240 us of worker CPU per image on the 2-core VM of
-bench/results/cpu-2c-amd-epyc.* (3 pairs of runs side by side). One more thread at the lowest
-priority (`idle_helper`) takes samples from the back of the batch: the kernel runs it only on a
-CPU nothing else wants, such as the one a worker leaves idle while its peer builds the last batch
-of an epoch.
+evict each other's cache: 1,369 against 1,304 us of CPU per image, and 1,424 against 1,508 images/s,
+on the 2-core VM of bench/results/cpu-2c-amd-epyc.* (4 pairs of runs side by side). One more
+thread at the lowest priority (`idle_helper`) takes samples from the back of the batch: the kernel
+runs it only on a CPU with nothing else to run, such as the one a worker leaves idle while its
+peer builds the last batch of an epoch. A batch never waits for it (`_fill_here`).
 
 Random crops are drawn from one `random.Random` per sample, seeded from torch's generator in the
 calling thread, so a seeded run gives the same crops whatever order the threads finish in.
