@@ -189,7 +189,12 @@ def test_num_workers_auto_is_this_processs_share_of_the_cpus(tiny_data):
     assert dm.workers() == cpus_per_process(1)
     dm.setup("fit")
     assert dm.train_dataloader().num_workers == cpus_per_process(1)
+    assert dm.datasets["train"].decode_threads == 1  # one CPU per worker: it decodes in its own thread
     assert ImageFolderDataModule(data_dir=str(tiny_data), num_workers=0).workers() == 0
+    in_process = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=8, num_workers=0)
+    in_process.setup("fit")
+    in_process.train_dataloader()
+    assert in_process.datasets["train"].decode_threads == cpus_per_process(1)  # every CPU decodes side by side
 
 
 @pytest.mark.parametrize(("strategy", "processes"), [("ddp", 2), ("dp", 1)])
