@@ -13,9 +13,9 @@ _EXPORTS = {
     "load_indexes": "datamodules.index",
     "ImageDataModule": "datamodules.base",
     "ImageFolderDataModule": "datamodules.imagefolder",
-    "LMDBDataModule": "datamodules.lmdb",
-    "DownscaledDataModule": "datamodules.downscaled",
-    "DALIDataModule": "datamodules.dali",  # imports nvidia.dali only when instantiated
+    "LMDBDataModule": "datamodules.lmdb.datamodule",
+    "DownscaledDataModule": "datamodules.downscale.datamodule",
+    "DALIDataModule": "datamodules.dali.datamodule",  # imports nvidia.dali only when instantiated
 }
 
 __all__ = sorted(_EXPORTS)  # noqa: PLE0605 - a list, built from the table above

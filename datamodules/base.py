@@ -16,13 +16,13 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from datamodules.augment import make_train_augment
-from datamodules.batches import SampleLoader, built_batch
 from datamodules.cpus import cpus_per_process
-from datamodules.crop import Augment, TrainCrop, ValCrop
 from datamodules.index import DataError, Index, find_classes, load_indexes
-from datamodules.sample import SampleDataset, Source
-from datamodules.transforms import normalize
+from datamodules.sample.augment import make_train_augment
+from datamodules.sample.batches import SampleLoader, built_batch
+from datamodules.sample.crop import Augment, TrainCrop, ValCrop
+from datamodules.sample.dataset import SampleDataset, Source
+from datamodules.sample.transforms import normalize
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILTIN_ROOT = REPO_ROOT / "data" / "builtin"
@@ -32,7 +32,7 @@ def resolve_data_dir(data_dir: str | os.PathLike | None, builtin: str) -> Path:
     """`data_dir`, or the built-in dataset (generated on first use) when it is None."""
     if data_dir is not None:
         return Path(data_dir).expanduser()
-    from datamodules.builtin import ensure_builtin
+    from datamodules.builtin.tree import ensure_builtin
 
     return Path(ensure_builtin(builtin, root=BUILTIN_ROOT))
 

@@ -5,7 +5,7 @@ from torch.utils.data import Dataset
 
 from datamodules.base import ImageDataModule
 from datamodules.index import Index
-from datamodules.sample import FileSource
+from datamodules.sample.dataset import FileSource
 
 FIX = "Fix or delete the file (or pass --data.skip_invalid true after re-validating the tree)."
 

@@ -11,7 +11,7 @@ disk (or the network). It runs on SCAN_THREADS threads (the calls release the GI
 once per machine: DDP ranks starting together take a file lock beside the cache, the first
 scans and writes the cache, the others wait and then read it. A progress bar shows on a
 terminal; elsewhere (cluster logs) a long scan prints one line when it is done.
-`python -m datamodules.scanbench` measures files/s on a generated tree with a cold cache.
+`python -m bench.scanbench` measures files/s on a generated tree with a cold cache.
 """
 from __future__ import annotations
 
@@ -26,14 +26,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from datamodules.images import check_file, is_image_name
 from datamodules.packing import file_lock
+from datamodules.sample.images import check_file, is_image_name
 
 SPLITS = ("train", "val")
 CACHE_VERSION = 2
 # Reads in flight. Measured cold (drop_caches) on 100k files, 2-core VM, local disk: 1 thread 8.8-10.8k
 # files/s, 4 threads 16-19k, 8 threads 15.9k, 16 threads 9.8k (GIL contention). 8 keeps a deeper queue
-# for network storage, whose latency threads hide (python -m datamodules.scanbench measures yours).
+# for network storage, whose latency threads hide (python -m bench.scanbench measures yours).
 SCAN_THREADS = 8
 SCAN_CHUNK = 256  # files per thread task: per-file futures would cost more than a cached stat
 

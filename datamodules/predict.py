@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from datamodules.crop import ValCrop
-from datamodules.decode import decode
-from datamodules.images import check_file, is_image_name
 from datamodules.index import DataError
+from datamodules.sample.crop import ValCrop
+from datamodules.sample.decode import decode
+from datamodules.sample.images import check_file, is_image_name
 
 
 def find_images(root: str | os.PathLike) -> tuple[list[str], list[tuple[str, str]]]:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from datamodules.transforms import IMAGENET_MEAN, IMAGENET_STD
+from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
 from lightning_app.weights import WeightsError, safe_load, strip_prefixes
 from models import create_model
 

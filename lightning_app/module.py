@@ -10,7 +10,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics.classification import MulticlassAccuracy
 from torchvision.transforms import v2
 
-from datamodules.transforms import IMAGENET_MEAN, IMAGENET_STD
+from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
 from lightning_app import weights as weights_lib
 from lightning_app.errors import UserError
 from models import create_model

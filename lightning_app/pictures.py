@@ -17,7 +17,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import TensorBoardLogger
 
-from datamodules.transforms import IMAGENET_MEAN, IMAGENET_STD
+from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
 from lightning_app.errors import UserError
 
 KINDS = ("confusion_matrix", "mistakes", "train_batch")

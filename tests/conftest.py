@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from datamodules.builtin import generate
+from datamodules.builtin.tree import generate
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from datamodules import DownscaledDataModule, ImageFolderDataModule
-from datamodules.augment import AUTO_AUGMENTS, ERASE_VALUE, make_train_augment
-from datamodules.crop import TrainCrop
 from datamodules.index import DataError
+from datamodules.sample.augment import AUTO_AUGMENTS, ERASE_VALUE, make_train_augment
+from datamodules.sample.crop import TrainCrop
 
 
 @pytest.mark.parametrize("policy", [*AUTO_AUGMENTS, None])
@@ -77,7 +77,7 @@ def test_backend_batches_stay_uint8_with_the_same_labels(module, tiny_data, tmp_
 def _dali_batch(policy: str, images: list) -> list:
     from nvidia.dali import fn, pipeline_def
 
-    from datamodules.dali_augment import dali_auto_augment
+    from datamodules.dali.augment import dali_auto_augment
 
     @pipeline_def(enable_conditionals=True, batch_size=len(images), num_threads=1, device_id=None, seed=1)
     def pipe():
@@ -103,7 +103,7 @@ def test_dali_policies_keep_uint8_hwc(policy):
 
 
 def test_dali_refuses_what_it_does_not_have():
-    from datamodules.dali_augment import check_dali_augment
+    from datamodules.dali.augment import check_dali_augment
 
     check_dali_augment("trivialaugment")
     with pytest.raises(DataError, match="data.auto_augment 'augmix'.*DALI"):

@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from datamodules.batches import RING_SLOTS, RingBatch, SampleLoader, _header, built_batch, give_back
-from datamodules.crop import ValCrop
 from datamodules.index import load_indexes
-from datamodules.sample import FileSource, SampleDataset
+from datamodules.sample.batches import RING_SLOTS, RingBatch, SampleLoader, _header, built_batch, give_back
+from datamodules.sample.crop import ValCrop
+from datamodules.sample.dataset import FileSource, SampleDataset
 from tests.conftest import make_tree
 
 BATCH = 4

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from datamodules.builtin import generate
-from lightning_app.bench.__main__ import main
-from lightning_app.bench.loader_backends import BACKENDS
-from lightning_app.bench.loader_report import COLUMNS as LOADER_COLUMNS
-from lightning_app.bench.loader_report import classify
-from lightning_app.bench.train_rows import COLUMNS as TRAIN_COLUMNS
-from lightning_app.bench.train_rows import RowSpec, row_specs, skip_reason
+from bench.__main__ import main
+from bench.loader_backends import BACKENDS
+from bench.loader_report import COLUMNS as LOADER_COLUMNS
+from bench.loader_report import classify
+from bench.train_rows import COLUMNS as TRAIN_COLUMNS
+from bench.train_rows import RowSpec, row_specs, skip_reason
+from datamodules.builtin.tree import generate
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +153,8 @@ def _row(name: str, wait: float | None) -> dict:
 
 
 def test_train_table_flags_input_bound_rows():
-    from lightning_app.bench.train_report import to_markdown
-    from lightning_app.bench.train_rows import INPUT_BOUND_FRAC
+    from bench.train_report import to_markdown
+    from bench.train_rows import INPUT_BOUND_FRAC
 
     rows = [_row("baseline", 0.05), _row("16-mixed", INPUT_BOUND_FRAC), _row("compile", 0.29), _row("bf16", None)]
     settings = {"arch": "resnet50", "width": 32, "image_size": 96, "batch_size": 256, "epochs": 3,
@@ -169,7 +169,7 @@ def test_train_table_flags_input_bound_rows():
 def test_train_workload_is_gpu_sized_on_cuda_and_flags_win():
     import argparse
 
-    from lightning_app.bench.train_rows import apply_workload
+    from bench.train_rows import apply_workload
 
     args = argparse.Namespace(builtin=None, train_per_class=None, arch=None, width=None, image_size=None,
                               batch_size=None, num_workers=None)
@@ -184,8 +184,8 @@ def test_train_workload_is_gpu_sized_on_cuda_and_flags_win():
 
 def test_dali_loader_built_before_the_clock_and_not_rebuilt_with_max_batches(tmp_path, photo_data):
     pytest.importorskip("nvidia.dali")
-    from lightning_app.bench.loader_backends import Settings, _dali
-    from lightning_app.bench.loaders import _prepare, time_epoch
+    from bench.loader_backends import Settings, _dali
+    from bench.loaders import _prepare, time_epoch
 
     s = Settings(root=photo_data, work=tmp_path, batch_size=4, num_workers=1, image_size=32, max_batches=2)
     p = _dali(s, gpu=False)

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from datamodules.builtin import CLASSES, MARKER, PRESETS, ensure_builtin, generate, main
+from datamodules.builtin.tree import CLASSES, MARKER, PRESETS, ensure_builtin, generate, main
 
 
 def _files(root: Path) -> dict[str, bytes]:

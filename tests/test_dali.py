@@ -14,11 +14,11 @@ import pytorch_lightning as pl
 import torch
 
 from datamodules import DataError, ImageFolderDataModule
-from datamodules.transforms import IMAGENET_STD, normalize
+from datamodules.sample.transforms import IMAGENET_STD, normalize
 from tests.conftest import REPO, copy_tree, free_port, quick_args, run_main
 
 dali = pytest.importorskip("nvidia.dali", reason="DALI is not installed (pip install nvidia-dali-cuda130==2.4.0)")
-from datamodules.dali import DALIDataModule
+from datamodules.dali.datamodule import DALIDataModule
 
 STD255 = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (GPU DALI decoding)")
@@ -153,7 +153,7 @@ def test_val_output_matches_imagefolder(tiny_data, size, ratio, tolerance):
 def test_cpu_train_batches_are_dalis_crop_resized_on_the_host_and_flipped(tiny_data):
     """Square 32 px images, area 1, crop 32: DALI's crop is the whole image and the host resize is the
     identity, so every train sample is its decoded image or that image flipped, about half of each."""
-    from datamodules.decode import decode
+    from datamodules.sample.decode import decode
 
     dm = _dali(tiny_data, min_scale=1.0)
     assert dm._spec(train=True).resize_on_host
@@ -314,7 +314,7 @@ def test_lmdb_source_gives_the_folder_source_batches(tiny_data, tmp_path):
 
 
 def test_lmdb_sources_shard_disjointly(tiny_data, tmp_path):
-    from datamodules.dali_pipelines import LMDBSampleSource
+    from datamodules.dali.pipelines import LMDBSampleSource
 
     shards = [LMDBSampleSource("x", "train", 240, r, 2, 16, 7, True, 42) for r in range(2)]
     for epoch in (0, 1):
@@ -376,7 +376,7 @@ def test_mixed_decoding_outputs_on_gpu_and_fp16(tiny_data):
 # ---------------------------------------------------------------------------- threads, memory, output
 
 def test_threads_come_from_the_affinity_share_and_are_capped_for_gpu_decoding():
-    from datamodules.dali_loader import MAX_MIXED_THREADS, dali_memory_bill, dali_threads
+    from datamodules.dali.loader import MAX_MIXED_THREADS, dali_memory_bill, dali_threads
 
     # a 224-thread DGX, 8 ranks: 28 CPUs each; nvJPEG gets at most MAX_MIXED_THREADS of them
     assert dali_threads("cpu", 8, usable=224) == 28

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from datamodules import DataError, ImageFolderDataModule
-from datamodules.transforms import IMAGENET_MEAN, IMAGENET_STD
+from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
 from tests.conftest import copy_tree, make_tree
 
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 from PIL import Image
 
-from datamodules.downscale import downscale, main, read_marker, target_size
-from datamodules.downscaled import DownscaledDataModule, MemorySource
-from datamodules.images import decode_rgb
+from datamodules.downscale.datamodule import DownscaledDataModule, MemorySource
+from datamodules.downscale.writer import downscale, main, read_marker, target_size
 from datamodules.index import DataError, load_indexes
-from datamodules.sample import FileSource
+from datamodules.sample.dataset import FileSource
+from datamodules.sample.images import decode_rgb
 from tests.conftest import REPO, make_tree
 
 

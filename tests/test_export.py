@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from datamodules.images import decode_rgb
-from datamodules.transforms import normalize, val_transform
+from datamodules.sample.images import decode_rgb
+from datamodules.sample.transforms import normalize, val_transform
 from lightning_app.export import export, main
 from lightning_app.module import ImageClassifier
 from tests.conftest import train_checkpoint

@@ -74,7 +74,7 @@ def test_bench_gpu_on_cpu_skips_every_gpu_row_and_runs_the_ceiling_and_shares(ti
 
     import torch
 
-    from lightning_app.bench.__main__ import main
+    from bench.__main__ import main
 
     out = tmp_path / "out"
     rc = main(["gpu", "--data-dir", str(tiny_data), "--arch", "conv11", "--image-size", "32", "--batch-size", "8",
@@ -111,7 +111,7 @@ def test_spawned_dali_lmdb_worker_does_not_import_lightning(tiny_data, tmp_path)
     code = (
         "import pickle, sys\n"
         "from nvidia.dali.types import SampleInfo\n"
-        "from datamodules.dali_pipelines import LMDBSampleSource\n"
+        "from datamodules.dali.pipelines import LMDBSampleSource\n"
         f"src = pickle.loads(pickle.dumps(LMDBSampleSource({str(db)!r}, 'train', 240, 0, 1, 8, 30, True, 0)))\n"
         "data, index, label = src(SampleInfo(0, 0, 0, 0))\n"
         "assert data[:2].tolist() == [0xFF, 0xD8], data[:2]\n"
@@ -125,7 +125,7 @@ def test_spawned_dali_lmdb_worker_does_not_import_lightning(tiny_data, tmp_path)
 @pytest.mark.slow
 def test_bench_ddp_check_logic_on_gloo():
     """`bench gpu`'s NCCL check, run over gloo on 2 CPU processes: a DDP step equals one process's step."""
-    from lightning_app.bench.gpu_checks import Workload, ddp_check
+    from bench.gpu_checks import Workload, ddp_check
 
     w = Workload(arch="conv11", image_size=32, batch_size=8, device="cpu")
     check = ddp_check(w, mb=1, processes=2, backend="gloo")

@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 
 import datamodules.index as ix
-from datamodules.images import check_file, decode_rgb
 from datamodules.index import DataError, find_classes, load_index, load_indexes
+from datamodules.sample.images import check_file, decode_rgb
 from tests.conftest import REPO, make_tree, odd_images
 
 

@@ -7,7 +7,7 @@ import torch
 
 from datamodules import DownscaledDataModule, ImageFolderDataModule, LMDBDataModule
 from datamodules.index import load_indexes
-from datamodules.lmdb import LMDBReader, pack
+from datamodules.lmdb.datamodule import LMDBReader, pack
 from lightning_app.module import ImageClassifier
 
 

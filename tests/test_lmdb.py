@@ -15,10 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from datamodules.batches import SampleLoader, built_batch
-from datamodules.images import decode_rgb
 from datamodules.index import DataError, load_indexes
-from datamodules.lmdb import (
+from datamodules.lmdb.datamodule import (
     FORMAT,
     LMDBDataModule,
     LMDBReader,
@@ -29,6 +27,8 @@ from datamodules.lmdb import (
     sample_key,
     unpack_value,
 )
+from datamodules.sample.batches import SampleLoader, built_batch
+from datamodules.sample.images import decode_rgb
 from tests.conftest import REPO, make_tree, quick_args, run_main
 
 

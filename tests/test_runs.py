@@ -176,7 +176,7 @@ def test_bench_loaders_leaves_the_repository_clean(tiny_data):
 
     before = status()
     proc = subprocess.run(
-        [sys.executable, "-m", "lightning_app.bench", "loaders", "--data-dir", str(tiny_data), "--backends",
+        [sys.executable, "-m", "bench", "loaders", "--data-dir", str(tiny_data), "--backends",
          "imagefolder", "--batch-size", "8", "--num-workers", "0", "--rounds", "1", "--warm-epochs", "1",
          "--max-batches", "2", "--no-ceilings", "--note", "test run"],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False)

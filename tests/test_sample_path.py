@@ -14,14 +14,14 @@ import torch.nn.functional as F
 from PIL import Image
 
 from datamodules import ImageFolderDataModule
-from datamodules.builtin import generate
+from datamodules.builtin.tree import generate
 from datamodules.cpus import cpus_per_process
-from datamodules.crop import TrainCrop, ValCrop, resize
-from datamodules.decode import decode, fast_jpeg
-from datamodules.images import decode_rgb
 from datamodules.index import DataError, load_indexes
-from datamodules.sample import SampleDataset
-from datamodules.transforms import val_transform
+from datamodules.sample.crop import TrainCrop, ValCrop, resize
+from datamodules.sample.dataset import SampleDataset
+from datamodules.sample.decode import decode, fast_jpeg
+from datamodules.sample.images import decode_rgb
+from datamodules.sample.transforms import val_transform
 from tests.conftest import copy_tree, odd_images
 
 # The val path resizes a uint8 tensor with PyTorch's antialiased bilinear kernel; today's reference
@@ -223,7 +223,7 @@ def test_resize_of_a_hwc_view_equals_the_dense_copys():
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 def test_the_idle_helper_alone_runs_at_the_lowest_priority():
-    from datamodules.sample import idle_helper
+    from datamodules.sample.dataset import idle_helper
 
     def policy() -> tuple[int, int]:
         return threading.get_native_id(), os.sched_getscheduler(0)
@@ -270,7 +270,7 @@ def test_a_stalled_idle_helper_neither_delays_the_batch_nor_writes_into_it_later
         images.zero_()  # as if the buffer went on to hold another batch
     finally:
         release.set()
-    from datamodules.sample import idle_helper
+    from datamodules.sample.dataset import idle_helper
 
     idle_helper().submit(lambda: None).result(30)  # the helper has finished its stalled sample
     assert int(images.max()) == 0  # and did not write it into the batch

@@ -123,7 +123,7 @@ def test_progressive_vs_plain_bench_writes_both_curves(tiny_data, tmp_path):
     """A smoke run of the wall-clock comparison (2 tiny epochs each): its files, not its timings."""
     import json
 
-    from lightning_app.bench.progressive import main
+    from bench.progressive import main
 
     result = main(["--data-dir", str(tiny_data), "--image-size", "32", "--start-size", "16", "--step", "8",
                    "--epochs", "2", "--ramp", "0", "0.5", "--budget", "300", "--batch-size", "32",

@@ -86,7 +86,7 @@ def _done(out: str) -> tuple[float, float]:
 def comparison_data(tmp_path_factory):
     """3,000 train and 5,000 val images of the built-in task: a big enough val split that one run's
     accuracy is measured to a few tenths of a point."""
-    from datamodules.builtin import generate
+    from datamodules.builtin.tree import generate
 
     return generate(tmp_path_factory.mktemp("builtin") / "compare", "small", train_per_class=300,
                     val_per_class=500, progress=False)

@@ -167,7 +167,7 @@ def _fit(data_dir, epochs, root, seed=0, **model_kw) -> tuple[float, ImageClassi
 
 @pytest.mark.slow
 def test_finetune_from_another_class_set_beats_scratch(learnable_data, tmp_path):
-    from datamodules.builtin import CLASSES
+    from datamodules.builtin.tree import CLASSES
 
     a = _subset(learnable_data, tmp_path / "a", list(CLASSES[:6]))  # pretrain: 6 classes
     b = _subset(learnable_data, tmp_path / "b", list(CLASSES[6:]))  # target: the 4 others

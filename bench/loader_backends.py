@@ -1,0 +1,190 @@
+"""`bench loaders`' backends: each DataModule made ready to time (packing and downscaling done first).
+
+A factory returns a `Prepared` backend, or raises `Skip` with the reason its row shows (a module
+that is not importable, DALI GPU without CUDA).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import ceilings
+from datamodules.base import BUILTIN_ROOT, REPO_ROOT
+
+BACKENDS = ("imagefolder", "lmdb", "downscaled", "dali-cpu", "dali-gpu")
+LABELS = {"imagefolder": "ImageFolder", "lmdb": "LMDB", "downscaled": "Downscaled",
+          "dali-cpu": "DALI CPU", "dali-gpu": "DALI GPU (mixed)"}
+
+
+class Skip(Exception):
+    """A backend that cannot run here; the message is the reason shown in the table."""
+
+
+@dataclass
+class Settings:
+    root: Path
+    work: Path
+    batch_size: int = 64
+    num_workers: int = 2
+    image_size: int = 224
+    downscale_size: int = 160
+    warm_epochs: int = 2
+    rounds: int = 3
+    max_batches: int | None = None
+    drop_caches: bool = False
+    device: str = "cpu"
+
+
+@dataclass
+class Prepared:
+    datamodule: Any
+    files: list[str]           # what to evict for a cold epoch
+    image_bytes: float          # mean stored bytes per train image
+    storage: str                # key of the IO ceiling (the files this backend reads)
+    images: str                 # key of the decode ceiling (the encoded images it decodes)
+    gpu_decode: bool = False
+    note: str = ""
+
+
+def _kwargs(cls, s: Settings, **extra) -> dict:
+    """The shared DESIGN.md init args plus whichever of ``extra`` the class accepts."""
+    params = inspect.signature(cls.__init__).parameters
+    kw = {"data_dir": str(s.root), "batch_size": s.batch_size, "num_workers": s.num_workers,
+          "image_size": s.image_size}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    kw.update({k: v for k, v in extra.items() if k in params or takes_any})
+    return {k: v for k, v in kw.items() if k in params or takes_any}
+
+
+def _mean_size(paths: list[str]) -> float:
+    return sum(os.path.getsize(p) for p in paths) / max(1, len(paths))
+
+
+def _train_files(dm) -> list[str]:
+    index = dm.indexes["train"]
+    return [index.path(i) for i in range(len(index))]
+
+
+def _imagefolder(s: Settings) -> Prepared:
+    from datamodules import ImageFolderDataModule
+
+    dm = ImageFolderDataModule(**_kwargs(ImageFolderDataModule, s))
+    dm.setup("fit")
+    files = _train_files(dm)
+    return Prepared(dm, files, _mean_size(files), "tree", "original")
+
+
+def _run_tool(args: list[str], what: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                          check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()[-600:]}")
+
+
+def _lmdb(s: Settings) -> Prepared:
+    try:
+        import datamodules.lmdb  # noqa: F401
+        from datamodules import LMDBDataModule
+    except ImportError as e:
+        raise Skip(f"LMDB backend not importable ({e})") from None
+    dst = s.work / "train.lmdb"
+    if not (dst / "data.mdb").exists():
+        _run_tool(["datamodules.lmdb", "--src", str(s.root), "--dst", str(dst)], "packing the LMDB")
+    params = inspect.signature(LMDBDataModule.__init__).parameters
+    path_arg = next((p for p in ("lmdb_path", "lmdb", "path", "db_path") if p in params), None)
+    kw = _kwargs(LMDBDataModule, s, **({path_arg: str(dst)} if path_arg else {}))
+    if path_arg is None:
+        kw["data_dir"] = str(dst)
+    dm = LMDBDataModule(**kw)
+    dm.setup("fit")
+    from datamodules.lmdb.reader import LMDBReader
+
+    reader = LMDBReader(str(dst))
+    n = reader.count("train")
+    size = sum(len(reader.get("train", i)[0]) for i in range(n)) / max(1, n)
+    return Prepared(dm, ceilings.files_under(str(dst)), size, "lmdb", "original",
+                    note=f"packed once before timing into {dst.name}")
+
+
+def _downscaled(s: Settings) -> Prepared:
+    try:
+        import datamodules.downscale  # noqa: F401
+        from datamodules import DownscaledDataModule
+    except ImportError as e:
+        raise Skip(f"Downscaled backend not importable ({e})") from None
+    dst = s.work / f"downscaled-{s.downscale_size}"
+    params = inspect.signature(DownscaledDataModule.__init__).parameters
+    if not (dst / "train").is_dir():
+        # `python -m datamodules.downscale`, as a user makes the copy; the DataModule then finds it complete.
+        _run_tool(["datamodules.downscale", "--src", str(s.root), "--dst", str(dst),
+                   "--max-size", str(s.downscale_size)],
+                  "downscaling")
+    extra = {"max_size": s.downscale_size}
+    for name in ("downscaled_dir", "dst", "cache_dir", "out_dir"):
+        if name in params:
+            extra[name] = str(dst)
+    kw = _kwargs(DownscaledDataModule, s, **extra)
+    if not any(k in params for k in ("downscaled_dir", "dst", "cache_dir", "out_dir")):
+        kw["data_dir"] = str(dst)  # the downscaled copy is itself an ImageFolder tree
+    dm = DownscaledDataModule(**kw)
+    dm.setup("fit")
+    files = _train_files(dm) if getattr(dm, "indexes", None) else ceilings.files_under(str(dst / "train"))
+    return Prepared(dm, files, _mean_size(files), "downscaled", "downscaled",
+                    note=f"shorter side <= {s.downscale_size} px, made once before timing")
+
+
+def _dali(s: Settings, gpu: bool) -> Prepared:
+    if gpu and not torch.cuda.is_available():
+        raise Skip("needs a CUDA GPU (nvJPEG decoding on the device)")
+    try:
+        import nvidia.dali  # noqa: F401
+
+        from datamodules import DALIDataModule
+    except ImportError as e:
+        raise Skip(f"DALI backend not importable ({e})") from None
+    params = inspect.signature(DALIDataModule.__init__).parameters
+    name = next((p for p in ("decoder_device", "device", "decoder", "dali_device") if p in params), None)
+    if name is None:
+        raise Skip("DALIDataModule has no decoder device argument this benchmark knows")
+    value = "cpu"
+    if gpu:  # DALIDataModule(dali_device="gpu") decodes with DALI's "mixed" (nvJPEG) operators
+        value = "gpu" if name == "dali_device" else "mixed"
+    dm = DALIDataModule(**_kwargs(DALIDataModule, s, **{name: value}))
+    dm.setup("fit")
+    note = f"{name}={value!r}"
+    if s.max_batches and getattr(dm, "indexes", None):
+        # DALI cannot stop mid-epoch: a loader left after --max-batches is rebuilt on the next iter(), and that
+        # rebuild would be timed in every epoch. Give it an epoch of exactly max_batches batches instead
+        # (a seeded sample of the train images, every class mixed).
+        from datamodules.index import Index
+
+        index = dm.indexes["train"]
+        keep = min(len(index), s.max_batches * s.batch_size)
+        picked = sorted(torch.randperm(len(index), generator=torch.Generator().manual_seed(0))[:keep].tolist())
+        dm.indexes["train"] = Index(index.root, index.split, index.classes, [index.samples[i] for i in picked])
+        note += f"; epoch = a sample of {keep} train images (--max-batches: DALI cannot stop mid-epoch)"
+    files = _train_files(dm) if getattr(dm, "indexes", None) else []
+    return Prepared(dm, files, _mean_size(files), "tree", "original", gpu_decode=gpu, note=note)
+
+
+FACTORIES: dict[str, Callable[[Settings], Prepared]] = {
+    "imagefolder": _imagefolder,
+    "lmdb": _lmdb,
+    "downscaled": _downscaled,
+    "dali-cpu": lambda s: _dali(s, gpu=False),
+    "dali-gpu": lambda s: _dali(s, gpu=True),
+}
+
+
+def default_root(preset: str, train_per_class: int | None, val_per_class: int | None) -> Path:
+    from datamodules.builtin.tree import ensure_builtin
+
+    return Path(ensure_builtin(preset, root=BUILTIN_ROOT, train_per_class=train_per_class, val_per_class=val_per_class))

@@ -1,0 +1,3 @@
+from datamodules.builtin.tree import main
+
+main()

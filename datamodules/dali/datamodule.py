@@ -1,0 +1,294 @@
+"""DALI backend: decoding on the GPU ("mixed") where there is one, else on the CPU.
+
+The Index's samples are DALI's explicit file list (or a packed LMDB is read through a
+parallel `external_source`), so every file has the label the other backends give it.
+Batches are NCHW views of channels-last (NHWC) memory, so a channels_last model takes them without
+a copy, with int64 labels:
+- `mixed` (GPU): float (fp16 under 16-mixed), normalised by DALI on the device;
+- `cpu`: uint8, a quarter of the bytes of float, pinned when the trainer runs on CUDA, and
+  normalised on the device in `on_after_batch_transfer` like every other backend.
+
+Threads, memory and epoch boundaries: `datamodules/dali/loader.py`.
+
+Sharding: shard_id = global rank, num_shards = world size, pad_last_batch, and
+stick_to_shard=False: all ranks move to the next shard together each epoch, so shards stay
+disjoint within every epoch and each rank sees all the data over world-size epochs. Train
+uses DROP (every rank runs the steps of the smallest shard), val PARTIAL (each rank its
+exact shard, no duplicates).
+
+CPU decoding: DALI reads, picks the random crop and decodes only that region; the sample
+path's resize kernel makes the batch (`dali_loader.HostFinish`), because DALI's own CPU resize
+cost more than its decoding (dali_pipelines.py). Validation then takes the other backends' exact
+geometry (shorter side, centre crop): on the built-in test images its batches equal
+ImageFolder's (tests/test_dali.py). Under a DALI auto-augment policy, and with `mixed`, DALI
+resizes itself: against torchvision's resize + centre crop that is 1.5 grey levels mean
+difference on ImageNet-size images (224 crop), from DALI rounding the longer side and the crop
+offset differently (a 1 px shift on some images).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+
+from datamodules.base import ImageDataModule
+from datamodules.dali.loader import (
+    DEVICE_MEMORY_PADDING,
+    HOST_MEMORY_PADDING,
+    MAX_MIXED_THREADS,
+    DALILoader,
+    HostFinish,
+    dali_memory_bill,
+    dali_threads,
+)
+from datamodules.index import DataError, Index
+
+INSTALL_HINT = "pip install nvidia-dali-cuda130==2.4.0"
+DEVICES = ("auto", "gpu", "cpu")
+SOURCES = ("folder", "lmdb")
+def require_dali() -> None:
+    """Raise a DataError that says how to install DALI when it cannot be imported."""
+    try:
+        import nvidia.dali
+        import nvidia.dali.plugin.pytorch  # noqa: F401
+    except ImportError as e:
+        raise DataError(
+            f"DALIDataModule needs NVIDIA DALI, which cannot be imported here ({e}). Install it with:\n"
+            f"    {INSTALL_HINT}\n"
+            "or use another backend, e.g. --data datamodules.ImageFolderDataModule."
+        ) from e
+
+
+class DALIDataModule(ImageDataModule):
+    """ImageFolder tree (or a packed LMDB) decoded by NVIDIA DALI.
+
+    Args (the shared ones, data_dir, batch_size, image_size..., pass through to ImageDataModule):
+        dali_device: "auto" (GPU "mixed" decoding when the trainer runs on CUDA, else CPU), "gpu" or "cpu".
+        source: "folder" reads the Index's files; "lmdb" reads `lmdb_path` packed by
+            `python -m datamodules.lmdb` (default: the folder `<data_dir>.lmdb`).
+        lmdb_path: the packed database for source "lmdb".
+        num_threads: DALI CPU threads per pipeline (default: this process's share of the CPU affinity
+            mask; at most 8 for GPU decoding, where each thread preallocates nvJPEG buffers).
+        prefetch_queue_depth: batches DALI prepares ahead.
+        hw_decoder_load: share of JPEG decoding given to the hardware decoder (A100/H100), GPU only.
+        seed: DALI's random seed (shuffle, crops, flips); each rank and epoch derives its own.
+    """
+
+    def __init__(
+        self,
+        dali_device: str = "auto",
+        source: str = "folder",
+        lmdb_path: str | None = None,
+        num_threads: int | None = None,
+        prefetch_queue_depth: int = 2,
+        hw_decoder_load: float = 0.65,
+        seed: int = 42,
+        **kwargs: Any,
+    ) -> None:
+        require_dali()
+        from datamodules.dali.augment import check_dali_augment
+
+        check_dali_augment(kwargs.get("auto_augment"), kwargs.get("random_erasing", 0.0))
+        if dali_device not in DEVICES:
+            raise DataError(f"data.dali_device must be one of {DEVICES}, got {dali_device!r}.")
+        if source not in SOURCES:
+            raise DataError(f"data.source must be one of {SOURCES}, got {source!r}.")
+        if dali_device == "gpu" and not torch.cuda.is_available():
+            raise DataError("data.dali_device gpu needs CUDA, which is not available here; use auto or cpu.")
+        if not 0.0 <= hw_decoder_load <= 1.0:
+            raise DataError(f"data.hw_decoder_load must be in [0, 1], got {hw_decoder_load}.")
+        if num_threads is not None and num_threads < 1:
+            raise DataError(f"data.num_threads must be >= 1 or null (sized from the CPUs), got {num_threads}.")
+        if prefetch_queue_depth < 1:
+            raise DataError(f"data.prefetch_queue_depth must be >= 1, got {prefetch_queue_depth}.")
+        self.dali_device = dali_device
+        self.source = source
+        self.lmdb_path = lmdb_path
+        self.num_threads = num_threads
+        self.prefetch_queue_depth = prefetch_queue_depth
+        self.hw_decoder_load = hw_decoder_load
+        self.seed = seed
+        self.lmdb_meta: dict | None = None
+        self.loaders: dict[str, DALILoader] = {}
+        super().__init__(**kwargs)
+        self.train_augment = None  # the pipeline applies auto_augment itself (datamodules/dali/augment.py)
+
+    # -- data discovery -------------------------------------------------------------------
+    def discover_classes(self) -> list[str]:
+        if self.source == "folder":
+            return super().discover_classes()
+        from datamodules.lmdb.format import read_meta as read_lmdb_meta
+
+        if self.lmdb_path is None:
+            if self.data_dir is None:
+                raise DataError("data.source lmdb needs data.lmdb_path (or data.data_dir, read as <data_dir>.lmdb).")
+            self.lmdb_path = str(self.data_dir).rstrip("/\\") + ".lmdb"
+        self.root = self.lmdb_path
+        self.lmdb_meta = read_lmdb_meta(self.lmdb_path)
+        return list(self.lmdb_meta["classes"])
+
+    def load_indexes(self) -> dict[str, Index]:
+        if self.source == "folder":
+            return super().load_indexes()
+        # The packer decoded every image fully and left bad ones out: nothing is bad here.
+        meta = self.lmdb_meta
+        return {
+            split: Index(self.lmdb_path, split, self.classes, [(p, -1) for p in info["paths"]])
+            for split, info in meta["splits"].items()
+        }
+
+    def make_dataset(self, split: str, index: Index):
+        return index  # DALI reads the Index itself; this only gives len() to the base class
+
+    # -- devices and sharding -------------------------------------------------------------
+    def _trainer_device(self) -> torch.device | None:
+        trainer = self.trainer
+        return trainer.strategy.root_device if trainer is not None else None
+
+    @property
+    def decoder_device(self) -> str:
+        """"mixed" or "cpu". `auto` follows the trainer's device (a `--trainer.accelerator cpu` run on a GPU
+        machine decodes on the CPU and never creates a CUDA context); with no trainer, CUDA's presence."""
+        if self.dali_device != "auto":
+            return "mixed" if self.dali_device == "gpu" else "cpu"
+        device = self._trainer_device()
+        gpu = device.type == "cuda" if device is not None else torch.cuda.is_available()
+        return "mixed" if gpu else "cpu"
+
+    def _device_id(self) -> int | None:
+        if self.decoder_device == "cpu":
+            return None  # -1 would still try CUDA
+        trainer = self.trainer
+        if trainer is not None and trainer.strategy.root_device.type == "cuda":
+            return trainer.strategy.root_device.index or 0
+        return torch.cuda.current_device()
+
+    def _rank(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def _fp16(self) -> bool:
+        trainer = self.trainer
+        return self.decoder_device == "mixed" and trainer is not None and str(trainer.precision).startswith("16")
+
+    def _threads(self) -> int:
+        trainer = self.trainer
+        # training processes on this node: world / nodes (dp drives all its GPUs from one process)
+        per_node = max(1, trainer.world_size // max(1, trainer.num_nodes)) if trainer is not None else 1
+        device = self.decoder_device
+        threads = dali_threads(device, per_node, requested=self.num_threads)
+        bill = dali_memory_bill(device, threads)
+        if bill["device"] > 1 << 30:  # only an explicit num_threads gets here
+            warnings.warn(f"data.num_threads {threads} with GPU decoding preallocates {bill['device'] >> 20} MiB of GPU "
+                          f"and {bill['pinned'] >> 20} MiB of pinned memory per pipeline (two per process); "
+                          f"{MAX_MIXED_THREADS} threads are plenty for nvJPEG.", stacklevel=2)
+        return threads
+
+    def _resize_on_host(self, train: bool) -> bool:
+        """CPU decoding resizes with the sample path's kernel (dali_pipelines.py says why), except under a
+        DALI auto-augment policy, which runs in the pipeline on the resized images."""
+        return self.decoder_device == "cpu" and not (train and self.auto_augment)
+
+    def _spec(self, train: bool):
+        from datamodules.dali.pipelines import PipelineSpec
+
+        size = self.train_size if train else self.val_image_size
+        return PipelineSpec(
+            train=train, decoder_device=self.decoder_device, image_size=size,
+            val_resize=round(self.val_image_size / self.val_crop_ratio), min_scale=self.min_scale,
+            fp16=self._fp16(), hw_decoder_load=self.hw_decoder_load,
+            device_memory_padding=DEVICE_MEMORY_PADDING, host_memory_padding=HOST_MEMORY_PADDING,
+            auto_augment=self.auto_augment if train else None, resize_on_host=self._resize_on_host(train),
+        )
+
+    # -- loaders --------------------------------------------------------------------------
+    def _make_loader(self, split: str, train: bool) -> DALILoader:
+        from nvidia.dali.plugin.base_iterator import LastBatchPolicy
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, DALIRaggedIterator
+
+        from datamodules.dali import pipelines as dp
+
+        index = self.indexes[split]
+        rank, world = self._rank()
+        batch = self.per_process_batch_size
+        n = len(index)
+        if train and n < self.batch_size:
+            raise DataError(f"{split}/ of {self.root} has {n} images, fewer than one global batch "
+                            f"({self.batch_size}); lower --data.batch_size.")
+        device = self._trainer_device()
+        if self.decoder_device == "mixed" and device is not None and device.type != "cuda":
+            raise DataError(f"data.dali_device gpu decodes onto a CUDA device, but the trainer runs on {device}; "
+                            "use --data.dali_device auto (or cpu), or train on the GPU.")
+        pin = self.decoder_device == "cpu" and self.pin_memory and device is not None and device.type == "cuda"
+        threads = self._threads()
+        common = {"batch_size": batch, "num_threads": threads, "device_id": self._device_id(),
+                  "prefetch_queue_depth": self.prefetch_queue_depth}
+        finish = None
+        if self._resize_on_host(train):
+            size = (lambda: self.train_size) if train else (lambda: self.val_image_size)
+            finish = HostFinish(train, size, self.val_crop_ratio, threads, pin)
+
+        def iterator(pipe, spec, lmdb: bool, **kw):
+            names = dp.output_names(spec, lmdb)
+            if finish is None:
+                return DALIGenericIterator([pipe], names, **kw)
+            ragged = [DALIRaggedIterator.SPARSE_LIST_TAG if n == "images" else DALIRaggedIterator.DENSE_TAG
+                      for n in names]
+            return DALIRaggedIterator([pipe], names, output_types=ragged, **kw)
+
+        if self.source == "folder":
+            files = [index.path(i) for i in range(n)]
+            # Shuffled once (the same on every rank) so a contiguous shard mixes all classes;
+            # each epoch DALI's shuffle buffer reorders within the shard.
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed)).tolist() if train else range(n)
+            files = [files[i] for i in order]
+            positions = list(order)
+            policy = LastBatchPolicy.DROP if train else LastBatchPolicy.PARTIAL
+            # Every rank runs the steps of the smallest shard (what DALI's DROP does too).
+            steps = (n // world) // batch if train else math.ceil(math.ceil(n / world) / batch)
+
+            def build(epoch: int):
+                spec = self._spec(train)
+                pipe = dp.file_pipeline(spec, files, positions, (rank + epoch) % world, world,
+                                        seed=self.seed + 1000 * epoch + rank, **common)
+                pipe.build()
+                return iterator(pipe, spec, False, reader_name=dp.READER_NAME, last_batch_policy=policy, auto_reset=False)
+
+            table = torch.tensor(index.labels, dtype=torch.int64)
+            return DALILoader(build, steps, table, pin=pin, finish=finish)
+
+        shard_len = len(range(rank, n, world))
+        steps = (n // world) // batch if train else math.ceil(shard_len / batch)
+        trim = {} if train or shard_len % batch == 0 else {steps - 1: shard_len % batch}
+
+        def build_lmdb(epoch: int):
+            source = dp.LMDBSampleSource(self.lmdb_path, split, n, rank, world, batch, steps, train, self.seed, epoch)
+            spec = self._spec(train)
+            pipe = dp.external_pipeline(spec, source, seed=self.seed + 1000 * epoch + rank,
+                                        py_num_workers=max(1, self.workers()), py_start_method="spawn", **common)
+            pipe.start_py_workers()
+            pipe.build()
+            return iterator(pipe, spec, True, auto_reset=False, last_batch_policy=LastBatchPolicy.PARTIAL)
+
+        return DALILoader(build_lmdb, steps, None, trim, pin=pin, finish=finish)
+
+    def _loader(self, split: str, train: bool) -> DALILoader:
+        key = f"{split}:{int(train)}"
+        if key not in self.loaders:
+            self.loaders[key] = self._make_loader(split, train)
+        return self.loaders[key]
+
+    def set_train_size(self, size: int) -> None:
+        """Progressive resizing: the train pipeline is rebuilt at the next epoch, once per new size."""
+        changed = int(size) != self.train_size
+        super().set_train_size(size)
+        loader = self.loaders.get("train:1")
+        if changed and loader is not None:
+            loader.close()  # the next iter() builds the pipeline with the new size (and that epoch's shard/seed)
+
+    def teardown(self, stage: str | None = None) -> None:
+        for loader in self.loaders.values():
+            loader.close()
+        self.loaders = {}

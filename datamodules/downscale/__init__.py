@@ -1,0 +1,1 @@
+"""Downscaled copies: writer.py (`python -m datamodules.downscale`), datamodule.py (DownscaledDataModule)."""

@@ -1,0 +1,3 @@
+from datamodules.downscale.writer import main
+
+main()

@@ -1,0 +1,3 @@
+from datamodules.lmdb.pack import main
+
+main()

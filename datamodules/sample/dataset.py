@@ -1,0 +1,217 @@
+"""The one sample path of the ImageFolder, LMDB and Downscaled backends: source -> decode -> crop -> batch.
+
+A backend only says where a sample's encoded bytes come from (a `Source`); decoding
+(`decode.decode`), crop and flip (`crop.TrainCrop` / `crop.ValCrop`) and batching are shared.
+
+A DataLoader calls `SampleDataset.__getitems__(indices)` once per batch (torch/utils/data/_utils/
+fetch.py, _MapDatasetFetcher). It writes every sample straight into one preallocated uint8
+batch tensor, in shared memory when it runs in a worker (a reused ring buffer: batches.py), and
+the loader's `collate_fn` is `built_batch`, which returns it as it is.
+
+Threads: file reads wait on the disk with the GIL released, so a small pool always reads a
+batch's files ahead of its decoding (a cold cache would otherwise leave the CPU idle). Decoding
+and the resize release the GIL too (decode.py says where), so with CPUs to spare (no workers, or
+fewer workers than CPUs: `decode_threads` > 1) whole samples run side by side on the pool. With
+one CPU per worker (`num_workers: auto`) the worker decodes in its own thread, one sample after
+another from the front of the batch. Threads taking turns on one CPU cost context switches and
+evict each other's cache: 1,369 against 1,304 us of CPU per image, and 1,424 against 1,508 images/s,
+on the 2-core VM of bench/results/cpu-2c-amd-epyc.* (4 pairs of runs side by side). One more
+thread at the lowest priority (`idle_helper`) takes samples from the back of the batch: the kernel
+runs it only on a CPU with nothing else to run, such as the one a worker leaves idle while its
+peer builds the last batch of an epoch. A batch never waits for it (`_fill_here`).
+
+Random crops are drawn from one `random.Random` per sample, seeded from torch's generator in the
+calling thread, so a seeded run gives the same crops whatever order the threads finish in.
+"""
+from __future__ import annotations
+
+import os
+import random
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+from datamodules.index import DataError, Index
+from datamodules.sample.batches import RingBatch, fill_batch, new_batch
+from datamodules.sample.decode import decode
+
+SAMPLE_THREADS = 4  # per process: enough reads in flight to hide a local disk's latency on a cold cache
+Encoded = bytes | bytearray | memoryview | torch.Tensor
+
+
+class Source(Protocol):
+    """Where the encoded bytes of sample i come from."""
+
+    def read(self, i: int) -> bytes | bytearray | memoryview: ...
+
+    def describe(self, i: int, error: Exception) -> str:
+        """The error message for an unusable sample: names it and says how to fix it."""
+
+
+class FileSource:
+    """One file per sample: the paths of an Index (or a list of paths); `fix` ends an error message."""
+
+    def __init__(self, index: Index | Sequence[str], fix: str) -> None:
+        self.paths = [index.path(i) for i in range(len(index))] if isinstance(index, Index) else list(index)
+        self.fix = fix
+
+    def read(self, i: int) -> bytearray:
+        with open(self.paths[i], "rb", buffering=0) as f:
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            n = f.readinto(data)
+        return data if n == len(data) else data[:n]
+
+    def describe(self, i: int, error: Exception) -> str:
+        return f"cannot decode image {self.paths[i]}: {error}. {self.fix}"
+
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def sample_pool() -> ThreadPoolExecutor:
+    """This process's sample threads (made after any fork: a pool never crosses one)."""
+    global _pool
+    if _pool is None or _pool[0] != os.getpid():
+        _pool = (os.getpid(), ThreadPoolExecutor(SAMPLE_THREADS, thread_name_prefix="sample"))
+    return _pool[1]
+
+
+_helper: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _lowest_priority() -> None:
+    # SCHED_IDLE for this thread only ("very low priority background jobs", sched(7); pid 0 is the
+    # calling thread, sched_setscheduler(2)): it runs when a CPU has nothing else to run. Elsewhere, or
+    # where a sandbox refuses it, the helper keeps normal priority (an exception here would break the
+    # pool, and with it every batch).
+    if hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            pass
+
+
+def idle_helper() -> ThreadPoolExecutor:
+    """This process's one lowest-priority thread (made after any fork), for CPU time no one else wants."""
+    global _helper
+    if _helper is None or _helper[0] != os.getpid():
+        _helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="idle", initializer=_lowest_priority))
+    return _helper[1]
+
+
+def read_ahead(source: Source, indices: Sequence[int], pool: ThreadPoolExecutor,
+               groups: int = SAMPLE_THREADS) -> Iterator[Encoded | Exception]:
+    """The encoded bytes of `indices` in order (or the read's exception), read on `pool` ahead of the caller.
+
+    One task per contiguous group of samples, so a batch wakes the pool a few times, not once per sample.
+    """
+    def read(group: Sequence[int]) -> list[Encoded | Exception]:
+        out: list[Encoded | Exception] = []
+        for i in group:
+            try:
+                out.append(source.read(i))
+            except Exception as e:  # noqa: BLE001 - re-raised, named, by SampleDataset.sample
+                out.append(e)
+        return out
+
+    step = -(-len(indices) // groups)
+    tasks = [pool.submit(read, indices[j:j + step]) for j in range(0, len(indices), step)]
+    for task in tasks:
+        yield from task.result()
+
+
+class SampleDataset(Dataset):
+    """Samples of `source`, decoded, cropped to `size()` and written a whole batch at a time.
+
+    `size` is read once per batch (a batch never mixes sizes); `crop` is `TrainCrop` or `ValCrop`.
+    `decode_threads`: the CPUs one process of the loader has (set by the DataModule for its loader);
+    above 1, the samples of a batch are decoded side by side (see the module doc).
+    """
+
+    decode_threads = SAMPLE_THREADS
+
+    def __init__(self, source: Source, labels: Sequence[int], crop: Callable, size: int | torch.Tensor) -> None:
+        self.source = source
+        self.labels = torch.as_tensor(list(labels), dtype=torch.int64)
+        self.crop = crop
+        self._size = size
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def size(self) -> int:
+        return int(self._size[0]) if isinstance(self._size, torch.Tensor) else int(self._size)
+
+    def sample(self, i: int, size: int, rng: random.Random | None = None,
+               data: Encoded | Exception | None = None) -> torch.Tensor:
+        """Sample i as a uint8 CHW tensor of size x size; `data`: its bytes (or read error) if already read."""
+        try:
+            if isinstance(data, Exception):
+                raise data
+            image = decode(self.source.read(i) if data is None else data)
+        except Exception as e:
+            raise DataError(self.source.describe(i, e)) from e
+        return self.crop(image, size, rng or random.Random(int(torch.randint(2**62, ()))))
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.sample(i, self.size()), int(self.labels[i])
+
+    def __getitems__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        size = self.size()
+        images = new_batch(len(indices), size)
+        seeds = torch.randint(2**62, (len(indices),)).tolist()
+        # A failure (a DataError naming the sample) is re-raised here, in this thread.
+        if self.decode_threads > 1:
+            fill_batch(images, lambda k: self.sample(indices[k], size, random.Random(seeds[k])), sample_pool())
+        else:
+            self._fill_here(images, indices, size, seeds)
+        labels = self.labels[list(indices)]
+        return RingBatch((images, labels)) if get_worker_info() is not None else (images, labels)
+
+    def _fill_here(self, images: torch.Tensor, indices: Sequence[int], size: int, seeds: list[int]) -> None:
+        """Decode the batch in this thread from the front, files read ahead; `idle_helper` works from the back.
+
+        The helper builds its samples apart and writes one into the batch only while it is still its own.
+        At the end, this thread builds whatever the helper has taken and not delivered (on a busy machine
+        it may not run for a long while), so a batch never waits for it, and once this returns the helper
+        can no longer write into the batch.
+        """
+        lock = threading.Lock()
+        left = [0, len(indices)]  # the samples no thread has taken: left[0] <= k < left[1]
+        helpers: set[int] = set()  # taken by the helper, not yet in the batch
+        inference = torch.is_inference_mode_enabled()
+
+        def from_back() -> None:
+            with torch.inference_mode(inference):  # the batch may be an inference tensor (trainer.validate)
+                while True:
+                    with lock:
+                        if left[0] >= left[1]:
+                            return
+                        left[1] -= 1
+                        k = left[1]
+                        helpers.add(k)
+                    sample = self.sample(indices[k], size, random.Random(seeds[k]))
+                    with lock:
+                        if k in helpers:
+                            images[k].copy_(sample)
+                            helpers.discard(k)
+
+        idle_helper().submit(from_back)  # its failures are this thread's to raise: it builds them again
+        try:
+            for k, data in enumerate(read_ahead(self.source, indices, sample_pool())):
+                with lock:
+                    if k >= left[1]:
+                        break
+                    left[0] = k + 1
+                images[k].copy_(self.sample(indices[k], size, random.Random(seeds[k]), data))
+        finally:
+            with lock:  # from here on the helper takes nothing and writes nothing into this batch
+                left[0] = left[1]
+                orphans = sorted(helpers)
+                helpers.clear()
+        for k in orphans:
+            images[k].copy_(self.sample(indices[k], size, random.Random(seeds[k])))

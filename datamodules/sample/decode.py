@@ -1,0 +1,102 @@
+"""Decode: encoded bytes -> RGB uint8 CHW tensor, with the same pixels whichever decoder runs.
+
+Plain 8-bit JPEGs (baseline or progressive, 1 or 3 components: grayscale or YCbCr) go to
+libjpeg-turbo through `torchvision.io.decode_jpeg`, straight to a uint8 tensor (a CHW view of
+HWC memory: the layout the channels-last resize kernel wants). Everything else takes the PIL
+path of `images.decode_rgb`: CMYK and YCCK (4 components), 12-bit and lossless JPEGs, PNG
+(16-bit too), palette images, a PNG named .JPEG, and any JPEG the fast decoder refuses.
+
+Why the pixels agree: Pillow and torchvision both decode with libjpeg-turbo's defaults (islow
+IDCT, fancy upsampling), and libjpeg's grayscale -> RGB replicates the gray value as PIL's
+convert("RGB") does. EXIF orientation is applied by torchvision (`apply_exif_orientation`,
+the same 8 cases as PIL's ImageOps.exif_transpose). Pillow also reads an orientation from XMP
+metadata (Image.getexif); torchvision does not, so a JPEG with an XMP packet takes the PIL path.
+tests/test_sample_path.py asserts identical pixels on the odd-image set, all 8 orientations and
+built-in ImageNet-size images.
+
+torchvision 0.29 deprecates its image decoders (a DeprecationWarning on every call, hidden by
+Python's default filters) in favour of TorchCodec >= 0.16, which wraps the same libjpeg-turbo:
+this module's one `decode_jpeg` call is the line to move when torchvision drops them.
+
+`torchvision.io.decode_jpeg` calls `torch.ops.image.decode_jpeg`, and torch releases the GIL
+while a `torch.ops` operator runs (torch/csrc/jit/python/pybind_utils.h, invokeOperatorFromPython:
+`pybind11::gil_scoped_release`), so several threads decode at once.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+from torchvision.io import ImageReadMode, decode_jpeg
+
+from datamodules.sample.images import decode_rgb
+
+_SOF_FAST = (0xC0, 0xC1, 0xC2)  # baseline, extended sequential, progressive (Huffman)
+_XMP = b"http://ns.adobe.com/xap/1.0/"
+# decode_jpeg only reads its input, so a read-only buffer (an LMDB value in its memory map) is fine.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+def fast_jpeg(data: bytes | bytearray | memoryview) -> tuple[bool, bool]:
+    """(whether libjpeg-turbo may decode `data` with PIL's pixels, whether it carries EXIF).
+
+    Walks the JPEG markers up to the frame header (a few hundred bytes for most files).
+    """
+    mv = memoryview(data)
+    n = len(mv)
+    if n < 4 or mv[0] != 0xFF or mv[1] != 0xD8:
+        return False, False
+    exif = False
+    i = 2
+    while i + 4 <= n:
+        if mv[i] != 0xFF:
+            return False, exif
+        marker = mv[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            i += 2
+            continue
+        length = (mv[i + 2] << 8) | mv[i + 3]
+        if marker in _SOF_FAST:
+            if i + 10 > n:
+                return False, exif
+            precision, components = mv[i + 4], mv[i + 9]
+            return precision == 8 and components in (1, 3), exif
+        if 0xC3 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # lossless, arithmetic, hierarchical
+            return False, exif
+        if marker == 0xE1:
+            head = bytes(mv[i + 4:i + 4 + len(_XMP)])
+            if head.startswith(b"Exif\x00"):
+                exif = True
+            elif head == _XMP:
+                return False, exif  # PIL may take an orientation from XMP
+        if marker == 0xDA:  # scan data before a frame header: leave it to PIL to judge
+            return False, exif
+        i += 2 + length
+    return False, exif
+
+
+def pil_decode(data: bytes | bytearray | memoryview) -> torch.Tensor:
+    """The reference path: `decode_rgb` (EXIF applied, any mode to RGB) as a uint8 CHW tensor."""
+    return torch.from_numpy(np.array(decode_rgb(bytes(data)))).permute(2, 0, 1)
+
+
+def decode(data: bytes | bytearray | memoryview | torch.Tensor) -> torch.Tensor:
+    """Encoded image -> RGB uint8 CHW tensor (EXIF orientation applied), libjpeg-turbo where it is exact."""
+    if isinstance(data, torch.Tensor):
+        tensor = data
+        data = memoryview(data.numpy())
+    else:
+        tensor = None
+    ok, exif = fast_jpeg(data)
+    if ok:
+        if tensor is None:
+            tensor = torch.frombuffer(data, dtype=torch.uint8)
+        try:
+            return decode_jpeg(tensor, mode=ImageReadMode.RGB, apply_exif_orientation=exif)
+        except RuntimeError:
+            pass  # refused (corrupt, unsupported): PIL decodes it or raises a clear error
+    return pil_decode(data)
