@@ -1,0 +1,165 @@
+"""Every command in README.md and docs/*.md runs as written, in a short form.
+
+The commands of every ```bash block run in document order (README first, then docs/ by name) in a
+scratch folder that looks like a fresh clone (the code linked in, `logs/` and outputs its own), so a
+later command finds what an earlier one made (`logs/version_0/...`, the packed LMDB). Placeholders
+(`/path/to/imagenet`, `/data/...`) become the tiny built-in tree; `SHRINK` cuts the work (a 1-epoch,
+2-batch fit, 200 files to scan). Each command matches one rule of `RULES`, which says how it runs:
+
+- run: for real, as a user types it (plus SHORT_* flags for main.py);
+- parse: `main.py ... --print_config` in-process, or a benchmark's argparse: every flag and config
+  file must exist; for what cannot run here (ResNet-50 at 224 px, ImageNet weights, a second node);
+- dry-run: the launch scripts with DRY_RUN=1; the main.py command they print is parsed as above.
+
+A command no rule matches fails the test: a new command in the docs needs a rule saying how it runs.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+CODE = ["main.py", "lightning_app", "datamodules", "models", "bench", "configs", "scripts",
+        "requirements.txt", "requirements-dev.txt"]
+SHORT_FIT = ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "2",
+             "--data.builtin", "tiny", "--data.batch_size", "32", "--data.num_workers", "0",
+             "--trainer.enable_progress_bar", "false"]
+SHORT_EVAL = ["--trainer.limit_val_batches", "2", "--trainer.limit_predict_batches", "2", "--data.builtin", "tiny",
+              "--data.batch_size", "32", "--data.num_workers", "0", "--trainer.enable_progress_bar", "false"]
+SHRINK = [(r"--files \d+", "--files 200"), (r"--preset small", "--preset tiny"), (r"--workers \d+", "--workers 2"),
+          (r" --drop-caches", "")]
+# (pattern, mode, why): the first that matches the whole command wins
+RULES = [
+    (r"pip install -r (\S+) && (.*)", "install", "CI installs the requirements; the rest runs"),
+    (r"python -m pytest.*", "skip", "this is the suite itself"),
+    (r"python main\.py fit .*(resnet50|imagenet|recipes/|dali\.yaml|--model\.weights).*", "parse",
+     "ResNet-50 / DALI / pretrained weights: too slow or absent on a CPU test machine (their own tests run them)"),
+    (r"python main\.py .*--print_config.*", "run", ""),
+    (r"python main\.py (fit|validate|test|predict) .*", "run", ""),
+    (r"(\w+=\S+ )+python main\.py .*", "parse", "a second node at another address cannot start here"),
+    (r"(\w+=\S+ )*scripts/torchrun\.sh .*", "dry-run", "torchrun across machines"),
+    (r"sbatch scripts/slurm/train\.sbatch .*", "dry-run", "no SLURM here"),
+    (r"python -m bench(\.progressive)? .*", "parse", "benchmarks time the machine (tests/test_bench.py runs them small)"),
+    (r"python -m (datamodules\.\w+|bench\.scanbench|lightning_app\.export)( .*)?", "run", ""),
+    (r"tensorboard --logdir (\S+)", "tensorboard", ""),
+]
+
+
+def doc_commands() -> list[tuple[str, str]]:
+    """(file name, command) for every command line of every bash block, continuations joined, comments cut."""
+    out = []
+    for path in DOCS:
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.DOTALL):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = re.sub(r"\s+#.*$", "", line).strip()
+                if line and not line.startswith("#"):
+                    out.append((path.name, re.sub(r"\s+", " ", line)))
+    return out
+
+
+def test_every_doc_command_has_a_rule():
+    unmatched = [c for _, c in doc_commands() if not any(re.fullmatch(p, c) for p, _, _ in RULES)]
+    assert not unmatched, f"commands in the docs with no rule in tests/test_docs.py: {unmatched}"
+
+
+@pytest.fixture
+def clone(tmp_path, tiny_data) -> tuple[Path, dict[str, str]]:
+    work = tmp_path / "clone"
+    work.mkdir()
+    for name in CODE:
+        (work / name).symlink_to(REPO / name)
+    places = {
+        "/data/imagenet.lmdb": str(work / "imagenet.lmdb"), "/data/imagenet-160": str(work / "imagenet-160"),
+        "/path/to/root": str(tiny_data), "/path/to/imagenet": str(tiny_data), "/data/imagenet": str(tiny_data),
+        "/data/my_classes": str(tiny_data), "path/to/images": str(tiny_data / "val"),
+        "/tmp/scan-tree": str(work / "scan-tree"),
+    }
+    return work, places
+
+
+def _concrete(command: str, places: dict[str, str]) -> str:
+    for placeholder in sorted(places, key=len, reverse=True):
+        command = command.replace(placeholder, places[placeholder])
+    for pattern, repl in SHRINK:
+        command = re.sub(pattern, repl, command)
+    return command
+
+
+def _run(argv: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(argv, cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, f"{shlex.join(argv)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _parse_main(args: list[str], cwd: Path, monkeypatch) -> None:
+    """`python main.py ARGS --print_config`, in-process: parses every flag and reads every config file."""
+    from lightning_app.cli import main
+
+    monkeypatch.chdir(cwd)
+    with pytest.raises(SystemExit) as exit_:
+        main(args + ["--print_config"])
+    assert exit_.value.code in (0, None), f"main.py {shlex.join(args)} does not parse"
+
+
+def _parse_bench(argv: list[str]) -> None:
+    from bench.__main__ import build_parser
+    from bench.progressive import build_parser as progressive_parser
+
+    parser = progressive_parser() if argv[0] == "bench.progressive" else build_parser()
+    parser.parse_args(argv[1:])
+
+
+def _main_args(command: str) -> list[str]:
+    words = shlex.split(command)
+    return words[words.index("main.py") + 1:]
+
+
+@pytest.mark.slow
+def test_every_doc_command_runs_as_written_in_short_form(clone, monkeypatch, capsys):
+    work, places = clone
+    ran = []
+    for doc, written in doc_commands():
+        command = _concrete(written, places)
+        pattern, mode, _ = next(r for r in RULES if re.fullmatch(r[0], written))
+        if mode == "install":
+            requirements, command = re.fullmatch(pattern, command).groups()
+            assert (REPO / requirements).is_file(), f"{doc}: {requirements} is missing"
+            pattern, mode, _ = next(r for r in RULES if re.fullmatch(r[0], command))
+        if mode == "skip":
+            continue
+        words = shlex.split(command)
+        if mode == "run" and words[:2] == ["python", "main.py"]:
+            short = [] if "--print_config" in words else (SHORT_FIT if words[2] == "fit" else SHORT_EVAL)
+            _run([sys.executable, *words[1:], *short], work)
+        elif mode == "run":
+            _run([sys.executable, *words[1:]], work)
+        elif mode == "parse" and "main.py" in words:
+            _parse_main(_main_args(command), work, monkeypatch)
+        elif mode == "parse":
+            _parse_bench(words[2:])
+        elif mode == "dry-run":
+            env = dict(w.split("=", 1) for w in words if re.fullmatch(r"\w+=\S+", w))
+            script = next(w for w in words if w.startswith("scripts/"))
+            args = words[words.index(script) + 1:]
+            slurm = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "8",
+                     "SLURM_SUBMIT_DIR": str(work)}
+            printed = _run(["bash", script, *args], work, {**env, **slurm, "DRY_RUN": "1"}).stdout
+            _parse_main(_main_args(printed.strip()), work, monkeypatch)
+        elif mode == "tensorboard":
+            logdir = work / re.fullmatch(pattern, command).group(1)
+            tensorboard = shutil.which("tensorboard") or str(Path(sys.executable).with_name("tensorboard"))
+            listing = _run([tensorboard, "--inspect", "--logdir", str(logdir)], work).stdout
+            assert "val/acc1" in listing, f"{doc}: tensorboard finds no val/acc1 under {logdir}"
+        ran.append(written)
+        capsys.readouterr()  # print_config's YAML: not needed once parsed
+    assert len(ran) >= 25, ran
