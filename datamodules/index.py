@@ -31,9 +31,8 @@ from datamodules.sample.images import check_file, is_image_name
 
 SPLITS = ("train", "val")
 CACHE_VERSION = 2
-# Reads in flight. Measured cold (drop_caches) on 100k files, 2-core VM, local disk: 1 thread 8.8-10.8k
-# files/s, 4 threads 16-19k, 8 threads 15.9k, 16 threads 9.8k (GIL contention). 8 keeps a deeper queue
-# for network storage, whose latency threads hide (python -m bench.scanbench measures yours).
+# Reads in flight: a local disk gains little past 4 and more threads contend for the GIL; 8 keeps a
+# deeper queue for network storage, whose latency threads hide (python -m bench.scanbench measures yours).
 SCAN_THREADS = 8
 SCAN_CHUNK = 256  # files per thread task: per-file futures would cost more than a cached stat
 

@@ -13,7 +13,7 @@ rotation, the background (solid, gradient, texture, clutter of blobs), pixel noi
 optional smaller distractor shape of another class are all drawn independently of the
 class, so neither colour statistics nor a linear model on pixels solve it; a small CNN does.
 
-The drawing is in builtin_draw.py; this module writes the trees.
+The drawing is in draw.py; this module writes the trees.
 
     python -m datamodules.builtin --dst data/builtin/small --preset small
 """

@@ -17,8 +17,8 @@ uses DROP (every rank runs the steps of the smallest shard), val PARTIAL (each r
 exact shard, no duplicates).
 
 CPU decoding: DALI reads, picks the random crop and decodes only that region; the sample
-path's resize kernel makes the batch (`dali_loader.HostFinish`), because DALI's own CPU resize
-cost more than its decoding (dali_pipelines.py). Validation then takes the other backends' exact
+path's resize kernel makes the batch (`loader.HostFinish`), because DALI's own CPU resize
+cost more than its decoding (pipelines.py). Validation then takes the other backends' exact
 geometry (shorter side, centre crop): on the built-in test images its batches equal
 ImageFolder's (tests/test_dali.py). Under a DALI auto-augment policy, and with `mixed`, DALI
 resizes itself: against torchvision's resize + centre crop that is 1.5 grey levels mean
@@ -187,7 +187,7 @@ class DALIDataModule(ImageDataModule):
         return threads
 
     def _resize_on_host(self, train: bool) -> bool:
-        """CPU decoding resizes with the sample path's kernel (dali_pipelines.py says why), except under a
+        """CPU decoding resizes with the sample path's kernel (pipelines.py says why), except under a
         DALI auto-augment policy, which runs in the pipeline on the resized images."""
         return self.decoder_device == "cpu" and not (train and self.auto_augment)
 

@@ -8,10 +8,9 @@ normalised with the ImageNet mean and std when decoded on the GPU ("mixed").
 
 With CPU decoding (`spec.resize_on_host`), DALI reads, picks the random crop and decodes only
 that region; the images leave the pipeline at their decoded size (plus a flip flag when
-training) and `dali_loader.HostFinish` resizes them with the shared sample path's kernel. DALI's
-own CPU resize cost more than its decoding (`python -m bench loaders`, DALI CPU
-stages: about 2,100 images/s decoding on 2 cores, 1,040 with its resize); the sample path's
-kernel takes about 134 us per image.
+training) and `loader.HostFinish` resizes them with the shared sample path's kernel. DALI's
+own CPU resize costs more than its decoding (`python -m bench loaders` times both: its DALI CPU
+stage rates).
 
 Spawned LMDB workers unpickle `LMDBSampleSource` from here: this module must not import
 Lightning (nor anything that does, such as `datamodules.base`).

@@ -2,7 +2,7 @@
 
     python -m datamodules.lmdb --src ROOT --dst OUT.lmdb [--skip-invalid] [--workers N]
 
-The format is in lmdb_format.py, the packer (and that command) in lmdb_pack.py. Here: random
+The format is in format.py, the packer (and that command) in pack.py. Here: random
 access to a packed database (`LMDBReader`), the sample source over it (`LMDBSource`: a value's
 image bytes read in place from the memory map, no copy) and `LMDBDataModule`.
 """

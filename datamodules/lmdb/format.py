@@ -1,4 +1,4 @@
-"""The LMDB format shared by the packer (lmdb_pack.py), the reader (lmdb.py) and DALI.
+"""The LMDB format shared by the packer (pack.py), the reader (reader.py, datamodule.py) and DALI.
 
 Format (version 1):
   keys    f"{split}/{i:08d}" for split in train, val; i = 0..count-1 in Index order

@@ -1,4 +1,4 @@
-"""Packing a whole ImageFolder tree into one LMDB (the format: lmdb_format.py).
+"""Packing a whole ImageFolder tree into one LMDB (the format: format.py).
 
     python -m datamodules.lmdb --src ROOT --dst OUT.lmdb [--skip-invalid] [--workers N]
 

@@ -2,9 +2,7 @@
 
 A DataLoader worker hands its batches to the training process in shared memory. A fresh shared
 buffer per batch (what default_collate does: `_new_shared`) costs a page fault, a page
-allocation and zeroing for every 4 KiB of it, every batch: on the 2-core VM of
-bench/results/cpu-2c-amd-epyc.* that was 120-150 us per 224 px image, a tenth of decoding it,
-and reusing buffers made the whole loader 15-20% faster (measured side by side).
+allocation and zeroing for every 4 KiB of it, every batch.
 
 So each worker keeps a small ring of shared batch buffers, and reuses one only once the training
 process has said it is done with it:

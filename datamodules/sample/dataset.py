@@ -13,9 +13,8 @@ batch's files ahead of its decoding (a cold cache would otherwise leave the CPU 
 and the resize release the GIL too (decode.py says where), so with CPUs to spare (no workers, or
 fewer workers than CPUs: `decode_threads` > 1) whole samples run side by side on the pool. With
 one CPU per worker (`num_workers: auto`) the worker decodes in its own thread, one sample after
-another from the front of the batch. Threads taking turns on one CPU cost context switches and
-evict each other's cache: 1,369 against 1,304 us of CPU per image, and 1,424 against 1,508 images/s,
-on the 2-core VM of bench/results/cpu-2c-amd-epyc.* (4 pairs of runs side by side). One more
+another from the front of the batch: threads taking turns on one CPU cost context switches and
+evict each other's cache. One more
 thread at the lowest priority (`idle_helper`) takes samples from the back of the batch: the kernel
 runs it only on a CPU with nothing else to run, such as the one a worker leaves idle while its
 peer builds the last batch of an epoch. A batch never waits for it (`_fill_here`).

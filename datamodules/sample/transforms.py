@@ -39,7 +39,7 @@ def normalize(images: torch.Tensor) -> torch.Tensor:
     if images.dtype != torch.uint8:
         return images
     mean, inv_std = _stats(images.device)
-    # In place on the one new float tensor, and a multiply rather than a divide: 3.5x faster on a CPU.
+    # In place on the one new float tensor, and a multiply rather than a divide (cheaper per element).
     return images.float().sub_(mean).mul_(inv_std)
 
 
