@@ -16,6 +16,7 @@ _EXPORTS = {
     "LMDBDataModule": "datamodules.lmdb.datamodule",
     "DownscaledDataModule": "datamodules.downscale.datamodule",
     "DALIDataModule": "datamodules.dali.datamodule",  # imports nvidia.dali only when instantiated
+    "StreamingDataModule": "datamodules.shards.datamodule",
 }
 
 __all__ = sorted(_EXPORTS)  # noqa: PLE0605 - a list, built from the table above

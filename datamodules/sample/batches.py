@@ -100,14 +100,16 @@ def fill_batch(batch: torch.Tensor, sample: Callable[[int], torch.Tensor], pool:
 
 
 class RingBatch(tuple):
-    """(images, labels) whose images may sit in a worker's ring buffer: `give_back` before keeping it."""
+    """(images, labels, *more tensors) whose images may sit in a worker's ring buffer: `give_back` before keeping it."""
 
-    def pin_memory(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def pin_memory(self, device=None) -> tuple[torch.Tensor, ...]:
         return give_back(self, pin=True)
 
 
-def give_back(batch: tuple[torch.Tensor, torch.Tensor], pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(images, labels) safe to keep; a ring buffer goes back to its worker once nothing here uses it.
+def give_back(batch: tuple[torch.Tensor, ...], pin: bool = False) -> tuple[torch.Tensor, ...]:
+    """(images, labels, ...) safe to keep; a ring buffer goes back to its worker once nothing here uses it.
+
+    Elements after the labels (the sample ids of a streamed batch) are passed on as they are (pinned with `pin`).
 
     pin: copy into pinned memory (the one copy the DataLoader's pin thread makes anyway) and give
     the ring buffer back at once. Otherwise no copy: the images become a tensor over a numpy view of
@@ -115,19 +117,19 @@ def give_back(batch: tuple[torch.Tensor, torch.Tensor], pin: bool = False) -> tu
     these images (a view, a slice, the batch itself) is gone. torch.from_numpy keeps the array alive
     for exactly that long (the storage's deleter drops it).
     """
-    images, labels = batch
+    images, *rest = batch
     header = _header(images.untyped_storage(), images.numel()) if images.storage_offset() == 0 else None
     if pin:
         out = torch.empty_strided(images.shape, images.stride(), dtype=images.dtype, pin_memory=True)
         out.copy_(images)
         if header is not None:
             header[1] = header[0]  # after the copy: the worker may now write this buffer again
-        return out, labels.pin_memory()
+        return (out, *(t.pin_memory() for t in rest))
     if header is None:
-        return images, labels
+        return (images, *rest)
     view = images.numpy()
     weakref.finalize(view, _given_back, header, int(header[0])).atexit = False
-    return torch.from_numpy(view), labels
+    return (torch.from_numpy(view), *rest)
 
 
 def _given_back(header: torch.Tensor, sent: int) -> None:

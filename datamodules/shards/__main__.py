@@ -1,0 +1,3 @@
+from datamodules.shards.pack import main
+
+main()

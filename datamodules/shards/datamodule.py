@@ -1,0 +1,141 @@
+"""StreamingDataModule: training on a pack made by `python -m datamodules.shards`, in a folder or in object storage.
+
+    python main.py fit --config configs/data/streaming.yaml --data.data_dir s3://bucket/imagenet
+
+Chunks of a remote pack are downloaded by every node into its cache (--data.cache_dir, bounded by
+--data.max_cache_size) while the epoch runs; a local pack is read in place. The bytes go through the
+shared sample path (loader.py), the loader's position travels in Lightning's checkpoint (exact
+mid-epoch resume), and every failure of the store is one paragraph (errors.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+from datamodules.base import BUILTIN_ROOT, ImageDataModule
+from datamodules.index import SPLITS, DataError
+from datamodules.packing import file_lock
+from datamodules.sample.crop import TrainCrop, ValCrop
+from datamodules.shards.errors import as_data_error, corrupt_chunk
+from datamodules.shards.layout import INDEX, read_meta
+from datamodules.shards.loader import ShardBatches, ShardDataset, ShardLoader
+from datamodules.shards.storage import endpoint_of, is_remote, redact
+from datamodules.shards.store import open_store
+
+
+class StreamingDataModule(ImageDataModule):
+    """Streams LitData shards through the shared sample path (see ImageDataModule for the shared args).
+
+    Args:
+        data_dir: a pack made by `python -m datamodules.shards`: a local folder or s3://bucket/prefix.
+            None = the built-in dataset, packed on first use into data/builtin/<preset>.shards.
+        storage_options: boto3 client arguments for an s3:// pack, e.g. {endpoint_url: http://host:9000,
+            region_name: ...}; unset ones come from the standard AWS environment variables (AWS_ENDPOINT_URL,
+            AWS_ACCESS_KEY_ID, ...). Credentials given here are never written to config.yaml, the hparams
+            or a log (prefer the environment all the same). http:// endpoints work.
+        cache_dir: where each node caches the chunks of an s3:// pack (default: LitData's ~/.lightning/chunks).
+        max_cache_size: the most disk that cache may use, e.g. "50GB"; LitData deletes chunks already read
+            beyond it. Give it room for a few chunks per worker at least.
+        max_pre_download: chunks each worker downloads ahead of the one it reads.
+    """
+
+    def __init__(self, data_dir: str | None = None, storage_options: dict | None = None, cache_dir: str | None = None,
+                 max_cache_size: str | None = "50GB", max_pre_download: int = 2, **kwargs) -> None:
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise DataError(f"data.storage_options must be a mapping of boto3 client arguments, got "
+                            f"{type(storage_options).__name__}.")
+        self.storage_options = dict(storage_options or {})
+        self.cache_dir, self.max_cache_size, self.max_pre_download = cache_dir, max_cache_size, max_pre_download
+        super().__init__(data_dir=data_dir, **kwargs)
+        for hparams in (self._hparams, self._hparams_initial):  # what Lightning logs and checkpoints
+            if hparams.get("storage_options"):
+                hparams["storage_options"] = redact(hparams["storage_options"])
+
+    # -- the pack ---------------------------------------------------------------------------
+    def discover_classes(self) -> list[str]:
+        url = str(self.data_dir) if self.data_dir is not None else str(self._builtin_pack())
+        self.url = url.rstrip("/") if is_remote(url) else str(Path(url).expanduser().absolute())
+        self.root = self.url
+        self.endpoint = endpoint_of(self.storage_options) if is_remote(self.url) else None
+        self.meta = read_meta(open_store(self.url, self.storage_options))
+        skipped = {s: v["skipped"] for s, v in self.meta["splits"].items() if v.get("skipped")}
+        if skipped:
+            warnings.warn(f"the pack {self.url} leaves out {skipped} unreadable file(s) (listed under skipped_files "
+                          "in its fic-shards.json).", stacklevel=2)
+        return list(self.meta["classes"])
+
+    def _builtin_pack(self) -> Path:
+        from datamodules.builtin.tree import ensure_builtin
+        from datamodules.shards.pack import pack
+
+        tree = Path(ensure_builtin(self.builtin, root=BUILTIN_ROOT))
+        dst = tree.parent / f"{tree.name}.shards"
+        with file_lock(tree.parent / f".{dst.name}.lock"):  # DDP ranks starting at once pack it once
+            pack(tree, str(dst), overwrite=True, skip_invalid=self.skip_invalid)
+        return dst
+
+    def _check_local_chunks(self) -> None:
+        """A truncated chunk of a local pack, named now rather than halfway through an epoch."""
+        for split in SPLITS:
+            index = json.loads((Path(self.url) / split / INDEX).read_text())
+            for chunk in index["chunks"]:
+                path = Path(self.url) / split / chunk["filename"]
+                size = path.stat().st_size if path.exists() else None
+                if size != chunk["chunk_bytes"]:
+                    raise corrupt_chunk(self.url, f"{split}/{chunk['filename']}",
+                                        f"{size} bytes, its index.json says {chunk['chunk_bytes']}" if size is not None
+                                        else "missing")
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.datasets or (stage == "predict" and self.predict_dir is not None):
+            return
+        if self.meta["splits"]["train"]["count"] < self.batch_size:
+            raise DataError(f"train/ of {self.url} has {self.meta['splits']['train']['count']} images, fewer than one "
+                            f"global batch ({self.batch_size}); lower --data.batch_size.")
+        remote = is_remote(self.url)
+        if not remote:
+            self._check_local_chunks()
+        common = {"cache_dir": self.cache_dir if remote else None, "storage_options": self.storage_options or None,
+                  "max_cache_size": self.max_cache_size if remote else None, "max_pre_download": self.max_pre_download,
+                  "seed": int(os.environ.get("PL_GLOBAL_SEED", "0")), "endpoint": self.endpoint}
+        try:
+            self.datasets = {  # made here, after the process group: LitData reads the rank and world size now
+                "train": ShardDataset(f"{self.url}/train", shuffle=True, drop_last=True, **common),
+                "val": ShardDataset(f"{self.url}/val", shuffle=False, batch_aligned=False,
+                                    drop_last=self.world_size > 1, **common),
+            }
+        except DataError:
+            raise
+        except Exception as e:  # index.json unreachable, refused, missing: one paragraph
+            known = as_data_error(e, self.url, endpoint=self.endpoint, cache_dir=self.cache_dir)
+            if known is e:
+                raise
+            raise known from e
+
+    # -- loaders ----------------------------------------------------------------------------
+    def _stream(self, split: str, crop, size) -> ShardLoader:
+        workers = self.workers()
+        batches = ShardBatches(crop, size, f"{self.url}/{split}", decode_threads=max(1, self.cpus() // max(1, workers)))
+        return ShardLoader(self.datasets[split], batch_size=self.per_process_batch_size, num_workers=workers,
+                           collate_fn=batches, pin_memory=self.pins_memory,
+                           persistent_workers=self.persistent_workers and workers > 0,
+                           prefetch_factor=4 if workers > 0 else None)
+
+    def train_dataloader(self) -> ShardLoader:
+        return self._stream("train", TrainCrop(self.min_scale, self.train_augment), self._train_size)
+
+    def val_dataloader(self) -> ShardLoader:
+        return self._stream("val", ValCrop(self.val_crop_ratio), self.val_image_size)
+
+    def test_dataloader(self) -> ShardLoader:
+        return self.val_dataloader()
+
+    def predict_dataloader(self):
+        return super().predict_dataloader() if self.predict_dir is not None else self.val_dataloader()
+
+    def train_batches(self) -> int:
+        """Batches per epoch on this process (what the LR schedule counts), from the dataset's length."""
+        batch = self.per_process_batch_size
+        return self.datasets["train"].get_len(self.workers(), batch) // batch  # as StreamingDataLoader.__len__

@@ -1,0 +1,129 @@
+"""Streaming a pack through the shared sample path: LitData reads the items, the worker builds the batch.
+
+`ShardDataset` is LitData's StreamingDataset over one split (it shards chunks across ranks and
+workers and downloads them ahead into the cache). Its items, (encoded bytes, label, path, index),
+never leave the DataLoader worker: a raw `bytes` field comes back from LitData as a memoryview into
+the chunk (litdata/streaming/item_loader.py, _slice_item_bytes), which a worker cannot pickle.
+`ShardBatches`, the loader's collate_fn, runs in the worker: it hands those bytes to the same
+`SampleDataset` every backend uses (decode -> crop/flip -> one uint8 batch in a ring buffer), so
+the pixels equal ImageFolder's. A batch is (images, labels, indices into the split's Index).
+
+`ShardLoader` is LitData's StreamingDataLoader: it counts the samples it has yielded, and its
+`state_dict` (litdata/streaming/dataloader.py) goes into Lightning's checkpoint (the fit loop saves
+the state of every loader that has state_dict/load_state_dict: pytorch_lightning/loops/fit_loop.py,
+on_save_checkpoint). On resume, `load_state_dict` makes every worker replay its share up to that
+count and continue (litdata/streaming/dataset.py, _resume and _replay_sampling), so each sample of
+the epoch comes exactly once across both runs.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from litdata import StreamingDataLoader, StreamingDataset
+
+from datamodules.index import DataError
+from datamodules.sample.batches import RingBatch, give_back
+from datamodules.sample.dataset import SampleDataset
+from datamodules.shards.errors import as_data_error, corrupt_chunk
+from datamodules.shards.storage import register_downloader
+
+
+class ShardDataset(StreamingDataset):
+    """One split of a pack. `batch_aligned=False` (validation) deals samples to ranks and workers one by
+    one, so under DDP every rank gets the same count and at most world_size - 1 samples are left out."""
+
+    def __init__(self, url: str, *, batch_aligned: bool = True, endpoint: str | None = None, **kwargs) -> None:
+        register_downloader()
+        self.url, self.endpoint, self.batch_aligned = url, endpoint, batch_aligned
+        super().__init__(url, **kwargs)
+
+    def __setstate__(self, state: dict) -> None:  # a spawned worker starts with litdata's own downloaders
+        register_downloader()
+        self.__dict__.update(state)
+
+    def set_batch_size(self, batch_size: int) -> None:
+        # LitData gives every worker a whole number of batches of this size (utilities/shuffle.py,
+        # _associate_chunks_and_intervals_to_workers); 1 deals single samples.
+        super().set_batch_size(batch_size if self.batch_aligned else 1)
+
+    def __next__(self):
+        try:
+            return super().__next__()
+        except StopIteration:
+            raise
+        except Exception as e:  # named here, in the worker: the user reads one paragraph
+            raise self.explain(e) from e
+
+    def explain(self, error: Exception) -> Exception:
+        cache = self.cache._reader._config._cache_dir if self.cache is not None and self.cache._reader._config else None
+        known = as_data_error(error, self.url, endpoint=self.endpoint, cache_dir=cache)
+        if known is not error:
+            return known
+        chunk = self.current_chunk()
+        return corrupt_chunk(self.url, chunk, f"{type(error).__name__}: {error}") if chunk else error
+
+    def current_chunk(self) -> str | None:
+        try:
+            k = self.worker_chunks[self.worker_next_chunk_index - 1]
+            return self.cache._reader.config._chunks[k]["filename"]
+        except Exception:  # noqa: BLE001 - no chunk opened yet
+            return None
+
+
+class ItemSource:
+    """The encoded bytes of one batch's items (a `sample.Source`)."""
+
+    def __init__(self, data: Sequence, paths: Sequence[str], url: str) -> None:
+        self.data, self.paths, self.url = data, paths, url
+
+    def read(self, i: int):
+        return self.data[i]
+
+    def describe(self, i: int, error: Exception) -> str:
+        return (f"cannot decode {self.paths[i]} from the pack {self.url}: {error}. The chunk holding it is damaged: "
+                "pack the data again (python -m datamodules.shards), or delete the chunk cache if only it is.")
+
+
+class ShardBatches:
+    """The collate_fn: [(bytes, label, path, index)] -> (uint8 images, labels, indices), built in the worker."""
+
+    def __init__(self, crop: Callable, size: int | torch.Tensor, url: str, decode_threads: int = 1) -> None:
+        self.crop, self.size, self.url, self.decode_threads = crop, size, url, decode_threads
+
+    def __call__(self, items: list[tuple]) -> tuple[torch.Tensor, ...]:
+        data, labels, paths, indices = zip(*items)
+        samples = SampleDataset(ItemSource(data, paths, self.url), labels, self.crop, self.size)
+        samples.decode_threads = self.decode_threads
+        images, labels = samples.__getitems__(range(len(items)))
+        batch = (images, labels, torch.tensor(indices, dtype=torch.int64))
+        return RingBatch(batch) if isinstance(images, torch.Tensor) and torch.utils.data.get_worker_info() else batch
+
+
+class ShardLoader(StreamingDataLoader):
+    """LitData's stateful loader: ring buffers given back as batches arrive, failures as one paragraph."""
+
+    def __iter__(self):
+        try:
+            for batch in super().__iter__():
+                yield give_back(batch) if isinstance(batch, RingBatch) else batch
+        except DataError:
+            raise
+        except Exception as e:  # a worker that died, an error in this process
+            known = self.dataset.explain(e)
+            if known is e:
+                raise
+            raise known from e
+
+    def __len__(self) -> int:
+        dataset: ShardDataset = self.dataset
+        if dataset.batch_aligned:
+            return super().__len__()
+        # Samples dealt one by one: each worker ends with its own partial batch.
+        dataset.get_len(self.num_workers, self.batch_size)  # makes the shuffler (litdata's __len__ does too)
+        workers = max(1, self.num_workers)
+        env = dataset.distributed_env
+        _, intervals = dataset.shuffler.get_chunks_and_intervals_per_workers(env, workers, 1, dataset.current_epoch)
+        mine = intervals[env.global_rank * workers:(env.global_rank + 1) * workers]
+        return sum(math.ceil(sum(i[2] - i[1] for i in worker) / self.batch_size) for worker in mine)

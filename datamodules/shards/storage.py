@@ -1,0 +1,156 @@
+"""Where shards live and how to reach them: the S3 client settings, credentials, plain-HTTP endpoints.
+
+One set of `storage_options` (boto3 client arguments: endpoint_url, region_name, aws_access_key_id,
+aws_secret_access_key, aws_session_token, ...) serves the packer, training and the benchmark.
+Anything not given is taken where boto3 takes it: the standard AWS environment variables
+(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION,
+AWS_PROFILE), ~/.aws, an instance role. So one `export AWS_ENDPOINT_URL=...` points every tool
+at an on-premises store.
+
+Two library defaults would turn an unreachable store into a hang, and are replaced here:
+- litdata 0.2.76 builds its boto3 client with `retries={"max_attempts": 1000, "mode": "adaptive"}`
+  (litdata/streaming/client.py, S3Client._create_client) and lets `storage_options` override it:
+  `client_settings` passes a bounded retry config and timeouts.
+- litdata downloads chunks through obstore (litdata/streaming/downloader.py, S3Downloader.download_file
+  via _build_obstore_s3_store), with fixed client options (_OBSTORE_CLIENT_OPTIONS: a 200 s timeout,
+  obstore's default of 10 retries over up to 3 minutes) and without `allow_http`, so obstore refuses an
+  `http://` endpoint. `ShardS3Downloader`, registered for s3:// through litdata's public
+  `register_downloader`, builds that store from the same boto3 client with `allow_http` exactly when
+  the endpoint is plain HTTP, and with bounded retries and timeouts.
+
+Credentials are never written anywhere: `redact` replaces them in whatever is saved or logged.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from typing import Any
+from urllib.parse import urlparse
+
+SECRET_KEYS = frozenset({"aws_access_key_id", "aws_secret_access_key", "aws_session_token", "password", "token",
+                         "secret", "key", "access_key", "secret_key", "session_token"})
+REDACTED = "<redacted>"
+CONNECT_TIMEOUT_S = 5
+READ_TIMEOUT_S = 60
+ATTEMPTS = 3  # boto3 attempts per request; obstore gets ATTEMPTS - 1 retries within RETRY_WINDOW
+RETRY_WINDOW = _dt.timedelta(seconds=30)
+
+
+def is_remote(url: str | os.PathLike | None) -> bool:
+    return str(url or "").startswith("s3://")
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """s3://bucket/a/b -> ("bucket", "a/b")."""
+    parsed = urlparse(url)
+    return parsed.netloc, parsed.path.strip("/")
+
+
+def is_secret(key: str) -> bool:
+    key = str(key).lower()
+    return key in SECRET_KEYS or key.endswith(("_secret", "_token", "_password", "secret_access_key"))
+
+
+def redact(value: Any) -> Any:
+    """A copy of `value` with every credential replaced by "<redacted>" (dicts and lists, recursively)."""
+    if isinstance(value, dict):
+        return {k: (REDACTED if is_secret(k) and v is not None else redact(v)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact(v) for v in value)
+    return value
+
+
+def client_settings(storage_options: dict | None) -> dict:
+    """boto3 client kwargs: the user's `storage_options` over bounded retries and timeouts.
+
+    A `config` given as a mapping becomes a botocore Config (YAML cannot hold one).
+    """
+    from botocore.config import Config
+
+    options = dict(storage_options or {})
+    bounded = Config(retries={"max_attempts": ATTEMPTS, "mode": "standard"},
+                     connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S)
+    user = options.pop("config", None)
+    if isinstance(user, dict):
+        user = Config(**user)
+    options["config"] = bounded.merge(user) if user is not None else bounded
+    return options
+
+
+def s3_client(storage_options: dict | None):
+    """A boto3 S3 client with these options (AWS_* environment variables fill in the rest)."""
+    import boto3
+
+    return boto3.session.Session().client("s3", **client_settings(storage_options))
+
+
+def endpoint_of(storage_options: dict | None) -> str:
+    """The S3 endpoint in force: storage_options' endpoint_url, else what boto3 resolves (AWS_ENDPOINT_URL...)."""
+    return s3_client(storage_options).meta.endpoint_url
+
+
+def _obstore_store(bucket: str, boto_client: Any, credentials: Any) -> Any:
+    """litdata's _build_obstore_s3_store with the client options this module needs (see the module doc)."""
+    from obstore.store import S3Store
+
+    endpoint = boto_client.meta.endpoint_url
+    config: dict[str, Any] = {}
+    if boto_client.meta.region_name:
+        config["region"] = boto_client.meta.region_name
+    if endpoint:
+        config["endpoint"] = endpoint
+        if "amazonaws.com" not in endpoint:
+            config["virtual_hosted_style_request"] = False  # path style, as S3-compatible stores expect
+    client_options = {"timeout": f"{READ_TIMEOUT_S}s", "connect_timeout": f"{CONNECT_TIMEOUT_S}s",
+                      "pool_max_idle_per_host": "32", "pool_idle_timeout": "90s",
+                      "allow_http": str(endpoint or "").startswith("http://")}
+    return S3Store(bucket, config=config, credential_provider=credentials, client_options=client_options,
+                   retry_config={"max_retries": ATTEMPTS - 1, "retry_timeout": RETRY_WINDOW})
+
+
+class ChunkSizeError(OSError):
+    """A downloaded chunk whose size is not the one its index.json records."""
+
+
+def _downloader_class():
+    from litdata.streaming import downloader as ld
+
+    class ShardS3Downloader(ld.S3Downloader):
+        """litdata's S3 downloader, with bounded retries and `allow_http` for an http:// endpoint."""
+
+        def __init__(self, remote_dir: str, cache_dir: str, chunks: list, storage_options: dict | None = None,
+                     **kwargs: Any) -> None:
+            super().__init__(remote_dir, cache_dir, chunks, client_settings(storage_options), **kwargs)
+
+        def download_file(self, remote_filepath: str, local_filepath: str) -> None:
+            super().download_file(remote_filepath, local_filepath)
+            expected = ld._indexed_object_bytes(self._chunks, remote_filepath)  # index.json: 0, not checked
+            size = os.path.getsize(local_filepath) if expected and os.path.exists(local_filepath) else expected
+            if size != expected:  # a truncated object: fail now, not after litdata's 120 s wait for the rest
+                os.remove(local_filepath)
+                raise ChunkSizeError(f"{remote_filepath} is {size} bytes, its index.json says {expected}")
+
+        def _get_store(self, bucket: str) -> Any:
+            # the same process-local caching (and fork check) as S3Downloader._get_store
+            return ld._cached_obstore_store(
+                self, lambda: _obstore_store(bucket, self._client.client, ld._obstore_credential_provider(self._client)))
+
+    return ShardS3Downloader
+
+
+_registered = False
+
+
+def register_downloader() -> None:
+    """Make litdata download s3:// chunks with `ShardS3Downloader` in this process (idempotent).
+
+    Called where a StreamingDataset is made and, after unpickling, in every DataLoader worker
+    (a spawned worker starts with litdata's own registry).
+    """
+    global _registered
+    if _registered:
+        return
+    from litdata.streaming.downloader import register_downloader as register
+
+    register("s3://", _downloader_class(), overwrite=True)
+    _registered = True
