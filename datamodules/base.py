@@ -244,6 +244,11 @@ class ImageDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", train=True)
 
+    def train_batches(self) -> int:
+        """Batches per epoch on this process (lightning_app/steps.py counts the LR schedule from it): the
+        DistributedSampler's drop_last share, then whole batches (DALI's train loader counts the same)."""
+        return (len(self.indexes["train"]) // self.world_size) // self.per_process_batch_size
+
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", train=False)
 

@@ -13,6 +13,7 @@ from torchvision.transforms import v2
 from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
 from lightning_app import weights as weights_lib
 from lightning_app.errors import UserError
+from lightning_app.steps import total_steps
 from models import create_model
 
 
@@ -185,7 +186,7 @@ class ImageClassifier(pl.LightningModule):
             momentum=self.hparams.momentum,
             nesterov=self.hparams.nesterov,
         )
-        total = max(1, int(self.trainer.estimated_stepping_batches))
+        total = total_steps(self.trainer)  # not estimated_stepping_batches: lightning_app/steps.py says why
         epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
         warmup = min(total - 1, int(self.hparams.warmup_epochs * total / epochs))
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, total))

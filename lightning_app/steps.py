@@ -1,0 +1,37 @@
+"""The number of optimizer steps of a fit, for the LR schedule, counted from the dataset's length.
+
+Lightning's `trainer.estimated_stepping_batches` would give the same number, but reading it before
+the fit loop has restored its state loads the train dataloader early (pytorch_lightning/trainer/
+trainer.py, estimated_stepping_batches -> fit_loop.setup_data), and the fit loop then never hands
+the checkpoint's loader state to that loader (loops/fit_loop.py, setup_data returns early, so
+_load_combined_loader_states never runs): a stateful loader (LitData's StreamingDataLoader)
+replays its epoch from the start after a mid-epoch resume. Lightning issue #20550.
+
+So the count comes from the datamodule (`train_batches()`: batches per epoch on this process) and
+Lightning's own arithmetic for limit_train_batches, gradient accumulation, max_epochs and max_steps.
+"""
+from __future__ import annotations
+
+import math
+
+import pytorch_lightning as pl
+
+
+def total_steps(trainer: pl.Trainer) -> int:
+    """Optimizer steps of the whole fit (as estimated_stepping_batches counts them), at least 1."""
+    datamodule = trainer.datamodule
+    if datamodule is None or not hasattr(datamodule, "train_batches"):
+        # Dataloaders given without one of our datamodules: no stateful loader of ours to protect.
+        return max(1, int(trainer.estimated_stepping_batches))
+    if trainer.max_epochs == -1:
+        return max(1, trainer.max_steps) if trainer.max_steps != -1 else 1
+    batches = int(datamodule.train_batches())
+    limit = trainer.limit_train_batches  # pytorch_lightning/trainer/connectors/data_connector.py, _parse_num_batches
+    if isinstance(limit, int):
+        batches = min(batches, limit)
+    elif limit is not None:
+        batches = int(batches * limit)
+    steps = math.ceil(batches / trainer.accumulate_grad_batches) * max(trainer.max_epochs or 1, 1)
+    if trainer.max_steps != -1:
+        steps = min(steps, trainer.max_steps)
+    return max(1, steps)
