@@ -41,6 +41,7 @@ from lightning_app.faults import (
     describe_distributed_failure,
 )
 from lightning_app.module import ImageClassifier
+from lightning_app.saved_config import RedactedSaveConfigCallback
 from lightning_app.strategies import DDPStrategy  # importing registers --trainer.strategy dp and our ddp
 from lightning_app.weights import safe_load
 
@@ -75,6 +76,7 @@ class ClassifierCLI(LightningCLI):
             LightningDataModule,
             subclass_mode_data=True,
             parser_kwargs=default_config_kwargs(run),
+            save_config_callback=RedactedSaveConfigCallback,  # no credentials in config.yaml
             save_config_kwargs={"overwrite": True},
             trainer_defaults={"callbacks": [ThroughputMonitor(), CheckpointOnSigterm(), ReseedEveryEpoch()]},
             parser_class=ClassifierArgumentParser,
