@@ -97,14 +97,16 @@ class StreamingDataModule(ImageDataModule):
         remote = is_remote(self.url)
         if not remote:
             self._check_local_chunks()
+        budgets = self._cache_budgets() if remote else {"train": None, "val": None}
         common = {"cache_dir": self.cache_dir if remote else None, "storage_options": self.storage_options or None,
-                  "max_cache_size": self.max_cache_size if remote else None, "max_pre_download": self.max_pre_download,
-                  "seed": int(os.environ.get("PL_GLOBAL_SEED", "0")), "endpoint": self.endpoint}
+                  "max_pre_download": self.max_pre_download, "seed": int(os.environ.get("PL_GLOBAL_SEED", "0")),
+                  "endpoint": self.endpoint}
         try:
             self.datasets = {  # made here, after the process group: LitData reads the rank and world size now
-                "train": ShardDataset(f"{self.url}/train", shuffle=True, drop_last=True, **common),
+                "train": ShardDataset(f"{self.url}/train", shuffle=True, drop_last=True,
+                                      max_cache_size=budgets["train"], **common),
                 "val": ShardDataset(f"{self.url}/val", shuffle=False, batch_aligned=False,
-                                    drop_last=self.world_size > 1, **common),
+                                    drop_last=self.world_size > 1, max_cache_size=budgets["val"], **common),
             }
         except DataError:
             raise
@@ -113,6 +115,41 @@ class StreamingDataModule(ImageDataModule):
             if known is e:
                 raise
             raise known from e
+
+    def _cache_budgets(self) -> dict[str, int | float | str | None]:
+        """LitData's cache budget per split, so that both together stay within max_cache_size on this node.
+
+        LitData keeps, per reader (a worker of a process on this node), the chunk it reads and up to
+        max_pre_download more, never fewer than 2 (litdata/streaming/reader.py,
+        _cap_pre_download_for_cache_budget), and counts a chunk only once it is downloaded: one more per
+        reader may be in flight. Its own budget is set below ours by that much; a budget smaller than
+        what the readers hold is refused here rather than overrun there.
+        """
+        size = self.max_cache_size
+        if size is None or isinstance(size, float):  # LitData's own default, or a fraction of the free disk
+            return {"train": size, "val": size}
+        from litdata.utilities.format import _human_readable_bytes, _parse_max_cache_size
+
+        try:
+            total = _parse_max_cache_size(size)
+        except ValueError as e:
+            raise DataError(f"data.max_cache_size {size!r} is not a size such as 50GB or 500MB ({e}).") from None
+        splits = self.meta["splits"]
+        chunk = max(splits[s].get("max_chunk_bytes") or splits[s]["bytes"] for s in SPLITS)
+        trainer = self.trainer
+        readers = max(1, self.workers()) * (max(1, trainer.world_size // max(1, trainer.num_nodes)) if trainer else 1)
+        held = readers * (max(2, self.max_pre_download) + 1) * chunk
+        in_flight = readers * chunk
+        val = min(splits["val"]["bytes"], held)
+        train = total - val - in_flight - (0 if val < held else in_flight)
+        if train < held:
+            need = held + in_flight + val + (0 if val < held else in_flight)
+            raise DataError(
+                f"data.max_cache_size {size} is too small for {readers} reader(s) on this node (workers x processes), "
+                f"each holding up to {max(2, self.max_pre_download) + 1} chunks of up to {_human_readable_bytes(chunk)} "
+                f"of {self.url}: give it at least {_human_readable_bytes(need)}, or lower --data.num_workers or "
+                "--data.max_pre_download.")
+        return {"train": int(train), "val": int(val)}
 
     # -- loaders ----------------------------------------------------------------------------
     def _stream(self, split: str, crop, size) -> ShardLoader:

@@ -15,7 +15,7 @@ from datamodules.index import DataError
 
 PACK_HINT = "python -m datamodules.shards --src ROOT --dst {url}"
 ENV_HINT = ("Set the endpoint and credentials with --data.storage_options "
-            "'{{endpoint_url: ..., region_name: ...}}' or the standard variables AWS_ENDPOINT_URL, "
+            "'{endpoint_url: ..., region_name: ...}' or the standard variables AWS_ENDPOINT_URL, "
             "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary credentials).")
 
 _UNREACHABLE = re.compile(
@@ -28,8 +28,9 @@ _CREDENTIALS = re.compile(
 _NO_BUCKET = re.compile(r"NoSuchBucket|specified bucket does not exist", re.IGNORECASE)
 _NOT_FOUND = re.compile(r"NoSuchKey|NotFoundError|Object at location .* not found|\b404\b", re.IGNORECASE)
 _NO_SPACE = re.compile(r"No space left on device|Errno 28|ENOSPC", re.IGNORECASE)
-_WORKER_DIED = re.compile(r"DataLoader worker \(pid[^)]*\) (?:exited unexpectedly|is killed by signal[^.\n]*)",
-                          re.IGNORECASE)
+# torch/utils/data/dataloader.py (_try_get_data) and torch/utils/data/_utils/signal_handling.py
+_WORKER_DIED = re.compile(r"DataLoader worker \(pid(?:\(s\))? [\d, ]+\) (?:exited unexpectedly|is killed by signal: "
+                          r"[^.\n]*)", re.IGNORECASE)
 
 
 def _text(error: BaseException) -> str:

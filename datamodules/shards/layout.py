@@ -40,7 +40,7 @@ def read_meta(store: Store) -> dict:
         if raw is None:
             partial = bool(store.keys(PROGRESS + "/")) or store.read(f"train/{INDEX}") is not None
     except Exception as e:  # an unreachable store, refused credentials: one paragraph
-        raise as_data_error(e, store.url) from e
+        raise as_data_error(e, store.url, endpoint=getattr(store, "endpoint", None)) from e
     url = store.url
     if raw is None:
         what = ("an interrupted pack: run the same command again to finish it" if partial else

@@ -164,6 +164,7 @@ def _finish(store: Store, indexes: dict[str, Index], records: dict[str, dict[int
         skipped = [list(b) for b in indexes[split].bad_files] + [b for r in recs for b in r["bad"]]
         splits[split] = {"count": sum(c["chunk_size"] for c in chunks), "chunks": len(chunks),
                          "bytes": sum(c["chunk_bytes"] for c in chunks), "items_per_chunk": layout[split]["per_chunk"],
+                         "max_chunk_bytes": max((c["chunk_bytes"] for c in chunks), default=0),
                          "skipped": len(skipped), "skipped_files": skipped}
     meta = {"format": FORMAT, "version": VERSION, "classes": indexes["train"].classes, "splits": splits,
             "item": list(ITEM), "seed": seed, "source_root": str(src), "source_fingerprint": fp,
@@ -242,7 +243,7 @@ def pack(src: str | os.PathLike, dst: str, *, skip_invalid: bool = False, worker
     except DataError:
         raise
     except Exception as e:  # an unreachable store, refused credentials: one paragraph
-        raise as_data_error(e, str(dst)) from e
+        raise as_data_error(e, str(dst), endpoint=getattr(store, "endpoint", None)) from e
     if local:
         shutil.rmtree(Path(store.url) / PROGRESS, ignore_errors=True)
         if final.exists():

@@ -105,6 +105,7 @@ class S3Store(Store):
         self.url = url.rstrip("/")
         self.bucket, self.prefix = split_url(self.url)
         self.client = s3_client(storage_options)
+        self.endpoint = self.client.meta.endpoint_url
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key

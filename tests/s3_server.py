@@ -1,0 +1,102 @@
+"""A real S3 endpoint for tests: `moto_server -H 127.0.0.1 -p PORT` (moto[server]), in memory, any key accepted.
+
+Bound to loopback explicitly (its default is 0.0.0.0), on a free port, stopped after the test.
+Import `s3_fixture` / `shared_s3_fixture` into a test module to use the fixtures `s3` / `shared_s3`.
+`S3Server.env` is what the packer, training and the benchmark read: AWS_ENDPOINT_URL and test
+credentials, with the user's own AWS config files masked.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+
+
+class S3Server:
+    def __init__(self, log: Path) -> None:
+        exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
+        if not Path(exe).exists():
+            pytest.skip("moto_server not installed (pip install -r requirements-dev.txt)")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(self.port)], stdout=out,
+                                         stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(self.url, timeout=1).close()
+                break
+            except urllib.error.HTTPError:
+                break  # it answers
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"moto_server exited: {log.read_text()[-2000:]}") from None
+                time.sleep(0.2)
+        else:
+            self.stop()
+            raise RuntimeError(f"moto_server did not answer on {self.url}: {log.read_text()[-2000:]}")
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test-secret-42",
+                "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+
+    def bucket(self, name: str) -> str:
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.url, region_name="us-east-1", aws_access_key_id="test",
+                     aws_secret_access_key="test-secret-42").create_bucket(Bucket=name)
+        return f"s3://{name}"
+
+    def require_auth(self) -> None:
+        """From now on only keys created through moto's IAM are accepted (moto's /moto-api/reset-auth)."""
+        req = urllib.request.Request(f"{self.url}/moto-api/reset-auth", data=b"0", method="POST",
+                                     headers={"Content-Type": "text/plain"})  # a form body would reach it empty
+        urllib.request.urlopen(req, timeout=5).close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture(name="s3")
+def s3_fixture(tmp_path, monkeypatch):
+    """A moto S3 server for this test, the AWS_* variables pointing at it."""
+    server = S3Server(tmp_path / "moto.log")
+    for k, v in server.env.items():
+        monkeypatch.setenv(k, v)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(name="shared_s3", scope="module")
+def shared_s3_fixture(tmp_path_factory):
+    """One server for the tests of a module that only read: packing once is most of their cost."""
+    server = S3Server(tmp_path_factory.mktemp("moto") / "moto.log")
+    mp = pytest.MonkeyPatch()
+    for k, v in server.env.items():
+        mp.setenv(k, v)
+    try:
+        yield server
+    finally:
+        mp.undo()
+        server.stop()
