@@ -211,8 +211,8 @@ def test_mid_epoch_resume_restores_the_loader_position(tiny_data, tmp_path):
     assert sorted(ids) == list(range(240)), f"{len(ids)} samples trained, {len(set(ids))} distinct"
 
 
-def _record_args(url: str, root: Path, records: Path, *extra: str) -> list[str]:
-    return ["fit", "--config", "configs/data/streaming.yaml", *quick_args(Path(url), root, epochs=1, batch=24),
+def _record_args(url: str, root: Path, records: Path, *extra: str, epochs: int = 1) -> list[str]:
+    return ["fit", "--config", "configs/data/streaming.yaml", *quick_args(url, root, epochs=epochs, batch=24),
             "--data.class_path", "tests.streaming_helpers.IdRecordingStreamingDataModule",
             "--data.data_dir", url, "--data.record_dir", str(records), "--data.num_workers", "2",
             "--data.cache_dir", str(root / "cache"), "--trainer.num_sanity_val_steps", "0", *extra]
@@ -223,17 +223,20 @@ def test_sigkill_mid_epoch_then_resume_sees_each_id_once_and_no_secret_is_writte
     url = s3.bucket("train") + "/tiny"
     pack(tiny_data, url, chunk_mb=CHUNK_MB, progress=False)
     secret = "S3CR3T-given-in-storage-options"
+    # epoch 1: the step checkpoints of epoch 0 wait for its val/acc1 (ModelCheckpoint defers them)
     args = _record_args(url, tmp_path, tmp_path / "ids", "--checkpoint.every_n_train_steps", "2",
-                        "--data.storage_options", f"{{aws_access_key_id: test, aws_secret_access_key: {secret}}}")
-    kill = ["--trainer.callbacks+=tests.fault_helpers.SignalAt", "--trainer.callbacks.epoch=0",
+                        "--data.storage_options", f"{{aws_access_key_id: test, aws_secret_access_key: {secret}}}",
+                        epochs=2)
+    kill = ["--trainer.callbacks+=tests.fault_helpers.SignalAt", "--trainer.callbacks.epoch=1",
             "--trainer.callbacks.batch=5", "--trainer.callbacks.sig=SIGKILL"]
     killed = run_main([*args, *kill], check=False)
     assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-3000:]
     last = tmp_path / "version_0" / "checkpoints" / "last.ckpt"
-    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 4
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 14  # 10 + 4 of epoch 1
     resumed = run_main([*args, "--ckpt_path", "last"])
-    part1 = [ids for _, batch, ids in read_records(str(tmp_path / "ids")) if batch < 4]  # trained before the checkpoint
-    part2 = [ids for _, batch, ids in read_records(str(tmp_path / "ids"))][6:]  # 6 lines: batches 0-5 of the killed run
+    lines = [(epoch, batch, ids) for epoch, batch, ids in read_records(str(tmp_path / "ids")) if epoch == 1]
+    part1 = [ids for _, batch, ids in lines[:6] if batch < 4]  # the killed run's batches 0-5; 0-3 were checkpointed
+    part2 = [ids for _, _, ids in lines[6:]]
     seen = [i for ids in part1 + part2 for i in ids]
     assert sorted(seen) == list(range(240)), f"{len(seen)} samples trained, {len(set(seen))} distinct"
     leaked = [str(p) for p in tmp_path.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
@@ -275,7 +278,7 @@ def test_a_killed_pack_is_refused_then_resumed(s3, slow_tree, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     assert proc.returncode == -9, "the pack finished before it could be killed"
-    failed = run_main(["fit", "--config", "configs/data/streaming.yaml", *quick_args(Path(url), tmp_path)], check=False)
+    failed = run_main(["fit", "--config", "configs/data/streaming.yaml", *quick_args(url, tmp_path)], check=False)
     assert failed.returncode == 2
     assert f"{url} has no fic-shards.json: an interrupted pack: run the same command again" in failed.stderr
     assert "Traceback" not in failed.stderr
