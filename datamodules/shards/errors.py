@@ -59,9 +59,7 @@ def explain(error: BaseException, url: str, endpoint: str | None = None, cache_d
     first = text.strip().splitlines()[-1][:300] if text.strip() else type(error).__name__
     died = _WORKER_DIED.search(text)
     if died:
-        return (f"A data-loading worker process died while streaming {url} ({died.group(0)}). A worker killed by "
-                "the kernel usually means the machine ran out of memory: check `dmesg` or the job's memory limit, "
-                "then lower --data.num_workers or --data.batch_size, and resume with --ckpt_path last.")
+        return worker_died(url, died.group(0))
     if _is_enospc(error):
         where = cache_dir or "the chunk cache (--data.cache_dir)"
         return (f"The disk holding {where} is full while streaming {url}. Point --data.cache_dir at a disk with "
@@ -82,6 +80,12 @@ def explain(error: BaseException, url: str, endpoint: str | None = None, cache_d
         return (f"An object of the pack {url} is missing ({first}): the pack was changed or deleted while it "
                 f"was read, or is incomplete. Pack it again: {PACK_HINT.format(url=url)}")
     return None
+
+
+def worker_died(url: str, detail: str) -> str:
+    return (f"A data-loading worker process died while streaming {url} ({detail}). A worker killed by the kernel "
+            "usually means the machine ran out of memory: check `dmesg` or the job's memory limit, then lower "
+            "--data.num_workers or --data.batch_size, and resume with --ckpt_path last.")
 
 
 def as_data_error(error: BaseException, url: str, **context) -> BaseException:

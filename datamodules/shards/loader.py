@@ -18,6 +18,7 @@ the epoch comes exactly once across both runs.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -26,7 +27,7 @@ from litdata import StreamingDataLoader, StreamingDataset
 from datamodules.index import DataError
 from datamodules.sample.batches import RingBatch, give_back
 from datamodules.sample.dataset import SampleDataset
-from datamodules.shards.errors import as_data_error, corrupt_chunk
+from datamodules.shards.errors import as_data_error, corrupt_chunk, worker_died
 from datamodules.shards.storage import register_downloader
 
 
@@ -111,10 +112,26 @@ class ShardLoader(StreamingDataLoader):
         except DataError:
             raise
         except Exception as e:  # a worker that died, an error in this process
+            dead = self._dead_workers()
+            if dead:  # its pipe may break before torch has noticed the death: say what happened, not how it showed
+                raise DataError(worker_died(self.dataset.url, dead)) from e
             known = self.dataset.explain(e)
             if known is e:
                 raise
             raise known from e
+
+    def _dead_workers(self) -> str:
+        """Which of this loader's persistent workers died ("" if none, or none known)."""
+        workers = getattr(getattr(self, "_iterator", None), "_workers", None) or []
+        deadline = time.monotonic() + 1.0  # a worker killed a moment ago may still look alive
+        try:
+            while True:
+                dead = [str(w.pid) for w in workers if not w.is_alive()]
+                if dead or not workers or time.monotonic() > deadline:
+                    return f"DataLoader worker (pid {', '.join(dead)}) is gone" if dead else ""
+                time.sleep(0.05)
+        except RuntimeError as e:  # torch's SIGCHLD handler names it (torch/utils/data/_utils/signal_handling.py)
+            return str(e)
 
     def __len__(self) -> int:
         dataset: ShardDataset = self.dataset
