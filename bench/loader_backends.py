@@ -19,9 +19,10 @@ import torch
 from bench import ceilings
 from datamodules.base import BUILTIN_ROOT, REPO_ROOT
 
-BACKENDS = ("imagefolder", "lmdb", "downscaled", "dali-cpu", "dali-gpu")
+BACKENDS = ("imagefolder", "lmdb", "downscaled", "dali-cpu", "dali-gpu", "streaming-local", "streaming-s3")
 LABELS = {"imagefolder": "ImageFolder", "lmdb": "LMDB", "downscaled": "Downscaled",
-          "dali-cpu": "DALI CPU", "dali-gpu": "DALI GPU (mixed)"}
+          "dali-cpu": "DALI CPU", "dali-gpu": "DALI GPU (mixed)", "streaming-local": "Streaming (folder)",
+          "streaming-s3": "Streaming (S3)"}
 
 
 class Skip(Exception):
@@ -52,6 +53,9 @@ class Prepared:
     images: str                 # key of the decode ceiling (the encoded images it decodes)
     gpu_decode: bool = False
     note: str = ""
+    evict: Callable[[], str] | None = None       # how to make the next epoch cold, instead of evicting `files`
+    io_ceiling: Callable[[], Any] | None = None  # the IO ceiling (a ceilings.Ceiling), instead of reading `files`
+    close: Callable[[], None] | None = None      # after the run (a server this backend started)
 
 
 def _kwargs(cls, s: Settings, **extra) -> dict:
@@ -181,7 +185,17 @@ FACTORIES: dict[str, Callable[[Settings], Prepared]] = {
     "downscaled": _downscaled,
     "dali-cpu": lambda s: _dali(s, gpu=False),
     "dali-gpu": lambda s: _dali(s, gpu=True),
+    "streaming-local": lambda s: _streaming(s, "streaming_local"),
+    "streaming-s3": lambda s: _streaming(s, "streaming_s3"),
 }
+
+
+def _streaming(s: Settings, name: str) -> Prepared:
+    try:
+        from bench import streaming_rows
+    except ImportError as e:
+        raise Skip(f"streaming backend not importable ({e})") from None
+    return getattr(streaming_rows, name)(s)
 
 
 def default_root(preset: str, train_per_class: int | None, val_per_class: int | None) -> Path:

@@ -159,7 +159,7 @@ def _time_round(p: Prepared, settings: Settings, device: torch.device, label: st
     loader = p.datamodule.train_dataloader()
     try:
         _warm_up(p.datamodule, loader, device, settings.max_batches, label)
-        evict_how = ceilings.evict_pages(p.files, settings.drop_caches)
+        evict_how = p.evict() if p.evict else ceilings.evict_pages(p.files, settings.drop_caches)
         out = {"cold": time_epoch(p.datamodule, loader, device, settings.max_batches, f"{label} cold")}
         images, seconds = 0, 0.0
         for _ in range(max(1, settings.warm_epochs)):
@@ -174,6 +174,18 @@ def _time_round(p: Prepared, settings: Settings, device: torch.device, label: st
 
 def run(settings: Settings, backends: list[str], measure_ceilings: bool = True,
         ceiling_images: int = 2000) -> dict[str, Any]:
+    """`_run`, and then whatever the backends started (the S3 row's local server) is stopped."""
+    opened: list[Prepared] = []
+    try:
+        return _run(settings, backends, measure_ceilings, ceiling_images, opened)
+    finally:
+        for p in opened:
+            if p.close is not None:
+                p.close()
+
+
+def _run(settings: Settings, backends: list[str], measure_ceilings: bool, ceiling_images: int,
+         opened: list[Prepared]) -> dict[str, Any]:
     """Time every backend in ``BACKENDS`` (those not in ``backends`` become 'not selected' rows).
 
     Every backend is prepared first (packing, downscaling); then ``settings.rounds`` rounds time
@@ -202,7 +214,8 @@ def run(settings: Settings, backends: list[str], measure_ceilings: bool = True,
             outcome[label] = ("failed", f"{type(e).__name__}: {e}")
             continue
         outcome[label] = p
-        storages.setdefault(p.storage, p.files)
+        opened.append(p)
+        storages.setdefault(p.storage, p.io_ceiling or p.files)
         if p.storage != "lmdb":
             image_sets.setdefault(p.images, p.files)
 
@@ -243,7 +256,8 @@ def run(settings: Settings, backends: list[str], measure_ceilings: bool = True,
     ceil: dict[str, dict] = {"io": {}, "decode": {}}
     if measure_ceilings:
         for key, files in tqdm(list(storages.items()), desc="IO ceilings", leave=False):
-            ceil["io"][key] = ceilings.read_rate(files, drop_caches=settings.drop_caches).as_dict()
+            rate = files() if callable(files) else ceilings.read_rate(files, drop_caches=settings.drop_caches)
+            ceil["io"][key] = rate.as_dict()
         for (key, decoder, cache), rates in decode_rounds.items():
             rate = dict(sorted(rates, key=lambda r: r["images_s"])[len(rates) // 2])  # the median round
             rate["rounds_images_s"] = [round(r["images_s"], 1) for r in rates]

@@ -10,6 +10,7 @@ mid-epoch resume), and every failure of the store is one paragraph (errors.py).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -23,6 +24,17 @@ from datamodules.shards.layout import INDEX, read_meta
 from datamodules.shards.loader import ShardBatches, ShardDataset, ShardLoader
 from datamodules.shards.storage import endpoint_of, is_remote, redact
 from datamodules.shards.store import open_store
+
+
+class _NoSmallCacheAdvice(logging.Filter):
+    """LitData advises against any max_cache_size under 25GB (litdata/streaming/dataset.py, __init__); the
+    budgets here are split per split and checked against what the readers hold (_cache_budgets)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "max_cache_size` is less than 25GB" not in record.getMessage()
+
+
+logging.getLogger("litdata.streaming.dataset").addFilter(_NoSmallCacheAdvice())
 
 
 class StreamingDataModule(ImageDataModule):
