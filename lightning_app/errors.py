@@ -88,6 +88,9 @@ KNOWN_NOISE_WARNINGS = (
     # pytorch_lightning/callbacks/weight_averaging.py (setup): our configure_model only compiles the
     # backbone (lightning_app/module.py); it never shards layers, which is what the warning is about
     (r"You're using the WeightAveraging callback with a model that overrides the configure_model", UserWarning),
+    # pytorch_lightning/utilities/data.py (has_len): LitData shards its IterableDataset over the workers itself
+    # (datamodules/shards/loader.py), so its __len__ is exact
+    (r"Your `IterableDataset` has `__len__` defined\.", UserWarning),
 )
 
 # rank_zero_info lines (python logging, not warnings): lightning_utilities' rank_zero `log`,
