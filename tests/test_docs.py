@@ -43,6 +43,10 @@ RULES = [
     (r"python -m pytest.*", "skip", "this is the suite itself"),
     (r"python main\.py fit .*(resnet50|imagenet|recipes/|dali\.yaml|--model\.weights).*", "parse",
      "ResNet-50 / DALI / pretrained weights: too slow or absent on a CPU test machine (their own tests run them)"),
+    (r"python main\.py fit .*s3://.*", "parse", "object storage: tests/test_streaming.py trains from a real S3 endpoint"),
+    (r"python -m datamodules\.shards .*s3://.*", "parse",
+     "object storage: tests/test_streaming.py packs to a real S3 endpoint (moto_server)"),
+    (r"export (AWS_\w+=\S+ ?)+", "skip", "a store's endpoint and credentials: tests/test_streaming.py sets its own"),
     (r"python main\.py .*--print_config.*", "run", ""),
     (r"python main\.py (fit|validate|test|predict) .*", "run", ""),
     (r"(\w+=\S+ )+python main\.py .*", "parse", "a second node at another address cannot start here"),
@@ -114,9 +118,10 @@ def _parse_main(args: list[str], cwd: Path, monkeypatch) -> None:
 def _parse_bench(argv: list[str]) -> None:
     from bench.__main__ import build_parser
     from bench.progressive import build_parser as progressive_parser
+    from datamodules.shards.pack import build_parser as shards_parser
 
-    parser = progressive_parser() if argv[0] == "bench.progressive" else build_parser()
-    parser.parse_args(argv[1:])
+    parsers = {"bench.progressive": progressive_parser, "datamodules.shards": shards_parser}
+    parsers.get(argv[0], build_parser)().parse_args(argv[1:])
 
 
 def _main_args(command: str) -> list[str]:

@@ -54,6 +54,11 @@ def test_a_model_trained_on_lmdb_validates_the_same_on_every_backend(learnable_d
         "downscaled": DownscaledDataModule(str(learnable_data), max_size=32, cache_dir=str(tmp_path / "d"),
                                            in_memory=True, **common),
     }
+    from datamodules import StreamingDataModule
+    from datamodules.shards.pack import pack
+
+    pack(learnable_data, str(tmp_path / "shards"), progress=False)
+    datamodules["streaming"] = StreamingDataModule(str(tmp_path / "shards"), **common)  # val in the pack's order
     model = ImageClassifier(arch="conv11", num_classes=10, image_size=32, global_batch_size=64,
                             arch_kwargs={"width": 8}, lr=0.4, weight_decay=5e-4, label_smoothing=0.1)
     trainer = pl.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,

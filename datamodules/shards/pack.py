@@ -254,7 +254,7 @@ def pack(src: str | os.PathLike, dst: str, *, skip_invalid: bool = False, worker
     return meta
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m datamodules.shards",
         description="Pack both splits of an ImageFolder tree (ROOT/train/<class>/*, ROOT/val/<class>/*) into LitData "
@@ -276,7 +276,11 @@ def main(argv: list[str] | None = None) -> None:
                     help='JSON of boto3 client arguments, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\' '
                          "(keep credentials in the environment: a command line is visible to other users)")
     ap.add_argument("--quiet", action="store_true", help="no progress display")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
     t0 = time.perf_counter()
     try:
         options = json.loads(a.storage_options) if a.storage_options else None
