@@ -53,14 +53,18 @@ def s3_pack(shared_s3, tiny_data, tmp_path_factory):
 
 
 def test_pack_to_s3_then_one_epoch_sees_every_id_once(s3_pack, tiny_data, tmp_path):
-    dm = _dm(s3_pack, cache_dir=str(tmp_path / "cache"))
+    dm = _dm(s3_pack, cache_dir=str(tmp_path / "cache"), persistent_workers=True)
     indexes = load_indexes(tiny_data)
-    for split, loader in (("train", dm.train_dataloader()), ("val", dm.val_dataloader())):
+    train = dm.train_dataloader()
+    for split, loader in (("train", train), ("val", dm.val_dataloader())):
         ids, labels, batches = _epoch(loader)
         assert sorted(ids) == list(range(len(indexes[split]))), split
         assert batches == len(loader)
         # the labels every other backend gives these files
         assert labels == [indexes[split].samples[i][1] for i in ids]
+    dm.set_train_size(16)  # progressive resizing reaches the persistent workers at the next epoch
+    sizes = {tuple(images.shape[-2:]) for images, _, _ in train}
+    assert sizes == {(16, 16)}
 
 
 def test_streamed_val_pixels_equal_imagefolders(s3_pack, tiny_data, tmp_path):
