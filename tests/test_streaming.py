@@ -131,7 +131,7 @@ def test_refused_credentials_missing_prefix_and_bucket_are_one_paragraph_each(s3
     with pytest.raises(DataError, match=r"The bucket of s3://nobucket/tiny does not exist"):
         StreamingDataModule(data_dir="s3://nobucket/tiny")
     with pytest.raises(DataError, match=r"has no fic-shards.json: not a pack"):
-        StreamingDataModule(data_dir=str(tiny_data))  # a folder, but not a pack
+        StreamingDataModule(data_dir=str(tmp_path))  # a folder, neither a pack nor an ImageFolder tree
     s3.require_auth()  # the server now checks keys: "test" is none of its own
     with pytest.raises(DataError, match=r"The object store at http://127\.0\.0\.1:\d+ refused the credentials for "
                                         r"s3://data/tiny \(.*InvalidAccessKeyId"):

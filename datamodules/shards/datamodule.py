@@ -9,18 +9,19 @@ mid-epoch resume), and every failure of the store is one paragraph (errors.py).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import warnings
 from pathlib import Path
 
-from datamodules.base import BUILTIN_ROOT, ImageDataModule
-from datamodules.index import SPLITS, DataError
+from datamodules.base import BUILTIN_ROOT, REPO_ROOT, ImageDataModule
+from datamodules.index import SPLITS, DataError, find_classes
 from datamodules.packing import file_lock
 from datamodules.sample.crop import TrainCrop, ValCrop
 from datamodules.shards.errors import as_data_error, corrupt_chunk
-from datamodules.shards.layout import INDEX, read_meta
+from datamodules.shards.layout import INDEX, MARKER, read_meta
 from datamodules.shards.loader import ShardBatches, ShardDataset, ShardLoader
 from datamodules.shards.storage import endpoint_of, is_remote, redact
 from datamodules.shards.store import open_store
@@ -42,7 +43,8 @@ class StreamingDataModule(ImageDataModule):
 
     Args:
         data_dir: a pack made by `python -m datamodules.shards`: a local folder or s3://bucket/prefix.
-            None = the built-in dataset, packed on first use into data/builtin/<preset>.shards.
+            An ImageFolder root is packed on first use into data/shards/<name>-<hash>.shards; None = the
+            built-in dataset, packed on first use into data/builtin/<preset>.shards.
         storage_options: boto3 client arguments for an s3:// pack, e.g. {endpoint_url: http://host:9000,
             region_name: ...}; unset ones come from the standard AWS environment variables (AWS_ENDPOINT_URL,
             AWS_ACCESS_KEY_ID, ...). Credentials given here are never written to config.yaml, the hparams
@@ -68,6 +70,9 @@ class StreamingDataModule(ImageDataModule):
     # -- the pack ---------------------------------------------------------------------------
     def discover_classes(self) -> list[str]:
         url = str(self.data_dir) if self.data_dir is not None else str(self._builtin_pack())
+        tree = Path(url).expanduser()
+        if not is_remote(url) and (tree / "train").is_dir() and not (tree / MARKER).exists():
+            url = str(self._pack_tree(tree))  # an ImageFolder root, as LMDBDataModule takes one
         self.url = url.rstrip("/") if is_remote(url) else str(Path(url).expanduser().absolute())
         self.root = self.url
         self.endpoint = endpoint_of(self.storage_options) if is_remote(self.url) else None
@@ -80,12 +85,20 @@ class StreamingDataModule(ImageDataModule):
 
     def _builtin_pack(self) -> Path:
         from datamodules.builtin.tree import ensure_builtin
-        from datamodules.shards.pack import pack
 
         tree = Path(ensure_builtin(self.builtin, root=BUILTIN_ROOT))
-        dst = tree.parent / f"{tree.name}.shards"
-        with file_lock(tree.parent / f".{dst.name}.lock"):  # DDP ranks starting at once pack it once
-            pack(tree, str(dst), overwrite=True, skip_invalid=self.skip_invalid)
+        return self._pack_tree(tree, tree.parent / f"{tree.name}.shards")
+
+    def _pack_tree(self, tree: Path, dst: Path | None = None) -> Path:
+        """A local pack of an ImageFolder tree, made on first use (again when the tree changed)."""
+        from datamodules.shards.pack import pack
+
+        find_classes(tree)  # a clear error for a bad layout before packing
+        if dst is None:
+            digest = hashlib.sha1(str(tree.absolute()).encode()).hexdigest()[:10]
+            dst = REPO_ROOT / "data" / "shards" / f"{tree.name}-{digest}.shards"
+        with file_lock(dst.parent / f".{dst.name}.lock"):  # DDP ranks starting at once pack it once
+            pack(tree, str(dst), overwrite=True, skip_invalid=self.skip_invalid, progress=False)
         return dst
 
     def _check_local_chunks(self) -> None:
