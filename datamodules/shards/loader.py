@@ -18,6 +18,7 @@ the epoch comes exactly once across both runs.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 
@@ -58,12 +59,20 @@ class ShardDataset(StreamingDataset):
             raise self.explain(e) from e
 
     def explain(self, error: Exception) -> Exception:
-        cache = self.cache._reader._config._cache_dir if self.cache is not None and self.cache._reader._config else None
+        try:
+            cache = self.cache._reader._config._cache_dir
+        except AttributeError:  # no chunk read yet
+            cache = None
         known = as_data_error(error, self.url, endpoint=self.endpoint, cache_dir=cache)
         if known is not error:
             return known
+        pack, split = self.url.rsplit("/", 1)
+        # a chunk downloaded ahead fails while the worker waits for another: name the one that failed
+        named = re.search(r"ChunkSizeError: \S*/(chunk-[^/\s]+\.bin) (.*)", str(error))
+        if named:
+            return corrupt_chunk(pack, f"{split}/{named.group(1)}", named.group(2))
         chunk = self.current_chunk()
-        return corrupt_chunk(self.url, chunk, f"{type(error).__name__}: {error}") if chunk else error
+        return corrupt_chunk(pack, f"{split}/{chunk}", f"{type(error).__name__}: {error}") if chunk else error
 
     def current_chunk(self) -> str | None:
         try:
