@@ -234,7 +234,16 @@ def test_the_idle_helper_alone_runs_at_the_lowest_priority():
     assert policy() == before and before[1] != os.SCHED_IDLE  # the calling thread keeps its policy
 
 
-def test_a_stalled_idle_helper_neither_delays_the_batch_nor_writes_into_it_later(tiny_data):
+@pytest.mark.parametrize("stall_in", ["read", "hand-over"])
+def test_a_stalled_idle_helper_neither_delays_the_batch_nor_writes_into_it_later(tiny_data, monkeypatch, stall_in):
+    """The helper runs at the lowest priority: on a busy machine it may stop anywhere for a long while.
+
+    It stalls in its first read (before it has built anything), or in handing over the sample it built
+    (where it once copied into the batch holding the lock this thread takes for every sample). Every
+    read of this thread waits until the helper is stalled, so the batch is built around a stalled helper.
+    """
+    from datamodules.sample import dataset
+
     dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=8, num_workers=0, image_size=20)
     dm.setup("fit")
     ds = dm.datasets["train"]
@@ -242,18 +251,26 @@ def test_a_stalled_idle_helper_neither_delays_the_batch_nor_writes_into_it_later
     files = ds.source
     stalled, release = threading.Event(), threading.Event()
 
-    class StallTheHelper:  # the helper stalls in its first read; every other read waits until it has
+    def in_the_helper() -> bool:  # stalls the helper; the other threads wait until it is stalled
+        if threading.current_thread().name.startswith("idle"):
+            stalled.set()
+            release.wait(60)
+            return True
+        stalled.wait(60)
+        return False
+
+    class Reads:
         def read(self, i: int):
-            if threading.current_thread().name.startswith("idle"):
-                stalled.set()
-                release.wait(60)
-            else:
-                stalled.wait(60)
+            if stall_in == "read" or not threading.current_thread().name.startswith("idle"):
+                in_the_helper()
             return files.read(i)
 
         describe = files.describe
 
-    ds.source = StallTheHelper()
+    hand_over = dataset._hand_over
+    if stall_in == "hand-over":
+        monkeypatch.setattr(dataset, "_hand_over", lambda *a: (in_the_helper(), hand_over(*a)))
+    ds.source = Reads()
     torch.manual_seed(0)
     seeds = torch.randint(2**62, (8,)).tolist()
     torch.manual_seed(0)
@@ -262,15 +279,14 @@ def test_a_stalled_idle_helper_neither_delays_the_batch_nor_writes_into_it_later
     builder.start()
     builder.join(30)
     try:
-        assert not builder.is_alive(), "the batch waited for the stalled helper"
+        assert stalled.is_set(), "the helper never reached its stall"
+        assert not builder.is_alive(), f"the batch waited for the helper stalled in its {stall_in}"
         images = out[0][0]
-        assert stalled.is_set()  # the helper had taken a sample (the last), and this thread built it again
         ds.source = files
         assert torch.equal(images, torch.stack([ds.sample(i, 20, random.Random(s)) for i, s in enumerate(seeds)]))
         images.zero_()  # as if the buffer went on to hold another batch
     finally:
         release.set()
-    from datamodules.sample.dataset import idle_helper
-
-    idle_helper().submit(lambda: None).result(30)  # the helper has finished its stalled sample
+        builder.join(60)
+    dataset.idle_helper().submit(lambda: None).result(30)  # the helper has finished its stalled sample
     assert int(images.max()) == 0  # and did not write it into the batch

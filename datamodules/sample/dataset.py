@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import random
-import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -123,6 +123,11 @@ def read_ahead(source: Source, indices: Sequence[int], pool: ThreadPoolExecutor,
         yield from task.result()
 
 
+def _hand_over(built: dict[int, torch.Tensor], k: int, sample: torch.Tensor) -> None:
+    """The idle helper hands sample k over, built (a function of its own: a test stalls the helper in it)."""
+    built[k] = sample
+
+
 class SampleDataset(Dataset):
     """Samples of `source`, decoded, cropped to `size()` and written a whole batch at a time.
 
@@ -174,43 +179,36 @@ class SampleDataset(Dataset):
     def _fill_here(self, images: torch.Tensor, indices: Sequence[int], size: int, seeds: list[int]) -> None:
         """Decode the batch in this thread from the front, files read ahead; `idle_helper` works from the back.
 
-        The helper builds its samples apart and writes one into the batch only while it is still its own.
-        At the end, this thread builds whatever the helper has taken and not delivered (on a busy machine
-        it may not run for a long while), so a batch never waits for it, and once this returns the helper
-        can no longer write into the batch.
+        The helper takes no lock and never writes into the batch: it takes samples off the back of a
+        deque (whose pops from either end are thread-safe, collections.deque) and hands each one over
+        built, into a dict, for this thread to copy. So this thread never waits on the helper (on a busy
+        machine it may not run for a long while, anywhere in its work), and once this returns the helper
+        cannot write into the batch (a late hand-over goes into a dict no one reads). This thread builds
+        again whatever the helper has taken and not handed over.
         """
-        lock = threading.Lock()
-        left = [0, len(indices)]  # the samples no thread has taken: left[0] <= k < left[1]
-        helpers: set[int] = set()  # taken by the helper, not yet in the batch
-        inference = torch.is_inference_mode_enabled()
+        untaken = deque(range(len(indices)))
+        built: dict[int, torch.Tensor] = {}
 
         def from_back() -> None:
-            with torch.inference_mode(inference):  # the batch may be an inference tensor (trainer.validate)
-                while True:
-                    with lock:
-                        if left[0] >= left[1]:
-                            return
-                        left[1] -= 1
-                        k = left[1]
-                        helpers.add(k)
-                    sample = self.sample(indices[k], size, random.Random(seeds[k]))
-                    with lock:
-                        if k in helpers:
-                            images[k].copy_(sample)
-                            helpers.discard(k)
+            while True:
+                try:
+                    k = untaken.pop()
+                except IndexError:
+                    return
+                _hand_over(built, k, self.sample(indices[k], size, random.Random(seeds[k])))
 
         idle_helper().submit(from_back)  # its failures are this thread's to raise: it builds them again
+        mine = 0  # this thread took samples 0..mine-1, the helper the rest
         try:
             for k, data in enumerate(read_ahead(self.source, indices, sample_pool())):
-                with lock:
-                    if k >= left[1]:
-                        break
-                    left[0] = k + 1
+                try:
+                    untaken.popleft()  # k: this thread takes from the front, one at a time
+                except IndexError:
+                    break
+                mine = k + 1
                 images[k].copy_(self.sample(indices[k], size, random.Random(seeds[k]), data))
         finally:
-            with lock:  # from here on the helper takes nothing and writes nothing into this batch
-                left[0] = left[1]
-                orphans = sorted(helpers)
-                helpers.clear()
-        for k in orphans:
-            images[k].copy_(self.sample(indices[k], size, random.Random(seeds[k])))
+            untaken.clear()  # from here on the helper takes nothing
+        for k in range(mine, len(indices)):
+            sample = built.pop(k, None)
+            images[k].copy_(sample if sample is not None else self.sample(indices[k], size, random.Random(seeds[k])))
