@@ -12,6 +12,7 @@ import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from datamodules.index import load_indexes
 from lightning_app.cli import ClassifierCLI
 from tests.conftest import REPO, free_port, quick_args, run_main
 
@@ -117,14 +118,20 @@ def test_ddp_two_processes_see_disjoint_data(tiny_data, tmp_path):
             "--trainer.callbacks+=tests.helpers.SampleRecorder", f"--trainer.callbacks.out_dir={out}"]
     proc = run_main(args)
     assert "Done: best val/acc1" in proc.stdout + proc.stderr
-    runs = _recorded(out)
+    runs = _recorded(out)  # what each rank's loader delivered
     assert set(runs) == {(0, 0), (1, 0), (0, 1), (1, 1)}
     n = 240
+    truth = load_indexes(tiny_data)["train"].labels
+    for (rank, epoch), run in runs.items():
+        assert run["sampler_epoch"] == epoch  # Lightning's set_epoch reached the loader's sampler
+        assert run["labels"] == [[truth[i] for i in batch] for batch in run["batches"]]
     for epoch in (0, 1):
         a, b = set(runs[0, epoch]["indices"]), set(runs[1, epoch]["indices"])
+        steps = (n // 2) // 16  # global 32 = 2 x 16; each rank's 120 samples make 7 full batches
+        assert runs[0, epoch]["steps"] == runs[1, epoch]["steps"] == steps
+        assert all(len(batch) == 16 for r in (0, 1) for batch in runs[r, epoch]["batches"])
         assert not a & b, "ranks share samples"
-        assert a | b == set(range(n))
-        assert runs[0, epoch]["steps"] == runs[1, epoch]["steps"] == (n // 2) // 16  # global 32 = 2 x 16
+        assert len(a | b) == 2 * 16 * steps and a | b <= set(range(n))
         assert runs[0, epoch]["world_size"] == 2
     assert runs[0, 0]["indices"] != runs[0, 1]["indices"]  # reshuffled each epoch
     # One process with the same config and seed trains on the same global batches, in the same order.
@@ -136,10 +143,10 @@ def test_ddp_two_processes_see_disjoint_data(tiny_data, tmp_path):
     single = _recorded(one_out)
     for epoch in (0, 1):
         steps = runs[0, epoch]["steps"]
-        assert single[0, epoch]["steps"] == steps
+        assert single[0, epoch]["steps"] == steps and single[0, epoch]["sampler_epoch"] == epoch
         for k in range(steps):
-            union = set(runs[0, epoch]["indices"][16 * k:16 * (k + 1)]) | set(runs[1, epoch]["indices"][16 * k:16 * (k + 1)])
-            assert union == set(single[0, epoch]["indices"][32 * k:32 * (k + 1)]), f"epoch {epoch} step {k} differs"
+            union = set(runs[0, epoch]["batches"][k]) | set(runs[1, epoch]["batches"][k])
+            assert union == set(single[0, epoch]["batches"][k]), f"epoch {epoch} step {k} differs"
     # ... with the same learning rate at every step (that of the global batch, warm-up and decay included)
     lrs = [[(e.step, round(e.value, 9)) for e in event_file_scalars(root / "version_0").Scalars("train/lr")]
            for root in (tmp_path, tmp_path / "one_run")]

@@ -226,11 +226,31 @@ def test_killed_pack_resumes_to_the_same_database(slow_tree, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_with_workers(tiny_db, tmp_path):
+def test_ddp_two_processes_with_workers_deliver_one_processs_batches_and_labels(tiny_data, tiny_db, tmp_path,
+                                                                               monkeypatch):
+    out = tmp_path / "samples"
     args = ["fit", "--config", "configs/data/lmdb.yaml", *quick_args(tiny_db, tmp_path, epochs=1, batch=32),
-            "--data.num_workers", "2", "--trainer.strategy", "ddp", "--trainer.devices", "2"]
+            "--data.num_workers", "2", "--trainer.strategy", "ddp", "--trainer.devices", "2",
+            "--trainer.callbacks+=tests.helpers.SampleRecorder", f"--trainer.callbacks.out_dir={out}"]
     proc = run_main(args)
     assert "Done: best val/acc1" in proc.stdout + proc.stderr
+    ranks = [json.loads((out / f"rank{r}_epoch0.json").read_text()) for r in (0, 1)]  # what the loaders delivered
+    # the labels of the files packed at those indices
+    paths = LMDBReader(tiny_db).meta["splits"]["train"]["paths"]
+    truth = dict(load_indexes(tiny_data, cache=False)["train"].samples)
+    for rank in ranks:
+        assert rank["labels"] == [[truth[paths[i]] for i in batch] for batch in rank["batches"]]
+    # the global batches of one process with the same seed, step by step
+    monkeypatch.setenv("PL_GLOBAL_SEED", ranks[0]["seed"])
+    dm = LMDBDataModule(data_dir=str(tiny_db), batch_size=32, num_workers=0, image_size=16)
+    dm.setup("fit")
+    train = dm.datasets["train"]
+    train.labels = torch.arange(len(train.labels)) * dm.num_classes + train.labels  # the index rides along
+    single = [torch.div(labels, dm.num_classes, rounding_mode="floor").tolist() for _, labels in dm.train_dataloader()]
+    assert ranks[0]["steps"] == ranks[1]["steps"] == len(single) == 7  # 120 samples per rank, 16 a batch
+    for k, batch in enumerate(single):
+        assert not set(ranks[0]["batches"][k]) & set(ranks[1]["batches"][k])
+        assert set(ranks[0]["batches"][k]) | set(ranks[1]["batches"][k]) == set(batch), f"step {k} differs"
 
 
 def test_killed_just_before_the_rename_only_renames(tiny_data, tmp_path):
@@ -242,12 +262,15 @@ def test_killed_just_before_the_rename_only_renames(tiny_data, tmp_path):
     assert (dst / "data.mdb").stat().st_mtime_ns == mtime and _values(dst) == before
 
 
+PREFETCHES = hasattr(os, "posix_fadvise") and Path("/proc/self/maps").exists()
+
+
+@pytest.mark.skipif(not PREFETCHES, reason="prefetching needs posix_fadvise and /proc/self/maps")
 def test_prefetch_targets_the_values_own_bytes_in_data_mdb(tiny_db):
     source = LMDBSource(LMDBReader(tiny_db), "val")
     view = source.read(5)  # opens the map, then prefetches the value
     _, fd, base = source.prefetch._state
-    if fd is None:
-        pytest.skip("no /proc/self/maps or posix_fadvise here: prefetching is off")
+    assert fd is not None and base is not None, "prefetching is off on a platform that has what it needs"
     offset = np.frombuffer(view, dtype=np.uint8).ctypes.data - base
     with open(tiny_db / "data.mdb", "rb") as f:
         f.seek(offset)
@@ -255,6 +278,7 @@ def test_prefetch_targets_the_values_own_bytes_in_data_mdb(tiny_db):
     source.reader.close()
 
 
+@pytest.mark.skipif(not PREFETCHES, reason="prefetching needs posix_fadvise and /proc/self/maps")
 def test_prefetch_opened_by_many_sample_threads_at_once(tiny_db):
     """The sample threads of a worker hit a fresh MapPrefetch together: none may see a half-opened state."""
     import threading
@@ -272,7 +296,7 @@ def test_prefetch_opened_by_many_sample_threads_at_once(tiny_db):
 
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(call, views))  # re-raises what any thread raised
-        fd = prefetch._state[1]
-        if fd is not None:
-            os.close(fd)
+        pid, fd, base = prefetch._state
+        assert pid == os.getpid() and fd is not None and base is not None  # opened once, and on
+        os.close(fd)
     source.reader.close()
