@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 from datamodules.downscale.datamodule import DownscaledDataModule, MemorySource
 from datamodules.downscale.writer import downscale, main, read_marker, target_size
@@ -36,14 +35,29 @@ def _jpeg(arr: np.ndarray, **kw) -> bytes:
     return buf.getvalue()
 
 
+def _asymmetric(height: int, width: int) -> np.ndarray:
+    """Smooth (a 12x reduction keeps it) and different under every flip and quarter turn: two ramps and a corner."""
+    y, x = np.mgrid[0:height, 0:width]
+    corner = (x / width + y / height) > 1.3
+    return np.stack([255 * x / width, 255 * y / height, 255 * corner], -1).astype(np.uint8)
+
+
+# The 8 ways to flip and turn an image (PIL's Transpose members, and none).
+TURNS = [None, *Image.Transpose]
+
+
+def _distance(a: Image.Image, b: Image.Image) -> float:
+    return float(np.abs(np.asarray(a, np.int16) - np.asarray(b, np.int16)).mean())
+
+
 def test_sizes_orientation_and_formats(odd_tree, tmp_path):
-    rng = np.random.default_rng(0)
     big = odd_tree / "train" / "bees" / "big.jpg"
-    big.write_bytes(_jpeg(rng.integers(0, 255, (300, 500, 3), dtype=np.uint8)))
-    exif = Image.Exif()
-    exif[0x0112] = 6
-    rotated = odd_tree / "train" / "bees" / "rotated_big.jpg"
-    rotated.write_bytes(_jpeg(rng.integers(0, 255, (200, 400, 3), dtype=np.uint8), exif=exif.tobytes()))
+    big.write_bytes(_jpeg(_asymmetric(300, 500), quality=95))
+    for orientation in range(1, 9):  # a 400x200 image stored as it comes off a sensor, EXIF saying how to show it
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        (odd_tree / "train" / "bees" / f"exif{orientation}.jpg").write_bytes(
+            _jpeg(_asymmetric(200, 400), quality=95, exif=exif.tobytes()))
     out = downscale(odd_tree, tmp_path / "small", 24, quality=85, progress=False)
     assert (out / "train" / "empty").is_dir() and (out / "val" / "empty").is_dir()  # labels stay the same
     src_idx, out_idx = load_indexes(odd_tree, cache=False), load_indexes(out, cache=False)
@@ -54,14 +68,21 @@ def test_sizes_orientation_and_formats(odd_tree, tmp_path):
             with Image.open(out / rel) as im:
                 assert im.format == "JPEG" and im.mode == "RGB" and im.getexif().get(0x0112, 1) == 1
                 assert im.size == target_size(*expected.size, 24), rel
-    assert Image.open(out / "train/bees/rotated_big.jpg").size == (24, 48)  # 400x200 turned upright, then scaled
-    assert Image.open(out / "train/bees/big.jpg").size == (40, 24)
     # a plain RGB JPEG already small enough is copied byte for byte (no second JPEG loss)
     assert (out / "train/ants/one_pixel.jpg").read_bytes() == (odd_tree / "train/ants/one_pixel.jpg").read_bytes()
-    # the downscaled pixels are close to a high-quality resize of the original
-    ref = decode_rgb(odd_tree / "train/bees/big.jpg").resize((40, 24), Image.LANCZOS)
-    got = decode_rgb(out / "train/bees/big.jpg")
-    assert np.abs(np.asarray(got, np.int16) - np.asarray(ref, np.int16)).mean() < 12
+    # the pixels are those of PIL's upright image, resized: closer to it than to any flip or turn of it
+    for name in ["big.jpg", *(f"exif{o}.jpg" for o in range(1, 9))]:
+        with Image.open(odd_tree / "train/bees" / name) as src:
+            upright = ImageOps.exif_transpose(src).convert("RGB")
+        got = decode_rgb(out / "train/bees" / name)
+        assert got.size == ((40, 24) if name == "big.jpg" else (48, 24) if name[4] in "1234" else (24, 48))
+        distances = {}
+        for turn in TURNS:
+            turned = upright if turn is None else upright.transpose(turn)
+            if turned.size[0] * got.size[1] == turned.size[1] * got.size[0]:  # same shape as the output
+                distances[turn] = _distance(got, turned.resize(got.size, Image.LANCZOS))
+        assert distances[None] < 6, (name, distances)
+        assert min(d for turn, d in distances.items() if turn is not None) > 30, (name, distances)
     assert not list(out.rglob("*.tmp-*"))
     assert read_marker(out)["counts"] == {"train": len(src_idx["train"]), "val": len(src_idx["val"])}
 
@@ -123,16 +144,33 @@ def test_in_memory_source_is_one_shared_buffer(tiny_data, tmp_path):
     ds = dm.datasets["val"]
     assert isinstance(ds.source, MemorySource) and ds.source.buffer.is_shared()
     assert ds.source.nbytes == sum((dm.root / rel).stat().st_size for rel, _ in dm.indexes["val"].samples)
-    # a pickled copy (what a spawned worker gets) points at the same memory
-    clone = pickle.loads(pickle.dumps(ds))
-    assert clone.source.buffer.untyped_storage().data_ptr() != 0
-    assert torch.equal(clone.source.buffer[:100], ds.source.buffer[:100])
+    # a spawned process reads the same memory: bytes the parent writes after it started are what it reads
+    ctx = torch.multiprocessing.get_context("spawn")
+    go, got = ctx.Event(), ctx.Queue()
+    child = ctx.Process(target=_read_after, args=(ds.source, go, got))
+    child.start()  # the source is pickled into it here
+    before = ds.source.buffer[:16].clone()
+    try:
+        ds.source.buffer[:16] = torch.arange(16, dtype=torch.uint8) + 100
+        go.set()
+        assert got.get(timeout=120) == list(range(100, 116))
+    finally:
+        ds.source.buffer[:16] = before
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
     images, labels = next(iter(dm.val_dataloader()))
     assert images.shape == (40, 3, 24, 24) and images.dtype == torch.uint8
     assert labels.tolist() == dm.indexes["val"].labels[:40]
     # same pixels as reading the downscaled files
     rel = dm.indexes["val"].samples[0][0]
     assert torch.equal(images[0], torch.from_numpy(np.array(decode_rgb(dm.root / rel))).permute(2, 0, 1))
+
+
+def _read_after(source: MemorySource, go, got) -> None:  # in a spawned process
+    go.wait(60)
+    got.put(source.read(0)[:16].tolist())
 
 
 def test_copy_is_read_a_batch_at_a_time_with_pils_pixels(tiny_data, tmp_path):
