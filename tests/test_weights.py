@@ -181,6 +181,32 @@ def test_finetune_from_another_class_set_beats_scratch(learnable_data, tmp_path)
     assert tuned > scratch + 0.05, (scratch, tuned)
 
 
+class _WatchTheBackbone(pl.Callback):
+    """The backbone after each epoch, and its first step once unfrozen (what SGD got and what it did)."""
+
+    def __init__(self, unfrozen_at: int, param: str) -> None:
+        self.unfrozen_at, self.param = unfrozen_at, param
+        self.after_epoch: dict[int, dict[str, torch.Tensor]] = {}
+        self.step: dict | None = None
+
+    def _param(self, pl_module) -> torch.nn.Parameter:
+        return dict(pl_module.backbone.named_parameters())[self.param]
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.current_epoch == self.unfrozen_at and self.step is None:
+            p = self._param(pl_module)
+            group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+            self.step = {"before": p.detach().clone(), "grad": p.grad.clone(), "lr": group["lr"],
+                         "head_lr": optimizer.param_groups[0]["lr"], "group": group}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self.step is not None and "after" not in self.step:
+            self.step["after"] = self._param(pl_module).detach().clone()
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.after_epoch[trainer.current_epoch] = {k: v.clone() for k, v in pl_module.backbone.state_dict().items()}
+
+
 def test_frozen_backbone_then_lower_backbone_lr(tiny_data, tmp_path):
     from datamodules import ImageFolderDataModule
 
@@ -188,16 +214,26 @@ def test_frozen_backbone_then_lower_backbone_lr(tiny_data, tmp_path):
     dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=40, num_workers=0, image_size=32,
                                val_crop_ratio=1.0, persistent_workers=False)
     model = ImageClassifier(arch="conv11", num_classes=10, image_size=32, global_batch_size=40, arch_kwargs={"width": 4},
-                            freeze_backbone_epochs=1, backbone_lr_scale=0.1, pictures=[])
+                            freeze_backbone_epochs=1, backbone_lr_scale=0.1, pictures=[], warmup_epochs=0)
     before = {k: v.clone() for k, v in model.backbone.state_dict().items()}
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+    watch = _WatchTheBackbone(unfrozen_at=1, param="features.0.weight")
+    trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False, callbacks=[watch],
                          enable_progress_bar=False, enable_model_summary=False, limit_train_batches=2, limit_val_batches=0)
     trainer.fit(model, dm)
-    after = model.backbone.state_dict()
-    assert torch.equal(after["features.0.weight"], before["features.0.weight"])  # frozen conv
-    assert torch.equal(after["features.1.running_mean"], before["features.1.running_mean"])  # frozen BN statistics
-    assert not torch.equal(after["fc.weight"], before["fc.weight"])  # the head trained
+    frozen, unfrozen = watch.after_epoch[0], watch.after_epoch[1]
+    assert torch.equal(frozen["features.0.weight"], before["features.0.weight"])  # frozen conv
+    assert torch.equal(frozen["features.1.running_mean"], before["features.1.running_mean"])  # frozen BN statistics
+    assert not torch.equal(frozen["fc.weight"], before["fc.weight"])  # the head trained
+    assert not torch.equal(unfrozen["features.0.weight"], frozen["features.0.weight"])  # then the backbone did
+    assert not torch.equal(unfrozen["features.1.running_mean"], frozen["features.1.running_mean"])
+    # its first step went at a tenth of the head's rate: SGD's first step with momentum is lr * d,
+    # d = grad + weight_decay * w (times 1 + momentum with Nesterov), torch/optim/sgd.py
+    step = watch.step
+    assert step["lr"] == pytest.approx(0.1 * step["head_lr"]) and step["head_lr"] > 0
+    group = step["group"]
+    d = step["grad"] + group["weight_decay"] * step["before"]
+    if group["nesterov"]:
+        d = d * (1 + group["momentum"])
+    torch.testing.assert_close(step["after"], step["before"] - 0.1 * step["head_lr"] * d)
     groups = trainer.optimizers[0].param_groups
-    head_lr, body_lr = groups[0]["initial_lr"], groups[2]["initial_lr"]
-    assert body_lr == pytest.approx(0.1 * head_lr)
     assert {id(p) for g in groups for p in g["params"]} == {id(p) for p in model.parameters()}
