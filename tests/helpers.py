@@ -47,3 +47,68 @@ class SampleRecorder(pl.Callback):
                        "indices": [i for batch in self.batches for i in batch], "steps": len(self.batches),
                        "sampler_epoch": self.sampler_epoch, "seed": os.environ.get("PL_GLOBAL_SEED"),
                        "world_size": trainer.world_size, "num_nodes": trainer.num_nodes}, f)
+
+
+class ReplicaBatches(pl.Callback):
+    """Records, per training step, what each copy of the backbone ran on: (device, images, autocast dtype).
+
+    A forward pre-hook on the backbone: nn.DataParallel's replicas share their module's hooks (their
+    __dict__ is a copy of it, torch/nn/parallel/replicate.py), so it fires in every replica's thread.
+    """
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.steps: list[list[tuple[str, int, str | None]]] = []
+
+        def replica(module, args) -> None:
+            if module.training and self.steps:
+                x = args[0]
+                amp = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+                self.steps[-1].append((str(x.device), int(x.shape[0]), str(amp) if amp else None))
+
+        self._hook = pl_module.backbone.register_forward_pre_hook(replica)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self.steps.append([])
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self._hook.remove()
+
+
+class WhatRan(pl.Callback):
+    """Writes `out_dir/rank{R}.json`: what the training steps actually ran with, observed, not configured.
+
+    The logits' dtypes (a forward hook on the LightningModule: outside a compiled backbone), the device,
+    the graphs torch.compile built in this process, the backbone's memory format, cudnn.benchmark, the
+    float32 matmul precision and whether a gradient scaler was in use.
+    """
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.logits: set[str] = set()
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        def logits(module, args, output) -> None:
+            # (N, classes) only: under DDP, Lightning also calls the module with forward redirected to
+            # training_step (pytorch_lightning/strategies/strategy.py, _ForwardRedirection): the loss
+            if module.training and isinstance(output, torch.Tensor) and output.ndim == 2:
+                self.logits.add(str(output.dtype))
+
+        self._hook = pl_module.register_forward_hook(logits)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        from torch._dynamo.utils import counters
+
+        self._hook.remove()
+        convs = [p for p in pl_module.backbone.parameters() if p.ndim == 4]
+        record = {
+            "logits": sorted(self.logits), "device": str(pl_module.device), "world_size": trainer.world_size,
+            "compiled_graphs": int(counters["stats"]["unique_graphs"]),
+            "channels_last": all(p.is_contiguous(memory_format=torch.channels_last) for p in convs),
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "matmul_precision": torch.get_float32_matmul_precision(),
+            "grad_scaler": getattr(trainer.precision_plugin, "scaler", None) is not None,
+            "global_step": trainer.global_step,
+        }
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(record, f)

@@ -2,6 +2,7 @@
 on 1 process, 2 processes and 2 simulated nodes, and the GPU paths (skipped without CUDA)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -126,26 +127,61 @@ def test_1_process_2_processes_and_2_nodes_reach_the_same_accuracy(comparison_da
 
 
 # -- GPU paths: these skip with the reason on a machine without CUDA ------------------------------
+def _callback(cli, cls):
+    return next(c for c in cli.trainer.callbacks if isinstance(c, cls))
+
+
 @NEEDS_2_GPUS
 def test_dp_splits_each_batch_over_the_gpus(tiny_data, tmp_path):
+    from tests.helpers import ReplicaBatches
+
     cli = ClassifierCLI(args=["fit", "--config", "configs/dp_amp.yaml",
-                              *quick_args(tiny_data, tmp_path), "--trainer.accelerator", "gpu"])
+                              *quick_args(tiny_data, tmp_path), "--trainer.accelerator", "gpu",
+                              "--trainer.callbacks+=tests.helpers.ReplicaBatches"])
     view = cli.model.__dict__.get("data_parallel_backbone")
     assert view is None  # removed at teardown
-    assert cli.trainer.strategy.root_device.type == "cuda" and len(cli.trainer.strategy.cuda_devices) >= 2
+    gpus = cli.trainer.strategy.cuda_devices
+    assert cli.trainer.strategy.root_device.type == "cuda" and len(gpus) >= 2
+    steps = _callback(cli, ReplicaBatches).steps
+    assert len(steps) == cli.trainer.global_step == 240 // 32
+    for step in steps:  # every batch of 32 ran in pieces, one on each GPU, all under fp16 autocast
+        assert sorted(device for device, _, _ in step) == sorted(str(d) for d in gpus), step
+        assert sum(n for _, n, _ in step) == 32 and all(n > 0 for _, n, _ in step), step
+        assert {amp for _, _, amp in step} == {"torch.float16"}, step
     keys = _ckpt(tmp_path / "version_0/checkpoints/last.ckpt")["state_dict"].keys()
     assert all(not k.startswith(("module.", "data_parallel")) for k in keys)
 
 
+def _what_ran(out) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+
+
 @NEEDS_2_GPUS
 def test_ddp_nccl_amp(tiny_data, tmp_path):
+    ran, samples = tmp_path / "ran", tmp_path / "samples"
     proc = run_main(["fit", "--config", "configs/ddp_amp.yaml", *quick_args(tiny_data, tmp_path),
-                     "--trainer.accelerator", "gpu", "--trainer.devices", "2"])
-    assert "Done: best val/acc1" in proc.stdout + proc.stderr
+                     "--trainer.accelerator", "gpu", "--trainer.devices", "2",
+                     "--trainer.callbacks+=tests.helpers.WhatRan", f"--trainer.callbacks.out_dir={ran}",
+                     "--trainer.callbacks+=tests.helpers.SampleRecorder", f"--trainer.callbacks.out_dir={samples}"])
+    out = proc.stdout + proc.stderr
+    assert "Done: best val/acc1" in out and "distributed_backend=nccl" in out
+    ranks = _what_ran(ran)
+    assert [r["device"] for r in ranks] == ["cuda:0", "cuda:1"] and all(r["world_size"] == 2 for r in ranks)
+    for r in ranks:  # fp16 autocast with loss scaling, on each rank's own GPU
+        assert r["logits"] == ["torch.float16"] and r["grad_scaler"] and r["cudnn_benchmark"], r
+    delivered = [json.loads((samples / f"rank{r}_epoch0.json").read_text())["indices"] for r in (0, 1)]
+    assert delivered[0] and delivered[1] and not set(delivered[0]) & set(delivered[1])
 
 
 @NEEDS_CUDA
 def test_fast_config_on_one_gpu(tiny_data, tmp_path):
+    ran = tmp_path / "ran"
     proc = run_main(["fit", "--config", "configs/fast.yaml", *quick_args(tiny_data, tmp_path),
-                     "--trainer.accelerator", "gpu", "--trainer.devices", "1", "--data.num_workers", "2"])
+                     "--trainer.accelerator", "gpu", "--trainer.devices", "1", "--data.num_workers", "2",
+                     "--trainer.callbacks+=tests.helpers.WhatRan", f"--trainer.callbacks.out_dir={ran}"])
     assert "Done: best val/acc1" in proc.stdout + proc.stderr
+    [r] = _what_ran(ran)
+    assert r["device"] == "cuda:0" and r["global_step"] == 240 // 32
+    assert r["logits"] == ["torch.bfloat16"] and not r["grad_scaler"]  # bf16 autocast, no loss scaling
+    assert r["compiled_graphs"] > 0  # torch.compile built the backbone's graphs
+    assert r["channels_last"] and r["cudnn_benchmark"] and r["matmul_precision"] == "high", r
