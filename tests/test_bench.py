@@ -183,7 +183,6 @@ def test_train_workload_is_gpu_sized_on_cuda_and_flags_win():
 
 
 def test_dali_loader_built_before_the_clock_and_not_rebuilt_with_max_batches(tmp_path, photo_data):
-    pytest.importorskip("nvidia.dali")
     from bench.loader_backends import Settings, _dali
     from bench.loaders import _prepare, time_epoch
 

@@ -9,16 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nvidia.dali.plugin.pytorch  # noqa: F401 - required (requirements.txt): a broken DALI fails here, never skips
 import pytest
 import pytorch_lightning as pl
 import torch
 
 from datamodules import DataError, ImageFolderDataModule
+from datamodules.dali.datamodule import DALIDataModule
 from datamodules.sample.transforms import IMAGENET_STD, normalize
 from tests.conftest import REPO, copy_tree, free_port, quick_args, run_main
-
-dali = pytest.importorskip("nvidia.dali", reason="DALI is not installed (pip install nvidia-dali-cuda130==2.4.0)")
-from datamodules.dali.datamodule import DALIDataModule
 
 STD255 = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (GPU DALI decoding)")
