@@ -94,15 +94,31 @@ def test_mixed_targets_are_distributions_over_the_batch_labels(alphas):
         torch.testing.assert_close(own + partner - (labels == labels.roll(1)) * own, torch.ones(16))
 
 
-def test_mix_switch_prob_chooses_cutmix_or_mixup():
+@pytest.mark.parametrize("switch_prob", [1.0, 0.0, 0.5])
+def test_mix_switch_prob_chooses_cutmix_or_mixup(switch_prob):
     torch.manual_seed(0)
-    images, labels = torch.randn(8, 3, 16, 16), torch.arange(8)
-    only_cutmix = batch_mix(8, 0.2, 1.0, switch_prob=1.0)
-    mixed, _ = only_cutmix(images, labels)
-    # CutMix pastes a box: every pixel comes whole from one of the two images
-    from_self = (mixed == images).all(1)
-    from_partner = (mixed == images.roll(1, 0)).all(1)
-    assert (from_self | from_partner).all()
+    images, labels = torch.rand(8, 3, 32, 32), torch.arange(8)
+    partner, rows = images.roll(1, 0), torch.arange(8)  # each image is mixed with the one before it
+    mix = batch_mix(8, 0.2, 1.0, switch_prob=switch_prob)
+    kinds = set()
+    for _ in range(12):
+        mixed, targets = mix(images, labels)
+        own, theirs = targets[rows, labels], targets[rows, labels.roll(1)]
+        if (own == 1).all():
+            continue  # nothing mixed in (an empty box, or MixUp's lambda 1): either could have made it
+        from_partner = (mixed == partner).all(1)  # per pixel
+        if ((mixed == images).all(1) | from_partner).all():  # CutMix: one box of the partner's pixels
+            box = from_partner[0]
+            h, w = box.any(1).nonzero()[:, 0], box.any(0).nonzero()[:, 0]
+            assert box[h.min():h.max() + 1, w.min():w.max() + 1].all() and box.sum() == len(h) * len(w)
+            assert (from_partner == box).all()  # the same box in every image
+            torch.testing.assert_close(theirs, box.float().mean().expand(8))  # each label weighs its area
+            kinds.add("cutmix")
+        else:  # MixUp: every pixel lam * its own + (1 - lam) * the partner's, lam its label's weight
+            lam = own[:, None, None, None]
+            torch.testing.assert_close(mixed, lam * images + (1 - lam) * partner)
+            kinds.add("mixup")
+    assert kinds == {1.0: {"cutmix"}, 0.0: {"mixup"}, 0.5: {"cutmix", "mixup"}}[switch_prob]
     assert batch_mix(8, 0.0, 0.0) is None
 
 
@@ -206,7 +222,9 @@ def test_blurpool_blurs_every_strided_conv_and_keeps_state_dict_keys():
     conv = copy.deepcopy(blur.layer2[0].conv2)
     x = torch.zeros(1, conv.in_channels, 8, 8)
     x[..., 4, 4] = 1.0  # an impulse: the blur spreads it before the strided conv samples it
-    ref = torch.nn.functional.conv2d(torch.nn.functional.conv2d(x, conv.blur_filter, padding=1,
-                                                                groups=conv.in_channels),
-                                     conv.weight, stride=2, padding=1)
+    binomial = torch.tensor([[1.0, 2.0, 1.0], [2.0, 4.0, 2.0], [1.0, 2.0, 1.0]]) / 16  # [1,2,1] x [1,2,1] / 16
+    blurred = torch.nn.functional.conv2d(x, binomial.expand(conv.in_channels, 1, 3, 3), padding=1,
+                                         groups=conv.in_channels)
+    assert blurred[0, 0, 3:6, 3:6].tolist() == binomial.tolist()  # the impulse, spread
+    ref = torch.nn.functional.conv2d(blurred, conv.weight, stride=2, padding=1)
     torch.testing.assert_close(conv(x), ref)
