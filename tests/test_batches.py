@@ -34,8 +34,10 @@ def test_held_batches_survive_later_epochs(dataset):
     assert len(expected) > RING_SLOTS
     loader = SampleLoader(dataset, batch_size=BATCH, collate_fn=built_batch, num_workers=1,
                           persistent_workers=True, prefetch_factor=2)
-    held = [images for images, _ in loader]  # a whole epoch kept: the worker must not reuse these buffers
-    assert not any(isinstance(b, RingBatch) for b in held)
+    batches = list(loader)  # a whole epoch kept: the worker must not reuse these buffers
+    assert not any(isinstance(b, RingBatch) for b in batches)  # each given back as it arrived
+    held = [images for images, _ in batches]
+    del batches
     kept_view = held[0][1:3]  # a view outlives the batch it came from
     first = held[0].clone()
     del held[0]

@@ -120,6 +120,10 @@ def test_settings_are_checked(tiny_data):
         with pytest.raises(DataError, match="needs CUDA"):
             DALIDataModule(data_dir=str(tiny_data), dali_device="gpu")
         assert DALIDataModule(data_dir=str(tiny_data)).decoder_device == "cpu"  # auto
+    else:
+        assert DALIDataModule(data_dir=str(tiny_data), dali_device="gpu").decoder_device == "mixed"
+        assert DALIDataModule(data_dir=str(tiny_data)).decoder_device == "mixed"  # auto, no trainer: CUDA is here
+    assert DALIDataModule(data_dir=str(tiny_data), dali_device="cpu").decoder_device == "cpu"
 
 
 # ---------------------------------------------------------------------------- same data as ImageFolder
@@ -374,12 +378,12 @@ def test_mixed_decoding_outputs_on_gpu_and_fp16(tiny_data):
 
 # ---------------------------------------------------------------------------- threads, memory, output
 
-def test_threads_come_from_the_affinity_share_and_are_capped_for_gpu_decoding():
-    from datamodules.dali.loader import MAX_MIXED_THREADS, dali_memory_bill, dali_threads
+def test_threads_come_from_the_affinity_share_and_are_capped_for_gpu_decoding(tiny_data):
+    from datamodules.dali.loader import dali_memory_bill, dali_threads
 
-    # a 224-thread DGX, 8 ranks: 28 CPUs each; nvJPEG gets at most MAX_MIXED_THREADS of them
+    # a 224-thread DGX, 8 ranks: 28 CPUs each; nvJPEG gets at most 8 of them
     assert dali_threads("cpu", 8, usable=224) == 28
-    assert dali_threads("mixed", 8, usable=224) == MAX_MIXED_THREADS == 8
+    assert dali_threads("mixed", 8, usable=224) == 8
     # SLURM --cpus-per-task 6 with 4 ranks on the node: the mask, not the machine, decides
     assert dali_threads("cpu", 4, usable=6) == 1 and dali_threads("mixed", 1, usable=3) == 3
     assert dali_threads("mixed", 8, usable=224, requested=12) == 12  # explicit num_threads wins
@@ -387,6 +391,9 @@ def test_threads_come_from_the_affinity_share_and_are_capped_for_gpu_decoding():
     bill = dali_memory_bill("mixed", dali_threads("mixed", 8, usable=224))
     assert bill == {"device": 8 * 16 * 2**20, "pinned": 8 * 2 * 8 * 2**20}  # 128 MiB and 128 MiB
     assert dali_memory_bill("cpu", 28) == {"device": 0, "pinned": 0}
+    # ... which is what the decoder is told to preallocate per thread
+    spec = DALIDataModule(data_dir=str(tiny_data), dali_device="cpu")._spec(train=True)
+    assert (spec.device_memory_padding, spec.host_memory_padding) == (16 * 2**20, 8 * 2**20)
 
 
 def test_default_threads_use_this_process_affinity_mask(tiny_data):

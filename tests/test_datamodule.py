@@ -1,10 +1,15 @@
 """ImageFolderDataModule: shared init args, batches, bad input before and during loading."""
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
+from PIL import Image, ImageOps
 
 from datamodules import DataError, ImageFolderDataModule
+from datamodules.sample.crop import ValCrop
 from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
 from tests.conftest import copy_tree, make_tree
 
@@ -33,13 +38,25 @@ def test_folder_name_decides_the_label(tiny_data):
 
 
 def test_unusual_images_load_as_three_channels(odd_tree):
-    dm = ImageFolderDataModule(data_dir=str(odd_tree), batch_size=4, num_workers=0, image_size=32)
+    dm = ImageFolderDataModule(data_dir=str(odd_tree), batch_size=4, num_workers=0, image_size=32, val_crop_ratio=1.0)
     assert dm.classes == ["ants", "bees", "empty"]
     dm.setup("fit")
     for images, _ in dm.train_dataloader():
         assert images.shape[1:] == (3, 32, 32)
-    for images, _ in dm.val_dataloader():
-        assert images.shape[1:] == (3, 32, 32)
+    val = torch.cat([images for images, _ in dm.val_dataloader()])  # unshuffled: the Index's order
+    crop = ValCrop(1.0)
+    for (rel, _), got in zip(dm.indexes["val"].samples, val, strict=True):
+        name = Path(rel).name
+        if name == "sixteen_bit.png":  # 32768 of 65535: mid grey (PIL's own convert would clip it to white)
+            assert (got == 128).all()
+            continue
+        with Image.open(odd_tree / rel) as img:  # PIL's RGB of the upright image, the same crop
+            want = torch.from_numpy(np.array(ImageOps.exif_transpose(img).convert("RGB"))).permute(2, 0, 1)
+        assert torch.equal(got, crop(want, 32)), rel
+        if name == "gray.jpg":
+            assert torch.equal(got[0], got[1]) and torch.equal(got[1], got[2])
+        if name == "one_pixel.jpg":  # a red dot, stretched
+            assert (got.flatten(1).float().mean(1) - torch.tensor([200.0, 10.0, 10.0])).abs().max() < 4
 
 
 @pytest.mark.parametrize("bad", ["missing", "no_val", "mismatch"])

@@ -99,6 +99,14 @@ def test_bench_gpu_on_cpu_skips_every_gpu_row_and_runs_the_ceiling_and_shares(ti
         assert "needs a CUDA GPU" in checks["DALI GPU (mixed)"]["verdict"] or \
             checks["DALI GPU (mixed)"]["verdict"] == "not selected (--backends)"
         assert "none (every GPU row is skipped)" in md
+    else:  # on a GPU: no row fails, and a row skipped names what this GPU (or torch build) lacks
+        assert [c for c in gpu_rows if c["status"] == "FAIL"] == []
+        assert all(c["status"] == "ok" or (c["verdict"] and "no CUDA GPU" not in c["verdict"]) for c in gpu_rows)
+        ran = {c["group"] for c in gpu_rows if c["status"] == "ok"}
+        assert {"precision", "speed flag"} <= ran, gpu_rows
+        if torch.cuda.device_count() >= 2:
+            assert {"dp", "DDP"} <= ran, gpu_rows
+        assert "none (every GPU row is skipped)" not in md
     assert "Share of the compute ceiling" in md and "| compile |" in md and "- Versions: python" in md
 
 

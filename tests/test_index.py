@@ -107,24 +107,34 @@ def test_cached_bad_file_repaired_in_place_is_rescanned(tmp_path):
 
 
 _SCAN_ONCE = """
-import sys, time
+import os, sys, time
+from pathlib import Path
 import datamodules.index as ix
-real = ix._scan
-def slow_scan(*a, **k):
+arrived = Path(sys.argv[2])
+real_lock, real_scan = ix.file_lock, ix._scan
+def announced_lock(path):  # this process is about to wait for the scan lock
+    (arrived / str(os.getpid())).touch()
+    return real_lock(path)
+def scan_once_both_wait(*a, **k):  # a barrier: scans only once both processes are at the lock
     print("SCANNED", flush=True)
-    time.sleep(1.5)  # long enough that a second process starting meanwhile would scan too, without the lock
-    return real(*a, **k)
-ix._scan = slow_scan
+    deadline = time.monotonic() + 30
+    while len(list(arrived.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return real_scan(*a, **k)
+ix.file_lock, ix._scan = announced_lock, scan_once_both_wait
 print(len(ix.load_index(sys.argv[1], "train")))
 """
 
 
 def test_processes_starting_together_scan_once_and_share_the_cache(tiny_data, tmp_path):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-c", _SCAN_ONCE, str(tiny_data)], env=env, cwd=REPO,
+    arrived = tmp_path / "arrived"
+    arrived.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", _SCAN_ONCE, str(tiny_data), str(arrived)], env=env, cwd=REPO,
                               stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
+    assert len(list(arrived.iterdir())) == 2  # both asked for the lock while one of them was scanning
     assert sum(o.count("SCANNED") for o in outs) == 1, outs
     assert {o.split()[-1] for o in outs} == {"240"}
 
