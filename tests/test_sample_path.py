@@ -15,7 +15,6 @@ from PIL import Image
 
 from datamodules import ImageFolderDataModule
 from datamodules.builtin.tree import generate
-from datamodules.cpus import cpus_per_process
 from datamodules.index import DataError, load_indexes
 from datamodules.sample.crop import TrainCrop, ValCrop, resize
 from datamodules.sample.dataset import SampleDataset
@@ -183,20 +182,32 @@ def _blackout(image: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(image)
 
 
+NEEDS_AFFINITY = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="reads the affinity mask (Linux)")
+
+
+@NEEDS_AFFINITY
 def test_num_workers_auto_is_this_processs_share_of_the_cpus(tiny_data):
+    mask = os.sched_getaffinity(0)  # the CPUs this process may run on (SLURM, taskset and containers set it)
     dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=8)
     assert dm.num_workers == "auto"
-    assert dm.workers() == cpus_per_process(1)
+    assert dm.workers() == len(mask)
     dm.setup("fit")
-    assert dm.train_dataloader().num_workers == cpus_per_process(1)
+    assert dm.train_dataloader().num_workers == len(mask)
     assert dm.datasets["train"].decode_threads == 1  # one CPU per worker: it decodes in its own thread
     assert ImageFolderDataModule(data_dir=str(tiny_data), num_workers=0).workers() == 0
     in_process = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=8, num_workers=0)
     in_process.setup("fit")
     in_process.train_dataloader()
-    assert in_process.datasets["train"].decode_threads == cpus_per_process(1)  # every CPU decodes side by side
+    assert in_process.datasets["train"].decode_threads == len(mask)  # every CPU decodes side by side
+    if len(mask) > 1:  # as `taskset -c N` or SLURM's --cpus-per-task 1 leaves it: the mask, not the machine
+        os.sched_setaffinity(0, {min(mask)})
+        try:
+            assert dm.workers() == 1
+        finally:
+            os.sched_setaffinity(0, mask)
 
 
+@NEEDS_AFFINITY
 @pytest.mark.parametrize(("strategy", "processes"), [("ddp", 2), ("dp", 1)])
 def test_num_workers_auto_divides_the_cpus_by_the_training_processes_on_the_node(tiny_data, strategy, processes):
     import pytorch_lightning as pl
@@ -206,7 +217,7 @@ def test_num_workers_auto_divides_the_cpus_by_the_training_processes_on_the_node
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False)
     dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=8)
     dm.trainer = trainer
-    assert dm.workers() == cpus_per_process(processes)
+    assert dm.workers() == max(1, len(os.sched_getaffinity(0)) // processes)
 
 
 def test_resize_of_a_hwc_view_equals_the_dense_copys():
