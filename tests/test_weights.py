@@ -193,8 +193,8 @@ class _WatchTheBackbone(pl.Callback):
         return dict(pl_module.backbone.named_parameters())[self.param]
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if trainer.current_epoch == self.unfrozen_at and self.step is None:
-            p = self._param(pl_module)
+        p = self._param(pl_module)
+        if trainer.current_epoch == self.unfrozen_at and self.step is None and p.grad is not None:
             group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
             self.step = {"before": p.detach().clone(), "grad": p.grad.clone(), "lr": group["lr"],
                          "head_lr": optimizer.param_groups[0]["lr"], "group": group}
@@ -224,11 +224,12 @@ def test_frozen_backbone_then_lower_backbone_lr(tiny_data, tmp_path):
     assert torch.equal(frozen["features.0.weight"], before["features.0.weight"])  # frozen conv
     assert torch.equal(frozen["features.1.running_mean"], before["features.1.running_mean"])  # frozen BN statistics
     assert not torch.equal(frozen["fc.weight"], before["fc.weight"])  # the head trained
-    assert not torch.equal(unfrozen["features.0.weight"], frozen["features.0.weight"])  # then the backbone did
+    assert not torch.equal(unfrozen["features.0.weight"], frozen["features.0.weight"]), "not unfrozen at epoch 1"
     assert not torch.equal(unfrozen["features.1.running_mean"], frozen["features.1.running_mean"])
     # its first step went at a tenth of the head's rate: SGD's first step with momentum is lr * d,
     # d = grad + weight_decay * w (times 1 + momentum with Nesterov), torch/optim/sgd.py
     step = watch.step
+    assert step is not None, "the backbone got no gradient after the unfreeze"
     assert step["lr"] == pytest.approx(0.1 * step["head_lr"]) and step["head_lr"] > 0
     group = step["group"]
     d = step["grad"] + group["weight_decay"] * step["before"]
