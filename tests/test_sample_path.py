@@ -262,13 +262,12 @@ def test_a_stalled_idle_helper_neither_delays_the_batch_nor_writes_into_it_later
     files = ds.source
     stalled, release = threading.Event(), threading.Event()
 
-    def in_the_helper() -> bool:  # stalls the helper; the other threads wait until it is stalled
+    def in_the_helper() -> None:  # stalls the helper; the other threads wait until it is stalled
         if threading.current_thread().name.startswith("idle"):
             stalled.set()
             release.wait(60)
-            return True
-        stalled.wait(60)
-        return False
+        else:
+            stalled.wait(60)
 
     class Reads:
         def read(self, i: int):
