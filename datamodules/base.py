@@ -16,13 +16,14 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from datamodules.cpus import cpus_per_process
 from datamodules.index import DataError, Index, find_classes, load_indexes
+from datamodules.memory import DEFAULT_BUDGET_GIB, release_cached_pinned_memory
 from datamodules.sample.augment import make_train_augment
 from datamodules.sample.batches import SampleLoader, built_batch
 from datamodules.sample.crop import Augment, TrainCrop, ValCrop
 from datamodules.sample.dataset import SampleDataset, Source
 from datamodules.sample.transforms import normalize
+from datamodules.sizing import LoaderSizing
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILTIN_ROOT = REPO_ROOT / "data" / "builtin"
@@ -37,7 +38,7 @@ def resolve_data_dir(data_dir: str | os.PathLike | None, builtin: str) -> Path:
     return Path(ensure_builtin(builtin, root=BUILTIN_ROOT))
 
 
-class ImageDataModule(pl.LightningDataModule):
+class ImageDataModule(LoaderSizing, pl.LightningDataModule):
     """Shared init args (DESIGN.md).
 
     Args:
@@ -57,6 +58,10 @@ class ImageDataModule(pl.LightningDataModule):
             data_dir, no training tree is read or generated and the classes come from the checkpoint.
         auto_augment: per-sample policy after crop and flip: trivialaugment, randaugment, autoaugment, or null.
         random_erasing: probability of erasing a random rectangle (filled with the mean colour), 0 = off.
+        pinned_budget_gib, shm_budget_gib, host_budget_gib: memory this training process's loaders may
+            hold (GiB): page-locked batches, shared-memory batch buffers, and both plus a dataset held in
+            RAM. Batches in flight (then workers) are sized to fit; the plan is printed at start-up
+            (datamodules/memory.py). Per process: a node with 8 GPUs holds 8 times as much.
     """
 
     def __init__(
@@ -75,6 +80,9 @@ class ImageDataModule(pl.LightningDataModule):
         predict_dir: str | None = None,
         auto_augment: str | None = None,
         random_erasing: float = 0.0,
+        pinned_budget_gib: float = DEFAULT_BUDGET_GIB["pinned"],
+        shm_budget_gib: float = DEFAULT_BUDGET_GIB["shm"],
+        host_budget_gib: float = DEFAULT_BUDGET_GIB["host"],
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -83,6 +91,11 @@ class ImageDataModule(pl.LightningDataModule):
             raise DataError(f'data.num_workers must be "auto" or an integer >= 0, got {num_workers!r}.')
         if not 0 < min_scale <= 1:
             raise DataError(f"data.min_scale must be in (0, 1], got {min_scale}.")
+        for name, value in (("pinned", pinned_budget_gib), ("shm", shm_budget_gib), ("host", host_budget_gib)):
+            if not value > 0:
+                raise DataError(f"data.{name}_budget_gib must be > 0 GiB, got {value}.")
+        self.scheduled_train_sizes: list[int] = []  # every train size a schedule will use (ProgressiveResizing)
+        self._plan_shown = False
         self.save_hyperparameters()
         self.data_dir = data_dir
         self.batch_size = batch_size
@@ -134,30 +147,16 @@ class ImageDataModule(pl.LightningDataModule):
     def set_train_size(self, size: int) -> None:
         """Change the train crop size from the next batch a worker starts (call at an epoch's start).
 
-        Batches already prefetched keep the old size; a batch never mixes sizes.
+        Batches already prefetched keep the old size; a batch never mixes sizes. Workers drop their ring
+        buffers of the old size as they are given back (sample/batches.py), and the pinned blocks cached
+        for the old size are freed here.
         """
         if size < 1:
             raise DataError(f"train size must be >= 1, got {size}.")
+        changed = int(size) != self.train_size
         self._train_size[0] = int(size)
-
-    def workers(self) -> int:
-        """num_workers, with "auto" resolved: the usable CPUs (affinity mask) over the processes on this node.
-
-        One worker process per CPU: decoding is CPU work, and separate processes keep the Python
-        parts of every sample off one GIL. Inside a worker, sample.SAMPLE_THREADS threads overlap
-        file reads so a cold cache does not leave a CPU idle, and decode side by side only when the
-        worker has more than one CPU to itself (`SampleDataset.decode_threads`).
-        """
-        if self.num_workers != "auto":
-            return int(self.num_workers)
-        return self.cpus()
-
-    def cpus(self) -> int:
-        """This training process's share of the usable CPUs (affinity mask) on its node."""
-        trainer = self.trainer
-        # Training processes on this node: devices under DDP, but one under dp (world_size 1, N devices).
-        per_node = max(1, trainer.world_size // max(1, trainer.num_nodes)) if trainer is not None else 1
-        return cpus_per_process(per_node)
+        if changed:
+            release_cached_pinned_memory()
 
     # -- shared behaviour -----------------------------------------------------------------
     @property
@@ -207,7 +206,10 @@ class ImageDataModule(pl.LightningDataModule):
         self.datasets = {split: self.make_dataset(split, index) for split, index in indexes.items()}
 
     def _loader(self, split: str, train: bool) -> DataLoader:
-        workers = self.workers()
+        plan = self.memory_plan(fit=True if train else None)
+        self._show_plan(plan)
+        sizing = plan.loader("train" if train else "val")
+        workers = sizing.workers
         batch_size = self.per_process_batch_size
         if train and len(self.datasets[split]) < batch_size * self.world_size:
             raise DataError(
@@ -228,6 +230,7 @@ class ImageDataModule(pl.LightningDataModule):
         dataset = self.datasets[split]
         if isinstance(dataset, SampleDataset):
             dataset.decode_threads = max(1, self.cpus() // max(1, workers))
+            dataset.ring_slots = sizing.ring_slots
         loader = SampleLoader if isinstance(dataset, SampleDataset) else DataLoader
         return loader(
             dataset,
@@ -238,7 +241,7 @@ class ImageDataModule(pl.LightningDataModule):
             num_workers=workers,
             pin_memory=self.pins_memory,
             persistent_workers=self.persistent_workers and workers > 0,
-            prefetch_factor=4 if workers > 0 else None,
+            prefetch_factor=sizing.prefetch if workers > 0 else None,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -274,3 +277,4 @@ class ImageDataModule(pl.LightningDataModule):
     def on_after_batch_transfer(self, batch, dataloader_idx: int):  # uint8 from every backend but DALI `mixed`
         images, labels = batch[0], batch[1]
         return normalize(images), labels
+

@@ -64,11 +64,18 @@ class ProgressiveResizing(pl.Callback):
     def size_at(self, epoch: int) -> int:
         return scheduled_size(epoch, self.start_size, self.end_size, self.start_epoch, self.end_epoch, self.step)
 
+    def sizes(self, max_epochs: int | None) -> list[int]:
+        """Every train size of a run of `max_epochs` epochs (the whole ramp when unknown), in order of use."""
+        epochs = max_epochs if max_epochs and max_epochs > 0 else self.end_epoch + 1
+        return list(dict.fromkeys(self.size_at(e) for e in range(epochs)))
+
     # -- where the size is set ------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._first_epoch_of_run = True
             self._apply(trainer, 0)
+            # the loaders' memory plan budgets for the largest of them (datamodules/memory.py)
+            trainer.datamodule.scheduled_train_sizes = self.sizes(trainer.max_epochs)
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:

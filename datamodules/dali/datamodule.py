@@ -41,9 +41,12 @@ from datamodules.dali.loader import (
     DALILoader,
     HostFinish,
     dali_memory_bill,
+    dali_memory_plan,
     dali_threads,
 )
 from datamodules.index import DataError, Index
+from datamodules.memory import MemoryPlan
+from datamodules.sizing import Layout
 
 INSTALL_HINT = "pip install nvidia-dali-cuda130==2.4.0"
 DEVICES = ("auto", "gpu", "cpu")
@@ -174,11 +177,9 @@ class DALIDataModule(ImageDataModule):
         return self.decoder_device == "mixed" and trainer is not None and str(trainer.precision).startswith("16")
 
     def _threads(self) -> int:
-        trainer = self.trainer
-        # training processes on this node: world / nodes (dp drives all its GPUs from one process)
-        per_node = max(1, trainer.world_size // max(1, trainer.num_nodes)) if trainer is not None else 1
         device = self.decoder_device
-        threads = dali_threads(device, per_node, requested=self.num_threads)
+        # this process's CPUs: its whole per-task mask under srun, else its share of the node (datamodules/cpus.py)
+        threads = dali_threads(device, usable=self.cpus(), requested=self.num_threads)
         bill = dali_memory_bill(device, threads)
         if bill["device"] > 1 << 30:  # only an explicit num_threads gets here
             warnings.warn(f"data.num_threads {threads} with GPU decoding preallocates {bill['device'] >> 20} MiB of GPU "
@@ -274,7 +275,12 @@ class DALIDataModule(ImageDataModule):
 
         return DALILoader(build_lmdb, steps, None, trim, pin=pin, finish=finish)
 
+    @classmethod
+    def plan_for(cls, args, layout: Layout, train_sizes=(), resident: int = 0) -> MemoryPlan:
+        return dali_memory_plan(args, layout, train_sizes)
+
     def _loader(self, split: str, train: bool) -> DALILoader:
+        self._show_plan(self.memory_plan(fit=True if train else None))
         key = f"{split}:{int(train)}"
         if key not in self.loaders:
             self.loaders[key] = self._make_loader(split, train)

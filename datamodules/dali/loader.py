@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from datamodules.cpus import cpus_per_process
 from datamodules.index import DataError
-from datamodules.sample.batches import fill_batch, new_batch
+from datamodules.memory import CONSUMER_BATCHES, Budget, MemoryPlan, pinned_block_bytes
+from datamodules.sample.batches import _pixels, fill_batch, new_batch
 from datamodules.sample.crop import ValCrop, resize
 
 # nvJPEG preallocates, PER DALI THREAD, one device buffer of device_memory_padding and two pinned host
@@ -57,6 +59,59 @@ def dali_memory_bill(decoder_device: str, threads: int) -> dict[str, int]:
     if decoder_device != "mixed":
         return {"device": 0, "pinned": 0}
     return {"device": threads * DEVICE_MEMORY_PADDING, "pinned": threads * 2 * HOST_MEMORY_PADDING}
+
+
+@dataclass(frozen=True)
+class DALIPlan:
+    """One DALI pipeline's memory (a `datamodules.memory.MemoryPlan` entry).
+
+    pinned: nvJPEG's buffers (`dali_memory_bill`) and, with CPU decoding for a GPU run, the pinned batches
+    HostFinish makes (one being finished plus the consumer's two, in blocks of torch's caching host
+    allocator). Not counted: DALI's own queue of `queue` decoded batches in pageable host memory (their
+    size depends on the images) and, for mixed, its GPU memory (`device`).
+    """
+
+    split: str
+    batch: int
+    size: int
+    decoder: str
+    threads: int
+    queue: int
+    pin: bool
+
+    @property
+    def batch_bytes(self) -> int:
+        return _pixels(self.batch, self.size)[2]
+
+    @property
+    def pinned(self) -> int:
+        batches = (1 + CONSUMER_BATCHES) * pinned_block_bytes(self.batch_bytes) if self.pin else 0
+        return dali_memory_bill(self.decoder, self.threads)["pinned"] + batches
+
+    @property
+    def device(self) -> int:
+        return dali_memory_bill(self.decoder, self.threads)["device"]
+
+    shm = 0
+
+    def describe(self) -> str:
+        return (f"{self.split}: DALI {self.decoder}, {self.threads} thread{'s' * (self.threads > 1)}, "
+                f"{self.queue} batches queued, {self.size} px")
+
+
+def dali_memory_plan(args, layout, train_sizes=()) -> MemoryPlan:
+    """A DALIDataModule's pipelines (`DALIPlan`) for init args `args` on `layout` (datamodules/sizing.py)."""
+    device = args.get("dali_device", "auto")
+    decoder = "mixed" if device == "gpu" or (device == "auto" and layout.cuda) else "cpu"
+    threads = dali_threads(decoder, usable=layout.cpus, requested=args.get("num_threads"))
+    image = int(args["image_size"])
+    batch = max(1, int(args["batch_size"]) // layout.world)
+    pin = decoder == "cpu" and layout.cuda and bool(args.get("pin_memory", True))
+    queue = int(args.get("prefetch_queue_depth", 2))
+    sizes = [("train", max([image, *train_sizes]))] if layout.fit else []
+    pipelines = [DALIPlan(split, batch, size, decoder, threads, queue, pin)
+                 for split, size in [*sizes, ("val", int(args.get("val_image_size") or image))]]
+    return MemoryPlan(pipelines, Budget.of(args))
 
 
 class HostFinish:

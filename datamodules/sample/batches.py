@@ -14,6 +14,10 @@ process has said it is done with it:
 A ring buffer is reused only when the two match, so a batch a consumer still holds is never
 overwritten: a consumer that never gives batches back (a plain DataLoader around a
 `SampleDataset`) just makes the worker fall back to a fresh buffer per batch, as before.
+A ring holds buffers of one batch shape: when the size changes (progressive resizing), buffers of
+the old size are dropped as soon as they are given back, so their shared memory is freed and the
+ring fills with buffers of the new size. The number of slots comes from the memory plan
+(datamodules/memory.py): the batches a worker may have in flight, plus the consumer's.
 `SampleLoader` gives back every batch of every iteration; `RingBatch.pin_memory` does it in the
 DataLoader's pin thread (torch/utils/data/_utils/pin_memory.py calls a batch's own
 `pin_memory()` before treating it as a tuple).
@@ -28,16 +32,21 @@ from concurrent.futures import Executor
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
-RING_SLOTS = 8  # per worker; a loader keeps prefetch_factor batches per worker in flight
+RING_SLOTS = 8  # per worker, unless the memory plan says otherwise (SampleDataset.ring_slots)
 _HEADER = 16  # bytes: int64 sent, int64 given back
 _ALIGN = 64
 
-_ring: tuple[int, list[torch.UntypedStorage]] | None = None
+_ring: tuple[int, list[tuple[torch.UntypedStorage, int]]] | None = None  # (buffer, bytes of pixels)
 
 
 def _pixels(n: int, size: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """Shape, channels-last stride (what the resize kernel writes) and byte count of a uint8 batch."""
     return (n, 3, size, size), (3 * size * size, 1, 3 * size, 3), n * 3 * size * size
+
+
+def ring_buffer_bytes(n: int, size: int) -> int:
+    """Shared-memory bytes of one ring buffer for a batch of n images of size x size."""
+    return -(-_pixels(n, size)[2] // _ALIGN) * _ALIGN + _HEADER
 
 
 def _header(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor | None:
@@ -52,7 +61,7 @@ def _view(storage: torch.UntypedStorage, shape, stride) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage, 0, shape, stride)
 
 
-def _worker_ring() -> list[torch.UntypedStorage]:
+def _worker_ring() -> list[tuple[torch.UntypedStorage, int]]:
     """This worker process's ring buffers (made after any fork: a ring never crosses one)."""
     global _ring
     if _ring is None or _ring[0] != os.getpid():
@@ -60,25 +69,39 @@ def _worker_ring() -> list[torch.UntypedStorage]:
     return _ring[1]
 
 
-def new_batch(n: int, size: int, pin: bool = False) -> torch.Tensor:
+def ring_nbytes() -> list[int]:
+    """The pixel bytes of each buffer in this process's ring (what a size change must leave behind)."""
+    return [nbytes for _, nbytes in _worker_ring()]
+
+
+def new_batch(n: int, size: int, pin: bool = False, slots: int = RING_SLOTS) -> torch.Tensor:
     """An uninitialised uint8 (n, 3, size, size) channels-last batch; in a worker, in shared memory.
 
-    In a worker it is a ring buffer when one is free (see the module doc), stamped as sent;
-    elsewhere private memory, pinned if `pin`.
+    In a worker it is a ring buffer when one is free (see the module doc), stamped as sent; the ring
+    keeps at most `slots` buffers and drops free buffers of another size. Elsewhere private memory,
+    pinned if `pin`.
     """
     shape, stride, nbytes = _pixels(n, size)
     if get_worker_info() is None:
         return torch.empty_strided(shape, stride, dtype=torch.uint8, pin_memory=pin)
     ring = _worker_ring()
-    for storage in ring:
-        header = _header(storage, nbytes)
-        if header is not None and int(header[0]) == int(header[1]):
-            header[0] += 1
-            return _view(storage, shape, stride)
-    if len(ring) < RING_SLOTS:
+    found = None
+    for entry in list(ring):
+        storage, held = entry
+        header = _header(storage, held)
+        if int(header[0]) != int(header[1]):
+            continue  # still held by the training process
+        if held != nbytes or found is not None and len(ring) > slots:
+            ring.remove(entry)  # another size (or a slot too many): its shared memory goes with the last reference
+        elif found is None:
+            found = (storage, header)
+    if found is not None:
+        found[1][0] += 1
+        return _view(found[0], shape, stride)
+    if len(ring) < slots:
         storage = torch.UntypedStorage._new_shared(-(-nbytes // _ALIGN) * _ALIGN + _HEADER)
         _header(storage, nbytes).fill_(0)[0] = 1
-        ring.append(storage)
+        ring.append((storage, nbytes))
         return _view(storage, shape, stride)
     return _view(torch.UntypedStorage._new_shared(nbytes), shape, stride)  # every ring buffer is still held
 

@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from datamodules.index import DataError, Index
-from datamodules.sample.batches import RingBatch, fill_batch, new_batch
+from datamodules.sample.batches import RING_SLOTS, RingBatch, fill_batch, new_batch
 from datamodules.sample.decode import decode
 
 SAMPLE_THREADS = 4  # per process: enough reads in flight to hide a local disk's latency on a cold cache
@@ -134,9 +134,12 @@ class SampleDataset(Dataset):
     `size` is read once per batch (a batch never mixes sizes); `crop` is `TrainCrop` or `ValCrop`.
     `decode_threads`: the CPUs one process of the loader has (set by the DataModule for its loader);
     above 1, the samples of a batch are decoded side by side (see the module doc).
+    `ring_slots`: shared-memory batch buffers a loader worker keeps (set by the DataModule from its
+    memory plan, datamodules/memory.py).
     """
 
     decode_threads = SAMPLE_THREADS
+    ring_slots = RING_SLOTS
 
     def __init__(self, source: Source, labels: Sequence[int], crop: Callable, size: int | torch.Tensor) -> None:
         self.source = source
@@ -166,7 +169,7 @@ class SampleDataset(Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         size = self.size()
-        images = new_batch(len(indices), size)
+        images = new_batch(len(indices), size, slots=self.ring_slots)
         seeds = torch.randint(2**62, (len(indices),)).tolist()
         # A failure (a DataError naming the sample) is re-raised here, in this thread.
         if self.decode_threads > 1:

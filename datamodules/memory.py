@@ -1,0 +1,200 @@
+"""Memory a rank's loaders hold, and their in-flight batches sized to a per-rank budget.
+
+Three kinds, per training process (rank); eight ranks on a node hold eight times as much:
+- pinned (page-locked) host memory: the DataLoader's pin thread copies each batch into it for an
+  asynchronous copy to the GPU (sample/batches.py, `give_back(pin=True)`). torch's pinned allocator
+  rounds every request up to a power of two and keeps freed blocks cached for reuse
+  (ATen/core/CachingHostAllocator.h: `roundSize` uses PowerOf2Ceil; `free` puts the block on its
+  size's free list), so the cache holds as many blocks of pow2ceil(batch bytes) as were ever in flight.
+- shared memory (/dev/shm): each loader worker's ring of batch buffers (sample/batches.py), and a
+  dataset held in RAM for all workers (DownscaledDataModule in_memory).
+- host RAM: both of the above (page-locked and shared pages are RAM too). Not counted: each worker
+  process's own Python and torch, and the images a worker is decoding (a few at a time).
+
+In flight per loader: `prefetch_factor` batches per worker outstanding
+(torch/utils/data/dataloader.py, `_MultiProcessingDataLoaderIter._try_put_index`, round robin, so
+at most that many per worker), all of which the pin thread may have pinned before a GPU-bound step
+takes them; plus Lightning's one prefetched batch (`_PrefetchDataFetcher`) and the step's own
+batch. A worker's ring needs a slot for each of its outstanding batches and the two the training
+process may still hold (without pinning the batch is the ring buffer itself).
+
+Persistent train and val workers both keep their rings, and the pinned cache keeps both batch
+shapes, so during a fit the train loader gets TRAIN_SHARE of each budget and validation the rest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from datamodules.sample.batches import _pixels, ring_buffer_bytes
+
+GIB = 1 << 30
+MIB = 1 << 20
+PREFETCH_CHOICES = (4, 3, 2, 1)  # the most batches per worker in flight that the budget allows
+CONSUMER_BATCHES = 2  # Lightning's prefetched batch and the one the step is using
+TRAIN_SHARE = 0.75
+DEFAULT_BUDGET_GIB = {"pinned": 2.0, "shm": 4.0, "host": 8.0}
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """Pinned bytes a request of `nbytes` takes in torch's caching host allocator: the next power of two."""
+    return 1 << max(0, int(nbytes) - 1).bit_length()
+
+
+def gib(nbytes: float) -> str:
+    """Bytes for a reader: GiB from a tenth of one, else MiB, else KiB."""
+    if nbytes >= GIB / 10:
+        return f"{nbytes / GIB:.2f} GiB"
+    return f"{nbytes / MIB:.0f} MiB" if nbytes >= MIB else f"{nbytes / 1024:.0f} KiB"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Bytes one rank may hold: pinned, shared memory, host RAM (pinned + shared + anything else in RAM)."""
+
+    pinned: int
+    shm: int
+    host: int
+
+    @classmethod
+    def from_gib(cls, pinned: float, shm: float, host: float) -> Budget:
+        return cls(int(pinned * GIB), int(shm * GIB), int(host * GIB))
+
+    @classmethod
+    def of(cls, args) -> Budget:
+        """From a DataModule's init args (`pinned_budget_gib`, `shm_budget_gib`, `host_budget_gib`)."""
+        return cls.from_gib(*(float(args.get(f"{kind}_budget_gib", DEFAULT_BUDGET_GIB[kind]))
+                              for kind in ("pinned", "shm", "host")))
+
+    def share(self, fraction: float) -> Budget:
+        return Budget(int(self.pinned * fraction), int(self.shm * fraction), int(self.host * fraction))
+
+
+@dataclass(frozen=True)
+class LoaderPlan:
+    """One split's loader: workers, batches in flight, and the bytes they hold."""
+
+    split: str
+    batch: int  # images per rank
+    size: int  # px (the largest this loader will make)
+    workers: int
+    prefetch: int  # batches per worker in flight (DataLoader prefetch_factor); 0 without workers
+    pin: bool
+    wanted_workers: int  # before the budget
+
+    @property
+    def batch_bytes(self) -> int:
+        return _pixels(self.batch, self.size)[2]
+
+    @property
+    def ring_slots(self) -> int:
+        return self.prefetch + CONSUMER_BATCHES
+
+    @property
+    def in_flight(self) -> int:
+        return (self.prefetch * self.workers if self.workers else 1) + CONSUMER_BATCHES
+
+    @property
+    def pinned(self) -> int:
+        return self.in_flight * pinned_block_bytes(self.batch_bytes) if self.pin else 0
+
+    @property
+    def shm(self) -> int:
+        return self.workers * self.ring_slots * ring_buffer_bytes(self.batch, self.size)
+
+    def describe(self) -> str:
+        if not self.workers:
+            return f"{self.split} in-process at {self.size} px"
+        capped = f" (of {self.wanted_workers}: memory budget)" if self.workers < self.wanted_workers else ""
+        return (f"{self.split}: {self.workers} worker{'s' * (self.workers > 1)}{capped}, "
+                f"{self.prefetch} batch{'es' * (self.prefetch > 1)} each in flight, {self.size} px")
+
+
+@dataclass
+class MemoryPlan:
+    """Every loader of a rank and what they hold, against the budget."""
+
+    loaders: list[LoaderPlan]
+    budget: Budget
+    resident: int = 0  # a dataset held in shared memory (DownscaledDataModule in_memory)
+    notes: list[str] = field(default_factory=list)
+
+    def loader(self, split: str) -> LoaderPlan | None:
+        return next((p for p in self.loaders if p.split == split), None)
+
+    @property
+    def pinned(self) -> int:
+        return sum(p.pinned for p in self.loaders)
+
+    @property
+    def shm(self) -> int:
+        return sum(p.shm for p in self.loaders) + self.resident
+
+    @property
+    def host(self) -> int:
+        return self.pinned + self.shm
+
+    def over_budget(self) -> list[str]:
+        return [f"{kind} {gib(got)} > {gib(limit)}" for kind, got, limit in
+                (("pinned", self.pinned, self.budget.pinned), ("shared memory", self.shm, self.budget.shm),
+                 ("host", self.host, self.budget.host)) if got > limit]
+
+    def describe(self) -> str:
+        """The start-up line: what a rank holds, against its budget."""
+        parts = [f"pinned {gib(self.pinned)} of {gib(self.budget.pinned)}",
+                 f"shared memory {gib(self.shm)} of {gib(self.budget.shm)}",
+                 f"host {gib(self.host)} of {gib(self.budget.host)}"]
+        loaders = "; ".join(p.describe() for p in self.loaders)
+        batch = max(self.loaders, key=lambda p: p.batch_bytes, default=None)
+        per_batch = (f"; a batch of {batch.batch} at {batch.size} px is {gib(batch.batch_bytes)}"
+                     + (f", pinned in blocks of {gib(pinned_block_bytes(batch.batch_bytes))}" if batch.pin else "")
+                     if batch else "")
+        over = self.over_budget()
+        return ("Memory per rank: " + ", ".join(parts) + f" ({loaders}{per_batch})"
+                + (f". OVER BUDGET: {'; '.join(over)}" if over else "") + "".join(f". {n}" for n in self.notes))
+
+
+def plan_loader(split: str, batch: int, size: int, workers: int, pin: bool, budget: Budget) -> LoaderPlan:
+    """The most batches in flight (then the most workers, down to one) whose memory fits `budget`."""
+    if workers <= 0:
+        return LoaderPlan(split, batch, size, 0, 0, pin, 0)
+
+    def fits(plan: LoaderPlan) -> bool:
+        return plan.pinned <= budget.pinned and plan.shm <= budget.shm and plan.pinned + plan.shm <= budget.host
+
+    for prefetch in PREFETCH_CHOICES:
+        plan = LoaderPlan(split, batch, size, workers, prefetch, pin, workers)
+        if fits(plan):
+            return plan
+    for fewer in range(workers - 1, 0, -1):
+        plan = LoaderPlan(split, batch, size, fewer, 1, pin, workers)
+        if fits(plan):
+            return plan
+    return LoaderPlan(split, batch, size, 1, 1, pin, workers)  # over budget: said in the start-up line
+
+
+def plan_memory(batch: int, train_size: int | None, val_size: int, workers: int, pin: bool, budget: Budget,
+                resident: int = 0, val_workers: int | None = None) -> MemoryPlan:
+    """A rank's loaders: train (when `train_size` is given, i.e. during a fit) and val, sized to `budget`.
+
+    `batch`: images per rank; `train_size`: the largest train crop the run will use; `resident`: bytes of a
+    dataset held in shared memory, taken off the shared-memory and host budgets first.
+    """
+    left = Budget(budget.pinned, max(0, budget.shm - resident), max(0, budget.host - resident))
+    val_workers = workers if val_workers is None else val_workers
+    loaders = []
+    if train_size is not None:
+        loaders.append(plan_loader("train", batch, train_size, workers, pin, left.share(TRAIN_SHARE)))
+        loaders.append(plan_loader("val", batch, val_size, val_workers, pin, left.share(1 - TRAIN_SHARE)))
+    else:
+        loaders.append(plan_loader("val", batch, val_size, val_workers, pin, left))
+    return MemoryPlan(loaders, budget, resident)
+
+
+def release_cached_pinned_memory() -> None:
+    """Free the pinned blocks torch's caching host allocator keeps for reuse (after a batch size change, the
+    old size's blocks would stay cached for the rest of the run). torch/cuda/graphs.py calls the same
+    `torch._C._host_emptyCache`; blocks still in use are left alone. Nothing to do before CUDA starts."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()
