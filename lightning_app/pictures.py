@@ -1,15 +1,17 @@
 """Pictures in TensorBoard: what the model confuses, gets wrong, and sees.
 
 After each validation epoch (rank 0 logs; not during the sanity check):
-  images/confusion_matrix   torchmetrics' confusion-matrix plot with the class names (summed over all ranks)
+  images/confusion_matrix   the confusion matrix of the whole validation set (summed over all ranks):
+                            labelled up to 30 classes, a compact heatmap above (lightning_app/drawing.py)
+  images/most_confused      the (true, predicted) pairs confused most often, as a table (TEXT tab)
   images/mistakes           the most confidently misclassified val images, each titled true / predicted
 Once per fit:
   images/train_batch        the first training batch after augmentation, as the model sees it
 
-Cheap: the confusion matrix is an N x N count updated from the logits validation already
-computed (validation_step returns them); the mistakes keep at most `max_images` images on
-rank 0's shard; the training batch is drawn once. Switch with `--model.pictures`
-(a list of confusion_matrix, mistakes, train_batch; [] for none).
+They never hold the other ranks: during validation everything stays on the device (no copy to the
+host per batch, no host sync); at the epoch's end one all-reduce sums the N x N counts, then rank 0
+copies what it draws to the host and hands it to its drawing thread, and goes on training. Switch with
+`--model.pictures` (a list of confusion_matrix, mistakes, train_batch; [] for none).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
+from lightning_app.drawing import Drawer, confusion_picture, most_confused, titled_grid
 from lightning_app.errors import UserError
 
 KINDS = ("confusion_matrix", "mistakes", "train_batch")
@@ -49,33 +52,14 @@ def to_uint8(images: torch.Tensor) -> torch.Tensor:
     return (images.float() * std + mean).clamp_(0, 255).round_().to(torch.uint8).cpu()
 
 
-def titled_grid(images: torch.Tensor, titles: list[str], columns: int = 4):
-    """A matplotlib figure of uint8 NCHW images, each with its title (TensorBoard images have no captions)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    n = len(images)
-    columns = min(columns, n)
-    rows = (n + columns - 1) // columns
-    fig, axes = plt.subplots(rows, columns, figsize=(2.2 * columns, 2.5 * rows), squeeze=False)
-    for ax in axes.flat:
-        ax.axis("off")
-    for ax, image, title in zip(axes.flat, images, titles):
-        ax.imshow(image.permute(1, 2, 0).numpy())
-        ax.set_title(title, fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
 class TensorBoardPictures(pl.Callback):
     def __init__(self, kinds=KINDS, max_images: int = 16) -> None:
         self.kinds = set(kinds)
         self.max_images = max_images
         self._train_batch_logged = False
-        self._confusion = None
-        self._mistakes: list[tuple[float, torch.Tensor, int, int]] = []
+        self._counts: torch.Tensor | None = None
+        self._best: tuple[torch.Tensor, ...] | None = None  # (scores, images, true, predicted) on the device
+        self.drawer = Drawer()
 
     def _names(self, pl_module) -> list[str]:
         names = list(getattr(pl_module, "class_names", []) or [])
@@ -93,53 +77,75 @@ class TensorBoardPictures(pl.Callback):
         writer = tensorboard(trainer)
         if trainer.global_rank != 0 or writer is None:
             return
-        images, labels = batch[0][: self.max_images], batch[1][: self.max_images]
-        names = self._names(pl_module)
-        titles = [names[int(y)] if 0 <= int(y) < len(names) else str(int(y)) for y in labels]
-        writer.add_figure("images/train_batch", titled_grid(to_uint8(images), titles), trainer.global_step)
+        images, labels = to_uint8(batch[0][: self.max_images]).numpy(), batch[1][: self.max_images].tolist()
+        names, step = self._names(pl_module), trainer.global_step
+        titles = [names[y] if isinstance(y, int) and 0 <= y < len(names) else str(y) for y in labels]
+        self.drawer.submit(lambda: writer.add_image("images/train_batch", titled_grid(images, titles), step,
+                                                    dataformats="HWC"))
 
     # -- every validation epoch: confusion matrix and worst mistakes ------------------------
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
-        self._mistakes = []
+        self._best = None
+        self._counts = None
         if "confusion_matrix" in self.kinds and not trainer.sanity_checking:
-            from torchmetrics.classification import MulticlassConfusionMatrix
-
-            self._confusion = MulticlassConfusionMatrix(pl_module.backbone_num_classes()).to(pl_module.device)
+            n = pl_module.backbone_num_classes()
+            self._counts = torch.zeros(n, n, dtype=torch.int64, device=pl_module.device)
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         if trainer.sanity_checking or not isinstance(outputs, torch.Tensor):
             return  # validation_step returns its logits
         logits, labels = outputs.detach(), batch[1]
-        if self._confusion is not None:
-            self._confusion.update(logits, labels)
+        predicted = logits.argmax(-1)
+        if self._counts is not None:
+            # index_put_ with accumulate: no host sync (torchmetrics' confusion matrix counts with
+            # torch.bincount, which reads the largest value back to the host on CUDA)
+            self._counts.index_put_((labels, predicted), torch.ones_like(labels), accumulate=True)
         if "mistakes" in self.kinds and trainer.global_rank == 0:
-            conf, pred = logits.float().softmax(-1).max(-1)
-            # the most confident wrong ones, chosen on the device: one small copy to the host per batch
-            score = torch.where(pred != labels, conf, torch.full_like(conf, -1.0))
-            top, idx = score.topk(min(self.max_images, len(score)))
-            top, idx, true, guess = (t.cpu() for t in (top, idx, labels[idx], pred[idx]))
-            keep = top >= 0
-            if keep.any():
-                pictures = to_uint8(batch[0][idx[keep].to(batch[0].device)])
-                for j, (c, t, p) in enumerate(zip(top[keep].tolist(), true[keep].tolist(), guess[keep].tolist())):
-                    self._mistakes.append((c, pictures[j], t, p))
-                self._mistakes = sorted(self._mistakes, key=lambda m: -m[0])[: self.max_images]
+            self._keep_mistakes(logits, labels, batch[0])
+
+    def _keep_mistakes(self, logits: torch.Tensor, labels: torch.Tensor, images: torch.Tensor) -> None:
+        """The most confident wrong predictions so far, chosen and kept on the device (no host sync)."""
+        confidence, predicted = logits.float().softmax(-1).max(-1)
+        score = torch.where(predicted != labels, confidence, torch.full_like(confidence, -1.0))
+        top, idx = score.topk(min(self.max_images, len(score)))
+        found = (top, images[idx].detach(), labels[idx], predicted[idx])
+        if self._best is not None and self._best[1].shape[1:] == found[1].shape[1:]:
+            merged = [torch.cat(pair) for pair in zip(self._best, found)]
+            top, idx = merged[0].topk(min(self.max_images, len(merged[0])))
+            found = tuple(t[idx] for t in merged)
+        self._best = found
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking:
             return
         writer = tensorboard(trainer)
-        names = self._names(pl_module)
-        if self._confusion is not None:
-            matrix = self._confusion  # compute() sums the counts of all ranks (a collective: every rank calls it)
-            matrix.compute()
+        names, step = self._names(pl_module), trainer.global_step
+        if self._counts is not None:
+            counts = trainer.strategy.reduce(self._counts, reduce_op="sum")  # every rank: one all-reduce
+            self._counts = None
             if trainer.global_rank == 0 and writer is not None:
-                fig, _ = matrix.plot(labels=names)
-                fig.set_size_inches(max(5, 0.5 * len(names)), max(5, 0.5 * len(names)))
-                writer.add_figure("images/confusion_matrix", fig, trainer.global_step)
-            self._confusion = None
-        if self._mistakes and trainer.global_rank == 0 and writer is not None:
-            images = torch.stack([m[1] for m in self._mistakes])
-            titles = [f"true {names[t]}\npred {names[p]} ({c:.2f})" for c, _, t, p in self._mistakes]
-            writer.add_figure("images/mistakes", titled_grid(images, titles), trainer.global_step)
-        self._mistakes = []
+                matrix = counts.cpu().numpy()
+
+                def confusion() -> None:
+                    writer.add_image("images/confusion_matrix", confusion_picture(matrix, names), step,
+                                     dataformats="HWC")
+                    writer.add_text("images/most_confused", most_confused(matrix, names), step)
+
+                self.drawer.submit(confusion)
+        best, self._best = self._best, None
+        if best is not None and trainer.global_rank == 0 and writer is not None:
+            scores, images, true, predicted = best
+            keep = (scores >= 0).cpu()
+            if keep.any():
+                pictures = to_uint8(images[keep.to(images.device)]).numpy()
+                scores, true, predicted = (t.cpu()[keep].tolist() for t in (scores, true, predicted))
+                titles = [f"true {names[t]}\npred {names[p]} ({c:.2f})" for c, t, p in zip(scores, true, predicted)]
+                self.drawer.submit(lambda: writer.add_image("images/mistakes", titled_grid(pictures, titles), step,
+                                                            dataformats="HWC"))
+
+    # -- every picture written before the logger closes --------------------------------------
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self.drawer.wait()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.drawer.wait()
