@@ -13,6 +13,14 @@ from pytorch_lightning.utilities import rank_zero_info
 INPUT_BOUND_FRAC = 0.3
 
 
+def logs_this_step(trainer: pl.Trainer) -> bool:
+    """Whether the training step now running is one whose metrics go to the logger (every
+    log_every_n_steps): Lightning's own test, the same before, during and after the step
+    (trainer/connectors/logger_connector/logger_connector.py, `should_update_logs`). Work that needs a
+    host-device sync (a .item(), a float turned into a device tensor) belongs on these steps only."""
+    return bool(trainer._logger_connector.should_update_logs)
+
+
 class ThroughputMonitor(pl.Callback):
     """Logs `perf/train_img_s` (all processes) and `perf/data_wait_frac` (time waiting for data).
 
@@ -43,7 +51,7 @@ class ThroughputMonitor(pl.Callback):
         self._wait = now - self._last_end
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        log_now = (trainer.global_step % trainer.log_every_n_steps) == 0
+        log_now = logs_this_step(trainer)
         if log_now and pl_module.device.type == "cuda":  # never touch CUDA on a --trainer.accelerator cpu run
             torch.cuda.synchronize(pl_module.device)  # only when logging: make the window's time honest
         now = time.perf_counter()
@@ -86,12 +94,29 @@ def diagnose(wait_frac: float) -> str:
 
 
 class LogFriendlyProgressBar(TQDMProgressBar):
-    """A tqdm bar that redraws every step on a terminal, but rarely when output goes to a file."""
+    """A tqdm bar that redraws every step on a terminal, but rarely when output goes to a file.
+
+    It shows the training loss of the last step that was logged: reading it every step would be a
+    host-device sync every step (`logs_this_step`).
+    """
 
     def __init__(self, refresh_rate: int | None = None, file_refresh_rate: int = 100) -> None:
         if refresh_rate is None:
             refresh_rate = 1 if sys.stdout.isatty() else file_refresh_rate
         super().__init__(refresh_rate=refresh_rate)
+        self._loss: float | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor) and logs_this_step(trainer):
+            self._loss = float(loss.detach())
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        items = super().get_metrics(trainer, pl_module)
+        if self._loss is not None:
+            items["train/loss"] = f"{self._loss:.3f}"
+        return items
 
 
 class EpochLineProgress(ProgressBar):
@@ -109,7 +134,7 @@ class EpochLineProgress(ProgressBar):
     def _reset(self) -> None:
         self._t0 = time.perf_counter()
         self._images = 0
-        self._loss_sum = 0.0
+        self._loss_sum: torch.Tensor | float = 0.0  # summed on the device, read once at the epoch's end
         self._loss_n = 0
         self._validated = False
 
@@ -127,7 +152,7 @@ class EpochLineProgress(ProgressBar):
             self._images += int(batch[0].shape[0])
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
-            self._loss_sum += float(loss.detach())
+            self._loss_sum = self._loss_sum + loss.detach().float()
             self._loss_n += 1
 
     def on_validation_end(self, trainer, pl_module) -> None:
@@ -139,7 +164,7 @@ class EpochLineProgress(ProgressBar):
         seconds = time.perf_counter() - self._t0
         parts = []
         if self._loss_n:
-            parts.append(f"train/loss {self._loss_sum / self._loss_n:.4f}")
+            parts.append(f"train/loss {float(self._loss_sum) / self._loss_n:.4f}")
         acc = trainer.callback_metrics.get("val/acc1")
         if acc is not None and self._validated:  # not a stale value on epochs without validation
             parts.append(f"val/acc1 {float(acc):.4f}")

@@ -12,6 +12,7 @@ from torchvision.transforms import v2
 
 from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
 from lightning_app import weights as weights_lib
+from lightning_app.callbacks import logs_this_step
 from lightning_app.errors import UserError
 from lightning_app.steps import total_steps
 from models import create_model
@@ -90,9 +91,11 @@ class ImageClassifier(pl.LightningModule):
         if h.channels_last:
             self.backbone = self.backbone.to(memory_format=torch.channels_last)
         top5 = min(5, num_classes)
-        self.train_acc1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
-        self.val_acc1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
-        self.val_acc5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
+        # validate_args=False: its check counts the unique labels with torch.unique, a host sync on every
+        # update (torchmetrics/functional/classification/stat_scores.py, _multiclass_stat_scores_tensor_validation)
+        self.train_acc1 = MulticlassAccuracy(num_classes, top_k=1, average="micro", validate_args=False)
+        self.val_acc1 = MulticlassAccuracy(num_classes, top_k=1, average="micro", validate_args=False)
+        self.val_acc5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro", validate_args=False)
         self.batch_mix = batch_mix(num_classes, h.mixup_alpha, h.cutmix_alpha, h.mix_switch_prob)
 
     def configure_model(self) -> None:
@@ -103,7 +106,7 @@ class ImageClassifier(pl.LightningModule):
                 from lightning_app.strategies import check_compile
 
                 check_compile(self._trainer.strategy)  # dp: refused; ddp: warned (why: in strategies.py)
-            self.backbone.compile()  # in place: checkpoint keys do not gain "_orig_mod."
+            compile_static(self.backbone, self._trainer)
             self._compiled = True
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -127,10 +130,15 @@ class ImageClassifier(pl.LightningModule):
             images, labels = self.batch_mix(images, labels)  # labels become soft targets (N, classes)
         logits = self(images)
         loss = F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing)
-        self.train_acc1(logits, labels.argmax(-1) if labels.ndim == 2 else labels)
-        self.log("train/loss", loss, prog_bar=True)
-        self.log("train/acc1", self.train_acc1, on_step=True, on_epoch=False)  # tag train/acc1, as DESIGN.md
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
+        # Not prog_bar: Lightning converts every progress-bar value with .item() after every batch
+        # (trainer/connectors/logger_connector/result.py, _ResultCollection.metrics), a host sync per step.
+        self.log("train/loss", loss)
+        if logs_this_step(self.trainer):
+            # only on the steps that are logged: the accuracy and a Python float (which Lightning copies to the
+            # device, LightningModule.__to_tensor: a host-device sync) cost a sync each
+            self.train_acc1(logits, labels.argmax(-1) if labels.ndim == 2 else labels)
+            self.log("train/acc1", self.train_acc1, on_step=True, on_epoch=False)  # tag train/acc1, as DESIGN.md
+            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> None:
@@ -262,6 +270,25 @@ def inference_settings(datamodule) -> dict:
         return {}
     ratio = float(getattr(datamodule, "val_crop_ratio", 1.0) or 1.0)
     return {"image_size": int(size), "resize": round(size / ratio), "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}
+def compile_static(backbone: torch.nn.Module, trainer: pl.Trainer | None) -> None:
+    """torch.compile the backbone in place (checkpoint keys do not gain "_orig_mod.") with static shapes.
+
+    torch.compile's default (dynamic=None) makes a dimension dynamic at its first recompile (torch/__init__.py,
+    `compile`, argument `dynamic`): the sanity check compiles at the val size first, so the train size would
+    run a dynamic-shape graph for the whole run. Static: one graph per input shape (each train size, the val
+    size and its last partial batch, in train and eval mode), each compiled once; the recompile limit
+    (torch/_dynamo/config.py, 8 by default; past it, dynamo silently runs the frame eagerly) is raised to
+    hold them, and rank 0 logs every recompile with its reason.
+    """
+    import torch._dynamo
+
+    sizes = getattr(getattr(trainer, "datamodule", None), "scheduled_train_sizes", None) or [None]
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * (len(sizes) + 2) + 4)
+    if trainer is None or trainer.global_rank == 0:
+        torch._logging.set_logs(recompiles=True)
+    backbone.compile(dynamic=False)
+
+
 def batch_mix(num_classes: int, mixup_alpha: float, cutmix_alpha: float,
               switch_prob: float = 0.5) -> v2.Transform | None:
     """MixUp, CutMix, or a random choice between them per batch (as torchvision's reference recipe); None when off."""
