@@ -56,14 +56,14 @@ def test_launch_scripts_apply_their_layout_after_the_users_config(script, env, t
     cmd = _dry_run(script, user, {**env, "SLURM_SUBMIT_DIR": str(tmp_path)})  # no last.ckpt there: no resume flag
     args = _main_args(cmd)
     assert args[0] == "fit" and args[1:1 + len(user)] == user  # the user's "$@" first, untouched
-    assert args[1 + len(user):] == ["--trainer.num_nodes", "2", "--trainer.devices", "4", "--trainer.strategy", "ddp"]
+    assert args[1 + len(user):] == ["--trainer.num_nodes", "2", "--trainer.devices", "4"]  # the layout only
     if "srun" in cmd[0]:
         assert cmd[:3] == ["srun", "--cpus-per-task", "8"]  # SLURM >= 22.05 does not pass it on
     # and jsonargparse, applying left to right, ends with the script's layout, not the config's `auto`
     cli = ClassifierCLI(args=args[1:], run=False)
     assert str(cli.config["trainer"]["devices"]) == "4" and cli.config["trainer"]["num_nodes"] == 2
     assert cli.trainer.num_devices == 4 and cli.trainer.num_nodes == 2
-    assert cli.config["trainer"]["strategy"] == "ddp"
+    assert cli.config["trainer"]["strategy"]["class_path"] == "lightning_app.strategies.DDPStrategy"  # the config's
 
 
 # ---------------------------------------------------------------------------- bench gpu on a CPU
