@@ -91,8 +91,9 @@ class ImageClassifier(pl.LightningModule):
         if h.channels_last:
             self.backbone = self.backbone.to(memory_format=torch.channels_last)
         top5 = min(5, num_classes)
-        # validate_args=False: its check counts the unique labels with torch.unique, a host sync on every
-        # update (torchmetrics/functional/classification/stat_scores.py, _multiclass_stat_scores_tensor_validation)
+        # validate_args=False: the check may count distinct values with torch.unique, a host sync per update
+        # (torchmetrics/functional/classification/stat_scores.py, _multiclass_stat_scores_tensor_validation; in
+        # the installed version only for integer predictions, not for our logits). The labels are ours.
         self.train_acc1 = MulticlassAccuracy(num_classes, top_k=1, average="micro", validate_args=False)
         self.val_acc1 = MulticlassAccuracy(num_classes, top_k=1, average="micro", validate_args=False)
         self.val_acc5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro", validate_args=False)
