@@ -1,4 +1,4 @@
-"""`python -m bench {loaders,train,gpu}`: tables (Markdown), JSON and a PNG chart for this machine."""
+"""`python -m bench {loaders,train,gpu,memory}`: tables (Markdown), JSON and a PNG chart for this machine."""
 from __future__ import annotations
 
 import argparse
@@ -105,9 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--timeout", type=int, default=900, help="seconds before a row is stopped and marked failed")
     _common(tr)
 
-    from bench import gpu
+    from bench import gpu, memory
 
     gpu.add_parser(sub, _common)
+    memory.add_parser(sub, _common)
     return ap
 
 
@@ -182,6 +183,10 @@ def _run(args: argparse.Namespace) -> int:
         from bench import gpu
 
         md, paths = gpu.main(args)
+    elif args.command == "memory":
+        from bench import memory
+
+        md, paths = memory.main(args)
     else:
         from bench import train, train_report, train_rows
 

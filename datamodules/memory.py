@@ -15,11 +15,13 @@ In flight per loader: `prefetch_factor` batches per worker outstanding
 (torch/utils/data/dataloader.py, `_MultiProcessingDataLoaderIter._try_put_index`, round robin, so
 at most that many per worker), all of which the pin thread may have pinned before a GPU-bound step
 takes them; plus Lightning's one prefetched batch (`_PrefetchDataFetcher`) and the step's own
-batch. A worker's ring needs a slot for each of its outstanding batches and the two the training
-process may still hold (without pinning the batch is the ring buffer itself).
+batch. A worker's ring needs a slot for each of its outstanding batches: with pinning, a batch's
+buffer goes back as soon as the pin thread has copied it, before the batch can be consumed and the
+worker be sent its next index; without pinning the training process uses the ring buffer itself,
+so the two batches it may still hold need slots too.
 
 Persistent train and val workers both keep their rings, and the pinned cache keeps both batch
-shapes, so during a fit the train loader gets TRAIN_SHARE of each budget and validation the rest.
+shapes, so during a fit the two loaders share the budget (`_plan`).
 """
 from __future__ import annotations
 
@@ -33,7 +35,6 @@ GIB = 1 << 30
 MIB = 1 << 20
 PREFETCH_CHOICES = (4, 3, 2, 1)  # the most batches per worker in flight that the budget allows
 CONSUMER_BATCHES = 2  # Lightning's prefetched batch and the one the step is using
-TRAIN_SHARE = 0.75
 DEFAULT_BUDGET_GIB = {"pinned": 2.0, "shm": 4.0, "host": 8.0}
 
 
@@ -89,7 +90,7 @@ class LoaderPlan:
 
     @property
     def ring_slots(self) -> int:
-        return self.prefetch + CONSUMER_BATCHES
+        return self.prefetch if self.pin else self.prefetch + CONSUMER_BATCHES
 
     @property
     def in_flight(self) -> int:
@@ -156,22 +157,8 @@ class MemoryPlan:
 
 
 def plan_loader(split: str, batch: int, size: int, workers: int, pin: bool, budget: Budget) -> LoaderPlan:
-    """The most batches in flight (then the most workers, down to one) whose memory fits `budget`."""
-    if workers <= 0:
-        return LoaderPlan(split, batch, size, 0, 0, pin, 0)
-
-    def fits(plan: LoaderPlan) -> bool:
-        return plan.pinned <= budget.pinned and plan.shm <= budget.shm and plan.pinned + plan.shm <= budget.host
-
-    for prefetch in PREFETCH_CHOICES:
-        plan = LoaderPlan(split, batch, size, workers, prefetch, pin, workers)
-        if fits(plan):
-            return plan
-    for fewer in range(workers - 1, 0, -1):
-        plan = LoaderPlan(split, batch, size, fewer, 1, pin, workers)
-        if fits(plan):
-            return plan
-    return LoaderPlan(split, batch, size, 1, 1, pin, workers)  # over budget: said in the start-up line
+    """One loader alone (validate, test): the most batches in flight, then the most workers, that fit `budget`."""
+    return _plan([(split, size, workers)], batch, pin, budget)[0]
 
 
 def plan_memory(batch: int, train_size: int | None, val_size: int, workers: int, pin: bool, budget: Budget,
@@ -182,14 +169,32 @@ def plan_memory(batch: int, train_size: int | None, val_size: int, workers: int,
     dataset held in shared memory, taken off the shared-memory and host budgets first.
     """
     left = Budget(budget.pinned, max(0, budget.shm - resident), max(0, budget.host - resident))
-    val_workers = workers if val_workers is None else val_workers
-    loaders = []
-    if train_size is not None:
-        loaders.append(plan_loader("train", batch, train_size, workers, pin, left.share(TRAIN_SHARE)))
-        loaders.append(plan_loader("val", batch, val_size, val_workers, pin, left.share(1 - TRAIN_SHARE)))
-    else:
-        loaders.append(plan_loader("val", batch, val_size, val_workers, pin, left))
-    return MemoryPlan(loaders, budget, resident)
+    splits = [("train", train_size, workers)] if train_size is not None else []
+    splits.append(("val", val_size, workers if val_workers is None else val_workers))
+    return MemoryPlan(_plan(splits, batch, pin, left), budget, resident)
+
+
+def _plan(splits: list[tuple[str, int, int]], batch: int, pin: bool, budget: Budget) -> list[LoaderPlan]:
+    """Workers first, the same number for every split (validation decodes as much per image as training),
+    as many as fit with one batch each in flight; then more batches in flight, train first, while they fit.
+    When not even one worker per split fits, one worker each (the start-up line says over budget)."""
+    def fits(plans: list[LoaderPlan]) -> bool:
+        pinned, shm = sum(p.pinned for p in plans), sum(p.shm for p in plans)
+        return pinned <= budget.pinned and shm <= budget.shm and pinned + shm <= budget.host
+
+    def make(workers: int, prefetch: list[int]) -> list[LoaderPlan]:
+        return [LoaderPlan(name, batch, size, min(workers, wanted), p if wanted else 0, pin, wanted)
+                for (name, size, wanted), p in zip(splits, prefetch)]
+
+    most = max(wanted for _, _, wanted in splits)
+    workers = next((w for w in range(most, 0, -1) if fits(make(w, [1] * len(splits)))), 1)
+    prefetch = [1] * len(splits)
+    for i in range(len(splits)):
+        for p in PREFETCH_CHOICES:
+            if p > prefetch[i] and fits(make(workers, prefetch[:i] + [p] + prefetch[i + 1:])):
+                prefetch[i] = p
+                break
+    return make(workers, prefetch)
 
 
 def release_cached_pinned_memory() -> None:

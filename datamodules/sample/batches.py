@@ -25,6 +25,7 @@ DataLoader's pin thread (torch/utils/data/_utils/pin_memory.py calls a batch's o
 from __future__ import annotations
 
 import os
+import sys
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -123,10 +124,38 @@ def fill_batch(batch: torch.Tensor, sample: Callable[[int], torch.Tensor], pool:
 
 
 class RingBatch(tuple):
-    """(images, labels, *more tensors) whose images may sit in a worker's ring buffer: `give_back` before keeping it."""
+    """(images, labels, *more tensors) whose images may sit in a worker's ring buffer: `give_back` before keeping it.
+
+    A batch the training process drops without taking it (a DataLoader that stops early, e.g. after
+    Lightning's sanity check or `limit_*_batches`, discards the batches its workers had prefetched:
+    torch/utils/data/dataloader.py, `_MultiProcessingDataLoaderIter._reset`) gives its buffer back when
+    it is freed, if nothing else holds the images or a view of them; otherwise the worker would count
+    that buffer as held for the rest of the run. (With pinning, the pin thread has given every batch
+    back before it can be discarded.)
+    """
+
+    def __new__(cls, batch):
+        self = super().__new__(cls, batch)
+        self.maker = os.getpid()  # travels with the batch (pickled __dict__)
+        self.taken = False
+        return self
 
     def pin_memory(self, device=None) -> tuple[torch.Tensor, ...]:
         return give_back(self, pin=True)
+
+    def __del__(self) -> None:
+        if self.taken or getattr(self, "maker", os.getpid()) == os.getpid():
+            return  # handed over to the consumer, or still in the worker that made it
+        images = self[0]
+        # 3 references to the tensor: this tuple, `images`, getrefcount's argument; 2 to its storage: the
+        # tensor and `storage` (torch._C._storage_Use_Count counts the StorageImpl's owners). More: still used.
+        storage = images.untyped_storage()
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        if sys.getrefcount(images) > 3 or use_count is None or use_count(storage._cdata) > 2:
+            return
+        header = _header(storage, images.numel()) if images.storage_offset() == 0 else None
+        if header is not None:
+            header[1] = header[0]
 
 
 def give_back(batch: tuple[torch.Tensor, ...], pin: bool = False) -> tuple[torch.Tensor, ...]:
@@ -141,6 +170,8 @@ def give_back(batch: tuple[torch.Tensor, ...], pin: bool = False) -> tuple[torch
     for exactly that long (the storage's deleter drops it).
     """
     images, *rest = batch
+    if isinstance(batch, RingBatch):
+        batch.taken = True
     header = _header(images.untyped_storage(), images.numel()) if images.storage_offset() == 0 else None
     if pin:
         out = torch.empty_strided(images.shape, images.stride(), dtype=images.dtype, pin_memory=True)
