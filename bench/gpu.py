@@ -2,9 +2,11 @@
 
 One row per path, each with a verdict (what it was compared with, and the tolerance) and a figure:
 the compute ceiling (ResNet-50 at 224 on synthetic on-device batches), each data backend's end-to-end
-training images/s as a share of that ceiling, DALI `mixed` (pixels against DALI CPU, images/s with and
-without the hardware JPEG decoder), 16-mixed and bf16-mixed against 32-true, channels_last,
-cudnn.benchmark and compile against the plain step, dp (>= 2 GPUs) and NCCL DDP (every GPU of the node).
+training images/s as a share of that ceiling (--steps batches timed after --warmup, a stream across
+epochs: throughput, not loader start-up), DALI `mixed` (pixels against DALI CPU, images/s with and
+without the hardware JPEG decoder), 16-mixed and bf16-mixed against 32-true with TF32 (what fp32
+training runs at on Ampere and later), channels_last, cudnn.benchmark and compile against the plain
+step, dp (>= 2 GPUs) and NCCL DDP (every GPU of the node).
 
 Without CUDA every GPU row is skipped with its reason and the command exits 0; the compute ceiling
 (at a small size) and the backend shares run for real on the CPU.
@@ -13,22 +15,20 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench import gpu_checks as gc
+from bench import gpu_parallel as gp
 from bench.gpu_checks import Check, Workload
+from bench.gpu_data import NO_CUDA, backend_rows, dali_rows
 
 GROUPS = ("ceiling", "backends", "dali", "precision", "flags", "dp", "ddp")
-DALI_TOLERANCE = 2.0  # mean |mixed - cpu| in grey levels: nvJPEG's and libjpeg-turbo's IDCTs differ slightly, and
-# CPU decoding resizes on the host with torchvision's geometry where mixed resizes in DALI (1.5 on CPU, dali.py)
-NO_CUDA = "no CUDA GPU here (torch.cuda.is_available() is False)"
 # On a CPU the same code runs, small enough to finish in a minute or two.
-DEFAULTS = {"cuda": {"image_size": 224, "batch_size": 128, "steps": 20, "warmup": 5, "epochs": 2},
-            "cpu": {"image_size": 64, "batch_size": 16, "steps": 3, "warmup": 1, "epochs": 1}}
+DEFAULTS = {"cuda": {"image_size": 224, "batch_size": 128, "steps": 50, "warmup": 10},
+            "cpu": {"image_size": 64, "batch_size": 16, "steps": 3, "warmup": 1}}
 
 
 def add_parser(sub, common) -> argparse.ArgumentParser:
@@ -43,11 +43,9 @@ def add_parser(sub, common) -> argparse.ArgumentParser:
     g.add_argument("--arch", default="resnet50", help="model of every row (default: resnet50)")
     g.add_argument("--image-size", type=int, default=None, help="px (default: 224 on CUDA, 64 on a CPU)")
     g.add_argument("--batch-size", type=int, default=None, help="per step (default: 128 on CUDA, 16 on a CPU)")
-    g.add_argument("--steps", type=int, default=None, help="timed steps per row (default: 20 on CUDA, 3 on a CPU)")
-    g.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 5 on CUDA, 1 on a CPU)")
-    g.add_argument("--epochs", type=int, default=None, help="timed epochs per backend after one warm-up epoch "
-                   "(default: 2 on CUDA, 1 on a CPU)")
-    g.add_argument("--max-batches", type=int, default=None, help="stop each backend epoch after N batches")
+    g.add_argument("--steps", type=int, default=None, help="timed steps (batches) per row, backends included "
+                   "(default: 50 on CUDA, 3 on a CPU)")
+    g.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 10 on CUDA, 1 on a CPU)")
     g.add_argument("--num-workers", type=int, default=None, help="loader workers (default: this process's CPUs)")
     g.add_argument("--backends", default=None, help="comma list of backends (default: all)")
     g.add_argument("--groups", default=",".join(GROUPS), help=f"comma list from {','.join(GROUPS)} (default: all)")
@@ -83,139 +81,18 @@ def gpu_info() -> dict[str, Any]:
             "driver": driver, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
 
 
-# ------------------------------------------------------------------------------ data rows
+# ------------------------------------------------------------------------------ data
 
-def _root(args) -> Path:
+def _root(args, w: Workload) -> Path:
+    """--data-dir, or the built-in preset with enough train images per class for warm-up + timed batches
+    in one epoch (10 classes)."""
     if args.data_dir:
         return Path(args.data_dir)
+    from bench.gpu_data import batches_needed
     from bench.loader_backends import default_root
 
-    return default_root(args.builtin, args.train_per_class, None)
-
-
-def train_through(dm, w: Workload, epochs: int, max_batches: int | None) -> float:
-    """Training images/s through a backend's train_dataloader(): to the device, on_after_batch_transfer,
-    then the ceiling's training step. One untimed warm-up epoch first (workers, autotuning)."""
-    from bench.loaders import _close, _prepare, _to_device
-
-    device = torch.device(w.device)
-    loader = dm.train_dataloader()
-    _prepare(loader)
-    images, seconds = 0, 0.0
-    try:
-        with gc.cudnn_flags(benchmark=device.type == "cuda"):
-            step = gc.TrainStep(gc.make_model(w, num_classes=dm.num_classes), gc.fastest_precision(w.device),
-                                channels_last=True)
-            for epoch in range(1 + epochs):
-                gc._sync(w.device)
-                t0, n = time.perf_counter(), 0
-                for i, batch in enumerate(loader):
-                    x, y = dm.on_after_batch_transfer(_to_device(batch, device), 0)
-                    step(x, y)
-                    n += int(x.shape[0])
-                    if max_batches and i + 1 >= max_batches:
-                        break
-                gc._sync(w.device)
-                if epoch:
-                    images, seconds = images + n, seconds + time.perf_counter() - t0
-    finally:
-        _close(loader)  # stop a DataLoader's persistent workers before the next backend
-    return images / max(seconds, 1e-9)
-
-
-def backend_rows(args, w: Workload, root: Path, ceiling: float | None) -> list[Check]:
-    from bench import loaders
-
-    wanted = [b.strip() for b in (args.backends or ",".join(loaders.BACKENDS)).split(",") if b.strip()]
-    work = Path("bench/out/work") / root.name
-    work.mkdir(parents=True, exist_ok=True)
-    s = loaders.Settings(root=root, work=work, batch_size=w.batch_size, num_workers=args.num_workers,
-                         image_size=w.image_size, max_batches=args.max_batches, device=w.device)
-    rows = []
-    for name in loaders.BACKENDS:
-        row = Check("backend", loaders.LABELS[name])
-        rows.append(row)
-        if name not in wanted:
-            row.status, row.verdict = "skipped", "not selected (--backends)"
-            continue
-        try:
-            prepared = loaders.FACTORIES[name](s)
-        except loaders.Skip as e:
-            row.status, row.verdict = "skipped", str(e)
-            continue
-        except Exception as e:  # noqa: BLE001 - a backend that cannot start is a FAIL row with its error
-            row.status, row.verdict = "FAIL", f"{type(e).__name__}: {str(e)[:300]}"
-            continue
-        try:
-            row.images_s = train_through(prepared.datamodule, w, args.epochs, args.max_batches)
-        except Exception as e:  # noqa: BLE001
-            row.status, row.verdict = "FAIL", f"{type(e).__name__}: {str(e)[:300]}"
-            continue
-        finally:
-            loaders._shutdown(prepared.datamodule)
-        share = row.images_s / ceiling if ceiling else None
-        row.extra["share"] = share
-        row.verdict = f"end-to-end training, {args.num_workers} workers" + (
-            f"; {prepared.note}" if prepared.note else "")
-        row.figure = f"{row.images_s:,.0f} img/s" + (f", {share:.0%} of the ceiling" if share else "")
-    return rows
-
-
-def dali_rows(args, w: Workload, root: Path) -> list[Check]:
-    """DALI mixed: validation pixels against DALI CPU, then images/s with and without the hardware decoder."""
-    names = ["DALI mixed vs CPU pixels", "DALI mixed, hw_decoder_load 0.65", "DALI mixed, hw_decoder_load 0"]
-    if w.device != "cuda":
-        return [Check("DALI mixed", n, "skipped", NO_CUDA) for n in names]
-    try:
-        from datamodules.dali.datamodule import DALIDataModule, require_dali
-
-        require_dali()
-    except Exception as e:  # noqa: BLE001 - DataError with the install hint
-        return [Check("DALI mixed", n, "skipped", str(e).splitlines()[0]) for n in names]
-    from datamodules.sample.transforms import IMAGENET_STD
-
-    common = {"data_dir": str(root), "batch_size": w.batch_size, "image_size": w.image_size,
-              "val_image_size": w.image_size}
-    mods = {d: DALIDataModule(dali_device=d, **common) for d in ("gpu", "cpu")}
-    seen = {}
-    for d, dm in mods.items():
-        dm.setup("fit")
-        xs, ys = [], []
-        for x, y in dm.val_dataloader():
-            x, y = dm.on_after_batch_transfer((x.cuda(), y.cuda()), 0)
-            xs.append(x.float().cpu())
-            ys.append(y.cpu())
-        seen[d] = (torch.cat(xs), torch.cat(ys))
-        dm.teardown()
-    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
-    diff = ((seen["gpu"][0] - seen["cpu"][0]) * std).abs()
-    same_labels = torch.equal(seen["gpu"][1], seen["cpu"][1])
-    ok = same_labels and float(diff.mean()) <= DALI_TOLERANCE
-    rows = [Check("DALI mixed", names[0], "ok" if ok else "FAIL",
-                  f"{len(diff)} val images: mean |mixed - cpu| {float(diff.mean()):.2f} grey levels (tolerance "
-                  f"{DALI_TOLERANCE}), 99th percentile {float(diff.flatten()[::97].quantile(0.99)):.1f}; labels "
-                  f"equal: {same_labels}", figure=f"{float(diff.mean()):.2f} grey levels")]
-    for name, load in zip(names[1:], (0.65, 0.0)):
-        dm = DALIDataModule(dali_device="gpu", hw_decoder_load=load, **common)
-        dm.setup("fit")
-        loader = dm.train_dataloader()
-        loader.prepare()
-        count, seconds = 0, 0.0
-        for epoch in range(1 + args.epochs):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            n = sum(int(x.shape[0]) for x, _ in loader)
-            torch.cuda.synchronize()
-            if epoch:
-                count, seconds = count + n, seconds + time.perf_counter() - t0
-        dm.teardown()
-        ips = count / max(seconds, 1e-9)
-        rows.append(Check("DALI mixed", name, "ok", "train pipeline only (decode, crop, flip, normalise), "
-                          f"{dm._threads()} threads; load = the share of JPEGs given to the hardware decoder "
-                          "(A100/H100/H200; ignored where there is none)", ips, f"{ips:,.0f} img/s"))
-    hw, sw = rows[1].images_s, rows[2].images_s
-    rows[1].figure += f", {hw / sw:.2f}x software-only" if sw else ""
-    return rows
+    per_class = args.train_per_class or max(100, -(-batches_needed(w) * w.batch_size // 10))
+    return default_root(args.builtin, per_class, None)
 
 
 # ------------------------------------------------------------------------------ the run
@@ -245,7 +122,7 @@ def run(args) -> dict[str, Any]:
         ceiling = checks[-1].images_s
     else:
         skipped("compute ceiling", ["compute ceiling"], "not selected (--groups)")
-    root = _root(args) if groups & {"backends", "dali"} else None
+    root = _root(args, w) if groups & {"backends", "dali"} else None
     if "backends" in groups:
         checks += guarded("backend", "backends", lambda: backend_rows(args, w, root, ceiling))
     else:
@@ -256,8 +133,8 @@ def run(args) -> dict[str, Any]:
         skipped("DALI mixed", ["DALI mixed"], "not selected (--groups)")
     for group, names, fn in (("precision", ["32-true", "16-mixed", "bf16-mixed"], gc.precision_steps),
                              ("flags", ["plain (AMP)", "channels_last", "cudnn.benchmark", "compile"], gc.speed_flags),
-                             ("dp", ["dp"], lambda w: [gc.dp_check(w)]),
-                             ("ddp", ["NCCL DDP"], lambda w: [gc.ddp_check(w)])):
+                             ("dp", ["dp"], lambda w: [gp.dp_check(w)]),
+                             ("ddp", ["NCCL DDP"], lambda w: [gp.ddp_check(w)])):
         label = {"flags": "speed flag", "ddp": "DDP"}.get(group, group)
         if group not in groups:
             skipped(label, names, "not selected (--groups)")
@@ -268,8 +145,7 @@ def run(args) -> dict[str, Any]:
     from bench.report import machine_info
 
     return {"checks": [c.as_dict() for c in checks], "gpu": gpu_info(), "machine": machine_info(),
-            "settings": {**w.__dict__, "epochs": args.epochs, "num_workers": args.num_workers,
-                         "max_batches": args.max_batches, "data": str(root) if root else None}}
+            "settings": {**w.__dict__, "num_workers": args.num_workers, "data": str(root) if root else None}}
 
 
 def to_markdown(result: dict[str, Any]) -> str:
@@ -281,7 +157,7 @@ def to_markdown(result: dict[str, Any]) -> str:
              "- Versions: " + ", ".join(f"{k} {v}" for k, v in result.get("machine", {}).get("versions", {}).items()
                                         if v is not None),
              f"- Workload: {s['arch']} at {s['image_size']} px, batch {s['batch_size']}, {s['warmup']} warm-up + "
-             f"{s['steps']} timed steps per row; backends: 1 warm-up + {s['epochs']} timed epoch(s), "
+             f"{s['steps']} timed steps per row (backends: batches streamed across epochs), "
              f"{s['num_workers']} workers" + (f", data {repo_relative(s['data'])}" if s.get("data") else ""), ""]
     rows = [[c["group"], c["name"], c["status"], c["figure"], c["verdict"]] for c in result["checks"]]
     lines += [markdown_table(["group", "path", "status", "figure", "verdict (compared with, tolerance) or reason"],

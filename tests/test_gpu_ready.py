@@ -78,7 +78,7 @@ def test_bench_gpu_on_cpu_skips_every_gpu_row_and_runs_the_ceiling_and_shares(ti
 
     out = tmp_path / "out"
     rc = main(["gpu", "--data-dir", str(tiny_data), "--arch", "conv11", "--image-size", "32", "--batch-size", "8",
-               "--steps", "2", "--warmup", "1", "--epochs", "1", "--max-batches", "2", "--num-workers", "0",
+               "--steps", "2", "--warmup", "1", "--num-workers", "0",
                "--backends", "imagefolder,dali-cpu", "--out", str(out), "--machine", "test"])
     assert rc == 0
     data = json.loads((out / "test.gpu.json").read_text())
@@ -132,7 +132,8 @@ def test_spawned_dali_lmdb_worker_does_not_import_lightning(tiny_data, tmp_path)
 @pytest.mark.slow
 def test_bench_ddp_check_logic_on_gloo():
     """`bench gpu`'s NCCL check, run over gloo on 2 CPU processes: a DDP step equals one process's step."""
-    from bench.gpu_checks import Workload, ddp_check
+    from bench.gpu_checks import Workload
+    from bench.gpu_parallel import ddp_check
 
     w = Workload(arch="conv11", image_size=32, batch_size=8, device="cpu")
     check = ddp_check(w, mb=1, processes=2, backend="gloo")
