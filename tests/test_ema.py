@@ -2,6 +2,7 @@
 the live weights (those of --model.weights), never the copy made at setup (the random initialisation)."""
 from __future__ import annotations
 
+import pytest
 import pytorch_lightning as pl
 import torch
 
@@ -30,6 +31,7 @@ def _model(weights=None) -> ImageClassifier:
                            lr=1e-4, warmup_epochs=0, weights=weights, pictures=[])
 
 
+@pytest.mark.slow
 def test_ema_before_its_start_validates_and_saves_the_weights_being_trained(tiny_data, tmp_path):
     torch.manual_seed(1)
     start = _model().backbone.state_dict()  # the starting weights: not what a fresh model draws
@@ -56,6 +58,7 @@ def test_ema_before_its_start_validates_and_saves_the_weights_being_trained(tiny
     assert int(ckpt["averaging_state"]["n_averaged"]) == 0  # a resume starts the average as this run would
 
 
+@pytest.mark.slow
 def test_ema_once_started_averages_from_the_weights_being_trained(tiny_data, tmp_path):
     torch.manual_seed(0)
     model = _model()

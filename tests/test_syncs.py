@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import sys
 
+import pytest
 import pytorch_lightning as pl
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -85,6 +86,7 @@ class StepSyncs(pl.Callback):
         self._stop()
 
 
+@pytest.mark.slow
 def test_no_host_sync_on_steps_that_do_not_log(tiny_data, tmp_path):
     steps = 8
     args = ["fit", *quick_args(tiny_data, tmp_path, batch=16, width=4), "--data.num_workers", "1",
