@@ -178,12 +178,16 @@ class StreamingDataModule(ImageDataModule):
 
     # -- loaders ----------------------------------------------------------------------------
     def _stream(self, split: str, crop, size) -> ShardLoader:
-        workers = self.workers()
-        batches = ShardBatches(crop, size, f"{self.url}/{split}", decode_threads=max(1, self.cpus() // max(1, workers)))
+        plan = self.memory_plan(fit=True if split == "train" else None)  # workers and batches in flight: the budget's
+        self._show_plan(plan)
+        sizing = plan.loader(split)
+        workers = sizing.workers
+        batches = ShardBatches(crop, size, f"{self.url}/{split}", decode_threads=max(1, self.cpus() // max(1, workers)),
+                               ring_slots=sizing.ring_slots)
         return ShardLoader(self.datasets[split], batch_size=self.per_process_batch_size, num_workers=workers,
                            collate_fn=batches, pin_memory=self.pins_memory,
                            persistent_workers=self.persistent_workers and workers > 0,
-                           prefetch_factor=4 if workers > 0 else None)
+                           prefetch_factor=sizing.prefetch if workers > 0 else None)
 
     def train_dataloader(self) -> ShardLoader:
         return self._stream("train", TrainCrop(self.min_scale, self.train_augment), self._train_size)
@@ -200,4 +204,5 @@ class StreamingDataModule(ImageDataModule):
     def train_batches(self) -> int:
         """Batches per epoch on this process (what the LR schedule counts), from the dataset's length."""
         batch = self.per_process_batch_size
-        return self.datasets["train"].get_len(self.workers(), batch) // batch  # as StreamingDataLoader.__len__
+        workers = self.memory_plan(fit=True).loader("train").workers  # the train loader's (`_stream`)
+        return self.datasets["train"].get_len(workers, batch) // batch  # as StreamingDataLoader.__len__

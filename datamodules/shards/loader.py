@@ -26,7 +26,7 @@ import torch
 from litdata import StreamingDataLoader, StreamingDataset
 
 from datamodules.index import DataError
-from datamodules.sample.batches import RingBatch, give_back
+from datamodules.sample.batches import RING_SLOTS, RingBatch, give_back
 from datamodules.sample.dataset import SampleDataset
 from datamodules.shards.errors import as_data_error, corrupt_chunk, worker_died
 from datamodules.shards.storage import register_downloader
@@ -99,13 +99,16 @@ class ItemSource:
 class ShardBatches:
     """The collate_fn: [(bytes, label, path, index)] -> (uint8 images, labels, indices), built in the worker."""
 
-    def __init__(self, crop: Callable, size: int | torch.Tensor, url: str, decode_threads: int = 1) -> None:
+    def __init__(self, crop: Callable, size: int | torch.Tensor, url: str, decode_threads: int = 1,
+                 ring_slots: int = RING_SLOTS) -> None:
         self.crop, self.size, self.url, self.decode_threads = crop, size, url, decode_threads
+        self.ring_slots = ring_slots  # from the memory plan (datamodules/memory.py)
 
     def __call__(self, items: list[tuple]) -> tuple[torch.Tensor, ...]:
         data, labels, paths, indices = zip(*items)
         samples = SampleDataset(ItemSource(data, paths, self.url), labels, self.crop, self.size)
         samples.decode_threads = self.decode_threads
+        samples.ring_slots = self.ring_slots
         images, labels = samples.__getitems__(range(len(items)))
         batch = (images, labels, torch.tensor(indices, dtype=torch.int64))
         return RingBatch(batch) if isinstance(images, torch.Tensor) and torch.utils.data.get_worker_info() else batch
