@@ -194,12 +194,26 @@ class ImageClassifier(pl.LightningModule):
             lr=self.scaled_lr,
             momentum=self.hparams.momentum,
             nesterov=self.hparams.nesterov,
+            fused=self.fused_step(),
         )
         total = total_steps(self.trainer)  # not estimated_stepping_batches: lightning_app/steps.py says why
         epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
         warmup = min(total - 1, int(self.hparams.warmup_epochs * total / epochs))
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def fused_step(self) -> bool:
+        """SGD's fused kernel on CUDA: one kernel per step, and under 16-mixed no host sync.
+
+        GradScaler.step reads found_inf with .item() every step, except for an optimizer with
+        `_step_supports_amp_scaling` (torch/amp/grad_scaler.py, GradScaler.step), which fused SGD sets
+        and which skips the step on the device. Lightning then leaves unscaling to the optimizer and
+        refuses gradient clipping (pytorch_lightning/plugins/precision/amp.py, clip_gradients), so
+        clipping keeps the plain kernel.
+        """
+        trainer = self._trainer
+        clipping = trainer is not None and bool(trainer.gradient_clip_val)
+        return self.device.type == "cuda" and not clipping
 
     # -- starting weights, fine-tuning, class names in the checkpoint -----------------------
     def setup(self, stage: str) -> None:

@@ -86,13 +86,21 @@ class StepSyncs(pl.Callback):
         self._stop()
 
 
+CUDA_16_MIXED = ["--trainer.accelerator", "gpu", "--trainer.devices", "1", "--trainer.precision", "16-mixed"]
+
+
 @pytest.mark.slow
-def test_no_host_sync_on_steps_that_do_not_log(tiny_data, tmp_path):
+@pytest.mark.parametrize("device", [
+    [],
+    pytest.param(CUDA_16_MIXED, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: "
+                 "16-mixed's GradScaler (fused SGD skips its found_inf .item())")),
+], ids=["cpu", "cuda-16-mixed"])
+def test_no_host_sync_on_steps_that_do_not_log(tiny_data, tmp_path, device):
     steps = 8
     args = ["fit", *quick_args(tiny_data, tmp_path, batch=16, width=4), "--data.num_workers", "1",
             "--data.image_size", "32", "--trainer.limit_train_batches", str(steps), "--trainer.limit_val_batches", "0",
             "--trainer.num_sanity_val_steps", "0", "--trainer.log_every_n_steps", "3",
-            "--trainer.enable_progress_bar", "true"]
+            "--trainer.enable_progress_bar", "true", *device]
     cli = ClassifierCLI(args=args[1:], run=False)
     counter = StepSyncs()
     cli.trainer.callbacks.append(counter)
