@@ -8,13 +8,11 @@ of their checkpoint's run (ROOT/version_N/validate/), or ROOT/<subcommand>/ for 
 from __future__ import annotations
 
 import atexit
-import io
 import logging
 import os
 import shutil
 import sys
 import traceback
-from contextlib import redirect_stderr
 from pathlib import Path
 
 from pytorch_lightning import LightningDataModule
@@ -25,10 +23,10 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 
 from lightning_app import runs
 from lightning_app.callbacks import ThroughputMonitor, progress_callback
+from lightning_app.cli_parser import ClassifierArgumentParser
 from lightning_app.errors import (
     EXIT_USER_ERROR,
     UserError,
-    error_line_first,
     find_user_error,
     paragraph,
     show_traceback,
@@ -42,25 +40,13 @@ from lightning_app.faults import (
 )
 from lightning_app.module import ImageClassifier
 from lightning_app.saved_config import RedactedSaveConfigCallback
+from lightning_app.settings import check_settings, require_trained_weights
 from lightning_app.strategies import DDPStrategy  # importing registers --trainer.strategy dp and our ddp
-from lightning_app.weights import safe_load
+from lightning_app.weights import refuse_plain_state_dict, safe_load
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "default.yaml"
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
-
-
-class ClassifierArgumentParser(LightningArgumentParser):
-    """jsonargparse's parse errors with the `error: ...` line first instead of after 70 lines of usage."""
-
-    def error(self, message: str, ex: Exception | None = None):
-        captured = io.StringIO()
-        try:
-            with redirect_stderr(captured):
-                super().error(message, ex)
-        finally:
-            sys.stderr.write(error_line_first(captured.getvalue()))
-            sys.stderr.flush()
 
 
 class ClassifierCLI(LightningCLI):
@@ -111,16 +97,20 @@ class ClassifierCLI(LightningCLI):
         # safe_load reads it the same way first, so a file needing pickle gets a message saying what to do.
         ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
         if ckpt_path and Path(ckpt_path).is_file():
-            safe_load(ckpt_path, "--ckpt_path")
+            refuse_plain_state_dict(ckpt_path, safe_load(ckpt_path, "--ckpt_path"))
         super()._parse_ckpt_path()
 
     def before_instantiate_classes(self) -> None:
         from models import list_models
 
-        arch = self._get(self.config, "model").get("arch")
+        model = self._get(self.config, "model")
+        arch = model.get("arch")
         if arch not in list_models():
             raise UserError(f"--model.arch {arch!r} is not a known architecture; choose one of "
                             f"{', '.join(list_models())} (or a configs/model/*.yaml).")
+        check_settings(model, self._get(self.config, "data"), self._get(self.config, "trainer"))
+        if self.subcommand not in (None, "fit"):
+            require_trained_weights(self.subcommand, self._get(self.config, "ckpt_path"), model.get("weights"))
 
     def instantiate_trainer(self, **kwargs):
         config = self._get(self.config, "trainer")

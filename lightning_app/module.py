@@ -221,8 +221,13 @@ class ImageClassifier(pl.LightningModule):
         if datamodule is not None and getattr(datamodule, "classes", None) and not self.class_names:
             self.class_names = list(datamodule.classes)
             self.inference_settings = inference_settings(datamodule)
-        if stage == "fit" and self.hparams.get("weights") and self.trainer.ckpt_path is None:
-            self.load_weights(self.hparams.weights)
+        if self.hparams.get("weights") and self.trainer.ckpt_path is None:
+            report = self.load_weights(self.hparams.weights)
+            if stage != "fit" and report.untrained():
+                # validate/test/predict with layers at their random init would report noise
+                raise UserError(f"{stage} with --model.weights {self.hparams.weights}: {report.untrained()} of this "
+                                "model would keep its random initialisation. Pass weights trained on these classes, "
+                                "e.g. --ckpt_path of a fine-tuned run.")
 
     def load_weights(self, source: str) -> weights_lib.LoadReport:
         report = weights_lib.load_weights(self.backbone, source)

@@ -13,9 +13,12 @@ any code the file holds), with the one-line conversion a user who trusts the fil
 """
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
+import shlex
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,16 +44,45 @@ class UnsafeFileError(WeightsError):
 
 
 def convert_command(path: str | os.PathLike) -> str:
+    """The one-line conversion to a plain state_dict, shell-quoted (a path may hold spaces or quotes)."""
     out = f"{Path(path).with_suffix('')}.safe.pt"
-    return (
-        "python -c \"import torch; o = torch.load('" + str(path) + "', weights_only=False, map_location='cpu'); "
-        "sd = o.get('state_dict', o) if isinstance(o, dict) else o.state_dict(); "
-        "torch.save({k: v for k, v in sd.items() if torch.is_tensor(v)}, '" + out + "')\""
-    )
+    # JSON string literals are Python literals too, in double quotes: shlex.quote's single quotes stay plain
+    code = (f'import torch; o = torch.load({json.dumps(str(path))}, weights_only=False, map_location="cpu"); '
+            'sd = o.get("state_dict", o) if isinstance(o, dict) else o.state_dict(); '
+            f"torch.save({{k: v for k, v in sd.items() if torch.is_tensor(v)}}, {json.dumps(out)})")
+    return f"python -c {shlex.quote(code)}"
+
+
+# torch.save's legacy format (before PyTorch 1.6) starts with a pickled magic number (torch/serialization.py,
+# MAGIC_NUMBER 0x1950a86a20f9469cfc6c, written with pickle protocol 2: PROTO 2, LONG1 of 10 bytes).
+_LEGACY_TORCH_START = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
+def is_torch_file(path: str | os.PathLike) -> bool:
+    """Whether torch.save wrote `path`: a zip archive holding <name>/data.pkl, or the legacy pickle format."""
+    if zipfile.is_zipfile(path):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                return any(n == "data.pkl" or n.endswith("/data.pkl") for n in archive.namelist())
+        except (zipfile.BadZipFile, OSError):
+            return False
+    with open(path, "rb") as f:
+        return f.read(len(_LEGACY_TORCH_START)) == _LEGACY_TORCH_START
+
+
+def _first_bytes(path: Path) -> str:
+    with open(path, "rb") as f:
+        head = f.read(24)
+    return f"it starts with {head!r}" if head else "it is empty"
 
 
 def safe_load(path: str | os.PathLike, what: str = "weights file") -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU, with clear errors.
+    """``torch.load(path, weights_only=True)`` on the CPU, with an error that says which of three things went wrong.
+
+    * not a file torch.save wrote at all (a README, a text file named .ckpt, a plain pickle): "is not a
+      checkpoint", nothing about pickle;
+    * a torch file that holds pickled objects (classes, functions): refused, with the conversion command;
+    * a torch file torch.load cannot read (truncated, corrupt).
 
     An explicit ``weights_only=True`` also wins over ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``
     (torch/serialization.py, torch.load: the variable only overrides an unset argument).
@@ -58,19 +90,44 @@ def safe_load(path: str | os.PathLike, what: str = "weights file") -> Any:
     path = Path(path).expanduser()
     if not path.is_file():
         raise WeightsError(f"{what} {path} does not exist (or is not a file).")
+    if not is_torch_file(path):
+        raise WeightsError(
+            f"{what} {path} is not a checkpoint: torch.save did not write it ({_first_bytes(path)}). "
+            "Pass a .ckpt that fit wrote (logs/version_N/checkpoints/) or a state_dict saved with torch.save."
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "weights only load failed" in str(e).lower() or "weights_only" in str(e).lower():
+            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+            reason = f"it holds a pickled {found.group(1)}" if found else reason
             raise UnsafeFileError(
                 f"{what} {path} was refused: it needs full pickle to load, and unpickling can run any code "
                 f"the file holds ({reason}). Only tensors and plain containers are read. If you trust the "
                 f"file, convert it once to a plain state_dict and pass the new file instead:\n  {convert_command(path)}"
             ) from None
-        raise WeightsError(f"{what} {path} is not a PyTorch file torch.load can read ({reason}).") from None
-    except Exception as e:  # noqa: BLE001 - torch raises KeyError, RuntimeError, EOFError... for non-torch bytes
-        raise WeightsError(f"{what} {path} is not a PyTorch file torch.load can read ({e}).") from None
+        raise WeightsError(f"{what} {path} is a PyTorch file that torch.load cannot read ({reason}); "
+                           "is it truncated or corrupt?") from None
+    except Exception as e:  # noqa: BLE001 - torch raises KeyError, RuntimeError, EOFError... for damaged files
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise WeightsError(f"{what} {path} is a PyTorch file that torch.load cannot read ({reason}); "
+                           "is it truncated or corrupt?") from None
+
+
+def _first_tensor(state: dict) -> str:
+    key = next((k for k, v in state.items() if isinstance(v, torch.Tensor)), None)
+    return f"{key} {list(state[key].shape)}" if key is not None else "none"
+
+
+def refuse_plain_state_dict(path: str | os.PathLike, obj: Any) -> None:
+    """--ckpt_path wants a checkpoint of fit (weights, hyperparameters, training state); a bare state_dict is weights."""
+    if isinstance(obj, dict) and "state_dict" not in obj and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise WeightsError(
+            f"--ckpt_path {path} is a plain state_dict ({len(obj)} tensors, e.g. {_first_tensor(obj)}), not a "
+            "checkpoint of fit: it holds no hyperparameters or training state. To start from these weights, "
+            f"pass --model.weights {path} instead."
+        )
 
 
 def torchvision_cache_path(name: str) -> tuple[Path, str]:
@@ -138,15 +195,38 @@ class LoadReport:
     new: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
     head_replaced: bool = False
+    head: str = ""  # the head's module name
+    head_classes: tuple[int, int] = (0, 0)  # (the source's class count, this model's) when replaced
 
     def __str__(self) -> str:
-        def names(keys: list[str]) -> str:
-            shown = ", ".join(keys[:LISTED]) + (f", ... (+{len(keys) - LISTED})" if len(keys) > LISTED else "")
-            return f" ({shown})" if keys else ""
-
-        head = "; head replaced (class count differs)" if self.head_replaced else ""
+        head = (f"; head {self.head} replaced ({self.head_classes[0]} classes there, {self.head_classes[1]} here)"
+                if self.head_replaced else "")
         return (f"model.weights {self.source} ({self.kind}): loaded {len(self.loaded)} tensors, "
-                f"new {len(self.new)}{names(self.new)}, ignored {len(self.ignored)}{names(self.ignored)}{head}")
+                f"new {len(self.new)}{_names(self.new)}, ignored {len(self.ignored)}{_names(self.ignored)}{head}")
+
+    def untrained(self) -> str:
+        """What of the model the weights leave at its random init ('' when nothing): for evaluation only."""
+        parts = [f"the head {self.head} ({self.head_classes[1]} classes; the weights have {self.head_classes[0]})"
+                 ] if self.head_replaced else []
+        if self.new:
+            parts.append(f"{len(self.new)} tensor(s){_names(self.new)}")
+        return " and ".join(parts)
+
+
+def _names(keys: list[str]) -> str:
+    shown = ", ".join(keys[:LISTED]) + (f", ... (+{len(keys) - LISTED})" if len(keys) > LISTED else "")
+    return f" ({shown})" if keys else ""
+
+
+def _shape_fix(key: str, theirs: torch.Tensor, ours: torch.Tensor) -> str:
+    if key == "conv1.weight" and theirs.ndim == ours.ndim == 4 and theirs.shape[-1] == 7 and ours.shape[-1] == 3:
+        # models/resnet.py: below SMALL_INPUT px ResNet-50 gets a 3x3 stride-1 stem instead of the 7x7/2 one
+        from models.resnet import SMALL_INPUT
+
+        return (f"These weights need ResNet-50's standard 7x7 stem, which the model gets with --data.image_size "
+                f"{SMALL_INPUT} or more (below that it builds a 3x3 stem for small images). Pass --data.image_size "
+                "224 (the size ImageNet weights were trained at), or at least 64.")
+    return "Check model.arch and model.arch_kwargs."
 
 
 def load_weights(backbone: nn.Module, source: str) -> LoadReport:
@@ -159,26 +239,30 @@ def load_weights(backbone: nn.Module, source: str) -> LoadReport:
     weights, kind = read_state_dict(source)
     own = backbone.state_dict()
     head = head_name(backbone) + "."
-    report = LoadReport(source=source, kind=kind)
+    report = LoadReport(source=source, kind=kind, head=head[:-1])
     head_keys = [k for k in own if k.startswith(head)]
     report.head_replaced = any(k in weights and weights[k].shape != own[k].shape for k in head_keys)
+    if report.head_replaced:
+        weight = head + "weight"
+        report.head_classes = (int(weights[weight].shape[0]) if weight in weights else 0, int(own[weight].shape[0]))
     for key, value in weights.items():
-        if key not in own or (key.startswith(head) and report.head_replaced):
+        if key.startswith(head) and report.head_replaced:
+            continue  # reported once, as the replaced head: neither loaded, nor new, nor ignored
+        if key not in own:
             report.ignored.append(key)
         elif value.shape != own[key].shape:
-            hint = " (ImageNet weights need data.image_size >= 64 for resnet50's 7x7 stem)" if "conv1" in key else ""
-            raise WeightsError(
-                f"model.weights {source}: layer {key} has shape {tuple(value.shape)} there but "
-                f"{tuple(own[key].shape)} in this model{hint}. Check model.arch and model.arch_kwargs."
-            )
+            raise WeightsError(f"model.weights {source}: layer {key} has shape {tuple(value.shape)} there but "
+                               f"{tuple(own[key].shape)} in this model. {_shape_fix(key, value, own[key])}")
         else:
             report.loaded.append(key)
     if not report.loaded:
         raise WeightsError(
             f"model.weights {source}: none of its {len(weights)} tensors matches a layer of this model "
-            f"(e.g. {next(iter(weights), 'none')}); is it another architecture?"
+            f"(its first: {_first_tensor(weights)}; this model's first: {_first_tensor(own)}); is it another "
+            "architecture? Check model.arch and model.arch_kwargs."
         )
-    report.new = [k for k in own if k not in set(report.loaded)]
+    loaded = set(report.loaded)
+    report.new = [k for k in own if k not in loaded and not (report.head_replaced and k.startswith(head))]
     with torch.no_grad():
         for key in report.loaded:
             own[key].copy_(weights[key])  # state_dict() tensors share storage with the module's

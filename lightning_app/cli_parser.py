@@ -1,0 +1,102 @@
+"""The command line's parser: no abbreviated options, and a parse error in a few lines instead of a usage dump.
+
+`--trainer.max_epoch 3` is not taken for `--trainer.max_epochs`: a config that relies on a prefix
+match breaks the day another option shares the prefix (argparse's `allow_abbrev`, off here; the
+subcommand parsers inherit it in jsonargparse/_subcommands.py). A mistyped option prints
+
+    error: unrecognized arguments: --trainer.max_epoks 3
+      did you mean --trainer.max_epochs?
+      every option: python main.py fit --help
+
+instead of jsonargparse's 80-line usage text (jsonargparse/_core.py, ArgumentParser.error).
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import re
+import sys
+
+from pytorch_lightning.cli import LightningArgumentParser
+
+MAX_DETAIL_LINES = 2
+_NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted")
+_PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
+
+
+def data_option_names() -> list[str]:
+    """--data.X for every init arg of the DataModules users pick with --data (subclass mode lists none)."""
+    import datamodules
+
+    names: set[str] = set()
+    for cls_name in ("ImageDataModule", "ImageFolderDataModule", "LMDBDataModule", "DownscaledDataModule",
+                     "DALIDataModule"):
+        try:
+            params = inspect.signature(getattr(datamodules, cls_name).__init__).parameters
+        except Exception:  # noqa: BLE001 - an optional backend that cannot import offers no names
+            params = {}
+        names |= {f"--data.{p}" for p in params if p not in ("self", "kwargs")}
+    return sorted(names)
+
+
+def option_names(parser) -> list[str]:
+    names = {s for s in getattr(parser, "_option_string_actions", {}) if s.startswith("--") and not s.endswith(".help")}
+    return sorted(names | set(data_option_names()))
+
+
+def closest(option: str, names: list[str]) -> str | None:
+    """The valid option nearest to a mistyped one (difflib's ratio), or None when nothing is close."""
+    key = option.split("=", 1)[0]
+    same_group = [n for n in names if n.rsplit(".", 1)[0] == key.rsplit(".", 1)[0]]
+    for pool in (same_group, names):
+        match = difflib.get_close_matches(key, pool, n=1, cutoff=0.6)
+        if match:
+            return match[0]
+    return None
+
+
+def short_error(message: str, parser) -> list[str]:
+    """At most four lines: the error, where useful the closest valid option, and where --help lists them all."""
+    lines = [line.strip() for line in str(message).strip().splitlines() if line.strip()]
+    unknown: list[str] = []
+    if lines and lines[0].startswith("unrecognized arguments:"):
+        unknown = [a for a in lines[0].split(":", 1)[1].split() if a.startswith("--")]
+        out = [f"error: {lines[0]}"]
+    else:
+        rejected = _NOT_ACCEPTED.search(message)
+        key = _PARSER_KEY.search(message)
+        if rejected and key:
+            unknown = [f"--{key.group(1)}.{rejected.group(1)}"]
+            out = [f"error: unrecognized argument: {unknown[0]}"]
+        else:
+            detail = [line for line in lines[1:] if not line.startswith(("Subtypes:", "Errors:", "Given value type"))]
+            head = lines[0] if lines else "invalid arguments"
+            out = [f"error: {head}" + (f" {detail[0]}" if head.endswith(":") and detail else "")]
+    suggestions = [f"{u.split('=', 1)[0]} -> {m}" if len(unknown) > 1 else m
+                   for u in unknown[:MAX_DETAIL_LINES] if (m := closest(u, option_names(parser)))]
+    if suggestions:
+        out.append(f"  did you mean {', '.join(suggestions)}?")
+    prog = parser.prog.replace(" [options]", "")
+    out.append(f"  every option: python {prog} --help")
+    return out
+
+
+class ClassifierArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser without abbreviations, with short parse errors."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:
+            return super().error(message, ex)  # raises: a caller that parses for itself gets the exception
+        parser = getattr(ex, "subcommand_parser", None) or self
+        try:
+            text = "\n".join(short_error(message, parser)) + "\n"
+        except Exception:  # noqa: BLE001 - never lose the error itself to a bug in the summary
+            text = f"error: {message}\n"
+        self._logger.error(message)
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        raise SystemExit(2)

@@ -1,0 +1,103 @@
+"""The values a user types, checked when the command line and configs are parsed, before anything is built.
+
+`--model.lr -1` used to reach the optimizer and end in a 44-line traceback from rank 0, and
+`--model.lr 0` trained for nothing. Every bad value of the config is listed in one paragraph
+(`lightning_app.errors.UserError`: exit status 2), each as the flag that sets it.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from lightning_app.errors import UserError
+
+Rule = tuple[str, Callable[[Any], bool], str]
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _positive(v: Any) -> bool:
+    return _number(v) and v > 0
+
+
+def _non_negative(v: Any) -> bool:
+    return _number(v) and v >= 0
+
+
+def _fraction(v: Any) -> bool:  # [0, 1]
+    return _number(v) and 0 <= v <= 1
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+MODEL_RULES: tuple[Rule, ...] = (
+    ("lr", _positive, "> 0 (the learning rate per 256 images: 0.1 for SGD on ImageNet)"),
+    ("weight_decay", _non_negative, ">= 0 (typically 5e-5 to 1e-4)"),
+    ("momentum", lambda v: _number(v) and 0 <= v < 1, "in [0, 1) (typically 0.9)"),
+    ("warmup_epochs", _non_negative, ">= 0"),
+    ("label_smoothing", lambda v: _number(v) and 0 <= v < 1, "in [0, 1) (typically 0.1)"),
+    ("mixup_alpha", _non_negative, ">= 0 (0 = off; 0.2 in torchvision's recipe)"),
+    ("cutmix_alpha", _non_negative, ">= 0 (0 = off; 1.0 in torchvision's recipe)"),
+    ("mix_switch_prob", _fraction, "in [0, 1]"),
+    ("freeze_backbone_epochs", lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    ("backbone_lr_scale", _positive, "> 0 (e.g. 0.1 when fine-tuning)"),
+)
+DATA_RULES: tuple[Rule, ...] = (
+    ("batch_size", _positive_int, "an integer >= 1 (the GLOBAL batch, split across all processes)"),
+    ("image_size", _positive_int, "an integer >= 1 (pixels)"),
+    ("val_image_size", lambda v: v is None or _positive_int(v), "an integer >= 1 (pixels) or null (= image_size)"),
+    ("val_crop_ratio", lambda v: _number(v) and 0 < v <= 1, "in (0, 1] (0.875 = resize to size/0.875, then crop)"),
+    ("min_scale", lambda v: _number(v) and 0 < v <= 1, "in (0, 1] (0.08 in ImageNet recipes)"),
+    ("random_erasing", _fraction, "a probability in [0, 1]"),
+    ("num_workers", lambda v: v == "auto" or (isinstance(v, int) and v >= 0), '"auto" or an integer >= 0'),
+)
+TRAINER_RULES: tuple[Rule, ...] = (
+    ("max_epochs", lambda v: v is None or v == -1 or _positive_int(v), "an integer >= 1 (or -1: no limit)"),
+)
+
+
+def _as_dict(section: Any) -> Mapping:
+    if section is None:
+        return {}
+    if hasattr(section, "as_dict"):
+        section = section.as_dict()
+    return section if isinstance(section, Mapping) else {}
+
+
+def problems(model: Any, data: Any, trainer: Any) -> list[str]:
+    """`--section.key VALUE must be ...` for every bad value; `data` may be a class_path/init_args section."""
+    data = _as_dict(data)
+    data = _as_dict(data.get("init_args")) or data
+    found = []
+    for section, values, rules in (("model", _as_dict(model), MODEL_RULES), ("data", data, DATA_RULES),
+                                   ("trainer", _as_dict(trainer), TRAINER_RULES)):
+        for key, ok, must in rules:
+            if key in values and not ok(values[key]):
+                found.append(f"--{section}.{key} {values[key]!r} must be {must}")
+    return found
+
+
+def check_settings(model: Any, data: Any, trainer: Any) -> None:
+    """Raise one UserError listing every bad value, or return."""
+    found = problems(model, data, trainer)
+    if found:
+        raise UserError("Invalid setting" + ("s" if len(found) > 1 else "") + ": " + "; ".join(found)
+                        + f". Fix {'them' if len(found) > 1 else 'it'} on the command line or in the --config file "
+                        "that sets it.")
+
+
+def require_trained_weights(subcommand: str, ckpt_path: str | None, weights: str | None) -> None:
+    """validate, test and predict of an untrained model give noise that looks like results: refuse them."""
+    if ckpt_path or weights:
+        return
+    raise UserError(
+        f"{subcommand} needs a trained model: pass --ckpt_path PATH/TO.ckpt (what fit wrote, e.g. "
+        "logs/version_0/checkpoints/last.ckpt; `--ckpt_path last` takes the newest run of this config) or "
+        f"--model.weights SOURCE. Without either, the model is untrained and its {subcommand} results are noise; "
+        "nothing was written."
+    )
