@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import numpy as np
 import pytorch_lightning as pl
@@ -34,7 +35,7 @@ class CheckpointOnSigterm(pl.Callback):
         path = os.path.join(dirpath, self.filename + ModelCheckpoint.FILE_EXTENSION)
         trainer.save_checkpoint(path)
         rank_zero_info(
-            f"SIGTERM: saved {path} at epoch {trainer.current_epoch}, step {trainer.global_step}; "
+            f"SIGTERM: saved {path} in epoch {trainer.current_epoch + 1}, step {trainer.global_step}; "
             "resume with --ckpt_path last."
         )
 
@@ -96,23 +97,79 @@ def describe_distributed_failure(error: BaseException, timeout_s: float | None,
 
 
 class ResumableCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint whose last.ckpt is refreshed at every save point.
+    """ModelCheckpoint whose best checkpoint always holds the weights its score was measured on, whose
+    last.ckpt is refreshed at every save point, and whose file names count epochs from 1.
 
-    Lightning 2.6 writes last.ckpt at the end of an epoch only when a top-k checkpoint was
-    written in the same step: an epoch that does not improve the monitored metric leaves an
-    older last.ckpt behind, and `--ckpt_path last` silently resumes from that older epoch.
+    Lightning 2.6 (pytorch_lightning/callbacks/model_checkpoint.py) differs in three ways, fixed here:
+    - With `every_n_train_steps` (or `train_time_interval`) a step save also ran the top-k save with the
+      metrics of the last validation: the "best" file was written steps after the validation that scored
+      it, so its name did not describe its weights; and since `every_n_epochs` then defaults to 0, a run
+      whose validations all fell at epoch ends got no best checkpoint at all. Here a step (or time) save
+      only refreshes last.ckpt; the top-k save runs at the save point right after each validation.
+    - At the end of an epoch last.ckpt was written only when a top-k checkpoint was written in the same
+      step: an epoch that did not improve the metric left an older last.ckpt, and `--ckpt_path last`
+      silently resumed from that older epoch.
+    - `{epoch}` in a file name was the zero-based `trainer.current_epoch`, while the epoch lines count
+      from 1: here `{epoch}` is the number of the epoch the weights come from, counted from 1.
+
+    The save point is Lightning's: the end of the training epoch when validation runs once per epoch (or
+    not at all), else the end of each validation.
     """
 
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_epoch_end(trainer, pl_module)
-        if self._should_save_on_train_epoch_end(trainer):
-            self._refresh_last(trainer)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._validated_since_top_k = False
+
+    def _monitor_candidates(self, trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+        candidates = super()._monitor_candidates(trainer)
+        candidates["epoch"] = torch.tensor(trainer.current_epoch + 1)  # the epoch in progress or just ended, from 1
+        return candidates
+
+    def _skip(self, trainer: pl.Trainer) -> bool:
+        """Lightning's reasons not to save, without "already saved at this step" (a step save of last.ckpt
+        at the step a validation follows must not cancel that validation's top-k save)."""
+        from pytorch_lightning.trainer.states import TrainerFn
+
+        return bool(trainer.fast_dev_run) or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch,
+                           batch_idx: int) -> None:
+        if self._skip(trainer) or not self._step_save_due(trainer):
+            return
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def _step_save_due(self, trainer: pl.Trainer) -> bool:
+        """Lightning's every_n_train_steps / train_time_interval trigger (ModelCheckpoint.on_train_batch_end)."""
+        due = self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
+        if self._train_time_interval is not None:
+            now = time.monotonic()
+            last = self._last_time_checked
+            time_due = last is not None and now - last >= self._train_time_interval.total_seconds()
+            time_due = trainer.strategy.broadcast(time_due)  # one decision for every rank
+            if time_due:
+                self._last_time_checked = now
+            due = due or time_due
+        return due and self._last_global_step_saved != trainer.global_step
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_validation_end(trainer, pl_module)
+        if self._skip(trainer):
+            return
+        self._validated_since_top_k = True
         if not self._should_save_on_train_epoch_end(trainer):
-            self._refresh_last(trainer)
+            self._save_point(trainer)
 
-    def _refresh_last(self, trainer: pl.Trainer) -> None:
-        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._skip(trainer) and self._should_save_on_train_epoch_end(trainer):
+            self._save_point(trainer)
+
+    def _save_point(self, trainer: pl.Trainer) -> None:
+        candidates = self._monitor_candidates(trainer)
+        if self._every_n_epochs >= 1:
+            top_k_due = (trainer.current_epoch + 1) % self._every_n_epochs == 0
+        else:  # step or time saves: every validation's score is judged, with the weights it was measured on
+            top_k_due = self._validated_since_top_k
+        if top_k_due:
+            self._save_topk_checkpoint(trainer, candidates)
+            self._validated_since_top_k = False
+        if self.save_last:
+            self._save_last_checkpoint(trainer, candidates)
