@@ -38,6 +38,7 @@ from lightning_app.faults import (
     ResumableCheckpoint,
     describe_distributed_failure,
 )
+from lightning_app.memory_probe import MemoryProbe
 from lightning_app.module import ImageClassifier
 from lightning_app.saved_config import RedactedSaveConfigCallback
 from lightning_app.settings import check_settings, require_trained_weights
@@ -64,7 +65,8 @@ class ClassifierCLI(LightningCLI):
             parser_kwargs=default_config_kwargs(run),
             save_config_callback=RedactedSaveConfigCallback,  # no credentials in config.yaml
             save_config_kwargs={"overwrite": True},
-            trainer_defaults={"callbacks": [ThroughputMonitor(), CheckpointOnSigterm(), ReseedEveryEpoch()]},
+            trainer_defaults={"callbacks": [ThroughputMonitor(), CheckpointOnSigterm(), ReseedEveryEpoch(),
+                                            MemoryProbe()]},
             parser_class=ClassifierArgumentParser,
             args=args,
             run=run,

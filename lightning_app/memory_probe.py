@@ -1,0 +1,203 @@
+"""Before the first step of a fit: will one training step fit in memory? A tiny probe says.
+
+ResNet-50 at batch 1024 and 176 px needs about 60 GB for one step on a CPU; on a 24 GB machine the
+kernel killed it (exit 137, no message). `MemoryProbe` runs the model's forward pass on 2 and on 4
+random images (train mode, the run's precision, the train crop size) and adds up the bytes of every
+tensor autograd keeps for the backward pass (`torch.autograd.graph.saved_tensors_hooks`, counting each
+storage once). The difference is the activation memory per image; weights, gradients and the SGD
+momentum come on top. Against the memory free for this process (CUDA: `torch.cuda.mem_get_info`; CPU:
+MemAvailable and the cgroup limit, shared by the training processes of the node):
+
+- clearly too much (estimate > STOP_FACTOR x free): the fit stops with one paragraph that names a
+  --data.batch_size that fits (exit status 2);
+- close (estimate > WARN_FACTOR x free): a warning, and the fit goes on;
+- a probe that fails for any reason says nothing and blocks nothing.
+
+The probe runs the backbone's own `forward` (not a `compile`d call: nothing is compiled for it), restores
+the BatchNorm statistics and random state it touched, and costs two small forward passes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.utilities import rank_zero_warn
+
+from lightning_app.errors import UserError
+
+PROBE_BATCHES = (2, 4)  # not 1: BatchNorm in train mode refuses one value per channel (a 1x1 map of one image)
+STOP_FACTOR = 1.5  # the estimate counts saved activations only; the real peak is higher, never much lower
+WARN_FACTOR = 0.8
+FIT_SHARE = 0.7  # the suggested batch leaves this share of the free memory to the step
+STATE_COPIES = 3  # weights + gradients + SGD momentum, as float32
+GB = 1e9
+
+
+@dataclass
+class StepEstimate:
+    per_image: float  # bytes of activations per image
+    fixed: float  # bytes that do not grow with the batch: weights, gradients, optimizer state, probe constants
+    batch: int  # images per process (per device under dp)
+
+    def bytes_for(self, batch: int) -> float:
+        return self.fixed + self.per_image * batch
+
+    @property
+    def total(self) -> float:
+        return self.bytes_for(self.batch)
+
+
+def saved_bytes(forward, images: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for the backward pass of `forward(images)`."""
+    seen: dict[tuple[str, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward(images)
+    del out
+    return sum(seen.values())
+
+
+def probe(module: pl.LightningModule, trainer: pl.Trainer, size: int, batch: int) -> StepEstimate:
+    """Measure the activations per image of `module`'s backbone at `size` px under the trainer's precision."""
+    backbone = module.backbone
+    device = module.device
+    buffers = {k: b.detach().clone() for k, b in backbone.named_buffers()}
+    was_training = backbone.training
+    channels_last = bool(module.hparams.get("channels_last"))
+    measured = []
+    devices = [device.index or 0] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            backbone.train()
+            for n in PROBE_BATCHES:
+                images = torch.randn(n, 3, size, size, device=device)
+                if channels_last:
+                    images = images.contiguous(memory_format=torch.channels_last)
+                with trainer.precision_plugin.forward_context():
+                    measured.append(saved_bytes(backbone.forward, images))  # .forward: eager, never compiled
+                del images
+    finally:
+        backbone.train(was_training)
+        with torch.no_grad():
+            for k, b in backbone.named_buffers():
+                b.copy_(buffers[k])
+    (n1, m1), (n2, m2) = zip(PROBE_BATCHES, measured)
+    per_image = max(0.0, (m2 - m1) / (n2 - n1))
+    constant = max(0.0, m1 - per_image * n1)
+    params = sum(p.numel() * p.element_size() for p in backbone.parameters())
+    return StepEstimate(per_image=per_image, fixed=constant + STATE_COPIES * params, batch=batch)
+
+
+def host_memory_available() -> int | None:
+    """Bytes this process could still allocate on the host: MemAvailable, capped by the cgroup's limit."""
+    found = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            if limit.isdigit() and int(limit) < 2**60:
+                found.append(int(limit) - int(Path(usage_file).read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return min(found) if found else None
+
+
+def free_memory(device: torch.device, processes_on_node: int) -> int | None:
+    """Bytes free for this process's training step on `device`."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    available = host_memory_available()
+    return None if available is None else available // max(1, processes_on_node)
+
+
+def verdict(need: float, free: float) -> str:
+    """'stop' when the step clearly cannot fit, 'warn' when it may not, else 'ok'."""
+    if need > STOP_FACTOR * free:
+        return "stop"
+    if need > WARN_FACTOR * free:
+        return "warn"
+    return "ok"
+
+
+def fitting_batch(estimate: StepEstimate, free: float, copies: int) -> int:
+    """The largest GLOBAL batch whose step uses FIT_SHARE of `free` on each of `copies` (processes x dp devices),
+    a multiple of 8 per copy from 16 up."""
+    each = math.floor((FIT_SHARE * free - estimate.fixed) / estimate.per_image) if estimate.per_image else 0
+    if each >= 16:
+        each -= each % 8
+    return max(0, each) * copies
+
+
+def _size(n: float) -> str:
+    return f"{n / GB:.1f} GB" if n >= GB else f"{n / 1e6:.0f} MB"
+
+
+def describe(estimate: StepEstimate, free: float, where: str, arch: str, size: int, batch: int, processes: int,
+             split: int) -> str:
+    per = f"{batch // processes} per process" if processes > 1 else ""
+    per = f"{per}{', ' if per else ''}{estimate.batch} per device" if split > 1 else per
+    return (f"--data.batch_size {batch}{f' ({per})' if per else ''} needs about {_size(estimate.total)} for one "
+            f"training step of {arch} at {size} px ({estimate.per_image / 1e6:.1f} MB of activations per image, "
+            f"measured on a probe of {PROBE_BATCHES[-1]} images; {_size(estimate.fixed)} of weights, gradients "
+            f"and optimizer state), but about {_size(free)} is free {where}")
+
+
+class MemoryProbe(pl.Callback):
+    """Estimates one training step's memory before the first step of a fit (see the module doc)."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        try:
+            checked = self._check(trainer, pl_module)
+        except UserError:
+            raise
+        except Exception:  # noqa: BLE001 - an estimate that cannot be made never blocks a run
+            return
+        if checked:
+            rank_zero_warn(checked)
+
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+        dm = trainer.datamodule
+        batch = getattr(dm, "batch_size", None)
+        if not hasattr(pl_module, "backbone") or not isinstance(batch, int):
+            return None
+        processes = max(1, trainer.world_size)
+        per_process = max(1, batch // processes)
+        strategy = trainer.strategy
+        split = max(1, len(getattr(strategy, "cuda_devices", []) or []))  # dp: each GPU holds a slice
+        size = int(getattr(dm, "train_size", None) or pl_module.hparams.get("image_size") or 224)
+        estimate = probe(pl_module, trainer, size, math.ceil(per_process / split))
+        on_node = max(1, processes // max(1, trainer.num_nodes))
+        free = free_memory(pl_module.device, on_node)
+        if not free:
+            return None
+        where = (f"on {pl_module.device}" if pl_module.device.type == "cuda"
+                 else f"in host memory{f' per training process ({on_node} on this node)' if on_node > 1 else ''}")
+        said = describe(estimate, free, where, pl_module.hparams.get("arch", "the model"), size, batch, processes,
+                        split)
+        fits = fitting_batch(estimate, free, processes * split)
+        advice = (f"--data.batch_size {fits} fits" if fits >= processes
+                  else "not even one image per process fits: lower --data.image_size or pick a smaller --model.arch")
+        hint = ("; or keep the batch and add devices (--trainer.devices), use --trainer.precision bf16-mixed or a "
+                "smaller --data.image_size")
+        decision = verdict(estimate.total, free)
+        if decision == "stop":
+            raise UserError(f"{said}: the step would not fit and the run would be killed. {advice}{hint}. "
+                            f"(Estimated before the first step by lightning_app/memory_probe.py.)")
+        if decision == "warn":
+            return f"{said}: the step may not fit. If the run is killed, {advice}{hint}."
+        return None
