@@ -1,9 +1,9 @@
 """Ship a trained model: `python -m lightning_app.export --ckpt_path CKPT --format onnx|pt2 --output PATH`.
 
-The exported model takes uint8 RGB images (N, 3, H, W) at the validation size, normalises them
-itself, and returns class probabilities (N, num_classes). Beside it, PATH.json holds what a
-caller needs: the class names, the input size, how validation resized (shorter side to
-`resize`, then a centre crop), and the mean/std built in.
+The exported model takes uint8 RGB images (N, 3, H, W) at the validation size, any N unless
+--batch-size fixes it, normalises them itself, and returns class probabilities (N, num_classes).
+Beside it, PATH.json holds what a caller needs: the class names, the input size, how validation
+resized (shorter side to `resize`, antialiased bilinear, then a centre crop), and the mean/std built in.
 
 The backbone is rebuilt from the checkpoint's hyperparameters and weights, so a checkpoint of a
 `compile`d or `channels_last` model exports the same way (compile works in place and keeps the
@@ -63,11 +63,18 @@ def load_for_export(ckpt_path: str | os.PathLike) -> tuple[ExportedClassifier, d
     ratio = float(data.get("val_crop_ratio") or 1.0)
     mean, std = inference.get("mean", list(IMAGENET_MEAN)), inference.get("std", list(IMAGENET_STD))
     names = list(ckpt.get("class_names") or [str(i) for i in range(int(h["num_classes"]))])
+    resize = int(inference.get("resize") or round(size / ratio))
     meta = {
         "class_names": names,
-        "input": {"dtype": "uint8", "layout": "NCHW", "channels": "RGB", "height": size, "width": size},
+        "input": {"dtype": "uint8", "layout": "NCHW", "channels": "RGB", "height": size, "width": size,
+                  "range": "0..255, not normalised: the model normalises its input itself"},
+        "normalizes_input": True,  # (x - 255 * mean) / (255 * std) inside the model: feed raw uint8 pixels
         "image_size": size,
-        "resize": int(inference.get("resize") or round(size / ratio)),
+        "resize": resize,
+        # how predict and validation prepared each image (datamodules/sample/crop.py, ValCrop)
+        "preprocess": {"resize_shorter_side": resize, "interpolation": "bilinear", "antialias": True,
+                       "center_crop": size},
+        "resize_interpolation": "bilinear, antialiased (torchvision resize(..., antialias=True))",
         "mean": list(mean),
         "std": list(std),
         "output": "probabilities (N, num_classes), softmax over class_names",
@@ -77,11 +84,18 @@ def load_for_export(ckpt_path: str | os.PathLike) -> tuple[ExportedClassifier, d
 
 
 
-def export(ckpt_path: str | os.PathLike, fmt: str, output: str | os.PathLike, dynamic_batch: bool = False,
-           batch_size: int = 1) -> tuple[Path, Path]:
-    """Write the model and PATH.json; return both paths."""
+def export(ckpt_path: str | os.PathLike, fmt: str, output: str | os.PathLike, dynamic_batch: bool | None = None,
+           batch_size: int | None = None) -> tuple[Path, Path]:
+    """Write the model and PATH.json; return both paths.
+
+    The batch dimension is dynamic (1 to MAX_BATCH) unless `batch_size` fixes it (or dynamic_batch=False: 1).
+    """
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {FORMATS}, got {fmt!r}.")
+    if batch_size is not None and batch_size < 1:
+        raise WeightsError(f"--batch-size must be >= 1, got {batch_size}.")
+    dynamic_batch = batch_size is None and dynamic_batch is not False
+    batch_size = batch_size or 1
     model, meta = load_for_export(ckpt_path)
     size = meta["image_size"]
     output = Path(output).expanduser()
@@ -117,11 +131,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ckpt_path", required=True, help="a checkpoint of this template (read with weights_only=True)")
     ap.add_argument("--format", choices=FORMATS, required=True)
     ap.add_argument("--output", required=True, help="the model file; PATH.json is written beside it")
-    ap.add_argument("--dynamic-batch", action="store_true", help=f"any batch size from 1 to {MAX_BATCH}")
-    ap.add_argument("--batch-size", type=int, default=1, help="the fixed batch size without --dynamic-batch")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help=f"fix the batch size to N (default: any batch from 1 to {MAX_BATCH})")
+    ap.add_argument("--dynamic-batch", action="store_true", help=argparse.SUPPRESS)  # the default now
     args = ap.parse_args(argv)
     try:
-        model_path, side = export(args.ckpt_path, args.format, args.output, args.dynamic_batch, args.batch_size)
+        model_path, side = export(args.ckpt_path, args.format, args.output, batch_size=args.batch_size)
     except WeightsError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
