@@ -7,7 +7,7 @@ Both runs train the same model on the built-in `medium` preset (96 px) with the 
 epochs, each capped by the same wall-clock budget; the progressive run's train crop follows
 64 -> 96 px (lightning_app.schedules.ProgressiveResizing). Each run records val/acc1 against the
 seconds since training started (validation included). The report says whether, and when, the
-progressive run reached the plain run's final val/acc1, and writes OUT/<machine>.progressive.md,
+progressive run reached the plain run's final val/acc1, and writes OUT/<machine>.progressive.<arch>.md,
 .json and .png (both curves). Run it on an otherwise idle machine: timings are its whole point.
 """
 from __future__ import annotations
@@ -71,6 +71,11 @@ def run_config(args: argparse.Namespace, progressive: bool) -> dict[str, Any]:
             "data": {"init_args": {"builtin": args.preset, "data_dir": args.data_dir, "image_size": args.image_size,
                                    "val_image_size": args.image_size, "batch_size": args.batch_size,
                                    "num_workers": args.num_workers}}}
+
+
+def output_stem(machine: str, arch: str) -> str:
+    """`<machine>.progressive.<arch>`: runs of two archs on one machine keep their own files."""
+    return f"{machine}.progressive.{arch}"
 
 
 def train(args: argparse.Namespace, name: str, progressive: bool, tmp: Path) -> dict[str, Any]:
@@ -184,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out)
     if not out.is_absolute():
         out = REPO_ROOT / out
-    stem = out / f"{result['machine_name']}.progressive"
+    stem = out / output_stem(result["machine_name"], args.arch)
     _atomic_write(Path(f"{stem}.json"), json.dumps(result, indent=1, default=str) + "\n")
     _atomic_write(Path(f"{stem}.md"), f"## progressive resizing vs plain\n\n`python -m bench."
                   f"progressive {' '.join(argv if argv is not None else sys.argv[1:])}` at {result['created']}\n\n"

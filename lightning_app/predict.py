@@ -124,7 +124,8 @@ class PredictionsCSV(BasePredictionWriter):
         os.replace(tmp, out)
         for rank in range(world_size):
             os.remove(self._part(rank, done=True))
-        skipped = list(getattr(self._dataset, "bad_files", []) or []) + [(p, "failed to decode") for p in failed.values()]
+        # files the dataset's check found bad were listed once already, when the dataset was made
+        skipped = [(p, "failed to decode") for p in failed.values()]
         if skipped:
             warnings.warn(f"predict: {len(skipped)} file(s) skipped: "
                           + "; ".join(f"{p} ({why})" for p, why in skipped[:20]), stacklevel=2)

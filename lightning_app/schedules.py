@@ -104,7 +104,7 @@ class ProgressiveResizing(pl.Callback):
         if datamodule.train_size == size:
             return False
         datamodule.set_train_size(size)
-        rank_zero_info(f"Progressive resizing: train crop {size} px from epoch {epoch}.")
+        rank_zero_info(f"Progressive resizing: train crop {size} px from epoch {epoch + 1}.")  # counted from 1
         return True
 
 

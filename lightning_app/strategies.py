@@ -73,7 +73,7 @@ def check_compile(strategy: Any) -> None:
     """Refuse or warn before `compile` is combined with a strategy that would break or slow it.
 
     - dp: refused (DP_COMPILE_MESSAGE).
-    - ddp: warned. The backbone is compiled inside the DDP wrapper, not around it, so dynamo's
+    - ddp with more than one process: warned. The backbone is compiled inside the DDP wrapper, not around it, so dynamo's
       DDPOptimizer (torch/_dynamo/backends/distributed.py, which splits a graph at DDP's bucket
       boundaries) never sees DDP: the compiled backward hands every gradient over at its end, and the
       all-reduce no longer overlaps the backward pass. With SyncBatchNorm, its all-gather inside an
@@ -81,7 +81,7 @@ def check_compile(strategy: Any) -> None:
     """
     if isinstance(strategy, DataParallelStrategy):
         raise UserError(DP_COMPILE_MESSAGE)
-    if isinstance(strategy, _LightningDDP):
+    if isinstance(strategy, _LightningDDP) and strategy.world_size > 1:  # one process: no all-reduce to overlap
         sync = getattr(strategy, "_layer_sync", None) is not None
         rank_zero_warn(
             "model.compile with DDP: the compiled backbone sits inside the DDP wrapper, so the gradient "

@@ -133,7 +133,7 @@ def test_progressive_vs_plain_bench_writes_both_curves(tiny_data, tmp_path):
     for run in ("plain", "progressive"):
         seconds = [p["seconds"] for p in result[run]["points"]]
         assert seconds == sorted(seconds) and seconds[0] > 0
-    stem = tmp_path / f"{result['machine_name']}.progressive"
+    stem = tmp_path / f"{result['machine_name']}.progressive.conv11"  # the arch in the name: runs of two archs keep both
     assert json.loads((tmp_path / f"{stem.name}.json").read_text())["comparison"]["verdict"]
     assert "**Verdict:**" in (tmp_path / f"{stem.name}.md").read_text()
     assert (tmp_path / f"{stem.name}.png").stat().st_size > 1000

@@ -33,12 +33,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from datamodules.builtin.draw import CLASSES, PRESETS, SPLITS, VERSION, Preset, render
-from datamodules.packing import progress_display
-
-try:
-    import fcntl
-except ImportError:  # not POSIX: ensure_builtin then relies on the atomic rename only
-    fcntl = None
+from datamodules.packing import file_lock, progress_display
 
 __all__ = ["CLASSES", "DEFAULT_ROOT", "PRESETS", "VERSION", "Preset", "dataset_name", "ensure_builtin", "generate", "main", "render"]
 
@@ -186,19 +181,13 @@ def ensure_builtin(preset: str = "small", root: str | Path = "data/builtin", **k
     root = Path(root).absolute()
     root.mkdir(parents=True, exist_ok=True)
     dst = root / name
-    if fcntl is None:
+    with file_lock(root / f".{name}.lock"):
+        # Holding the lock, any temp folder of this name is a leftover of a killed run.
+        for stale in root.glob(f".{name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        for stale in root.glob(f".{name}.old-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         return generate(dst, preset, **kw)
-    with open(root / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            # Holding the lock, any temp folder of this name is a leftover of a killed run.
-            for stale in root.glob(f".{name}.tmp-*"):
-                shutil.rmtree(stale, ignore_errors=True)
-            for stale in root.glob(f".{name}.old-*"):
-                shutil.rmtree(stale, ignore_errors=True)
-            return generate(dst, preset, **kw)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 # ------------------------------------------------------------------------------- CLI
