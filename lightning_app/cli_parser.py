@@ -76,8 +76,8 @@ def short_error(message: str, parser) -> list[str]:
                    for u in unknown[:MAX_DETAIL_LINES] if (m := closest(u, option_names(parser)))]
     if suggestions:
         out.append(f"  did you mean {', '.join(suggestions)}?")
-    prog = parser.prog.replace(" [options]", "")
-    out.append(f"  every option: python {prog} --help")
+    subcommand = parser.prog.replace(" [options]", "").split()[1:]  # prog is "<argv[0]> [options] fit"
+    out.append(f"  every option: python {' '.join(['main.py', *subcommand])} --help")
     return out
 
 

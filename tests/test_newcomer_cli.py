@@ -1,0 +1,120 @@
+"""The typical mistakes of a newcomer each end in a few lines of stderr, exit status 2, naming the fix;
+and the documented fine-tune command runs as written."""
+from __future__ import annotations
+
+import shlex
+
+import pytest
+import torch
+from torchvision.models import resnet50 as tv_resnet50
+
+from lightning_app.cli import main
+from lightning_app.weights import torchvision_cache_path
+from tests.conftest import REPO, quick_args, run_main
+
+
+def _fails(args: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2, err
+    assert "Traceback" not in err and len(err.splitlines()) <= 5, err
+    return err
+
+
+@pytest.mark.parametrize(("typed", "said"), [
+    (["--trainer.max_epoks", "3"], "did you mean --trainer.max_epochs?"),
+    (["--trainer.max_epoch", "3"], "did you mean --trainer.max_epochs?"),  # no abbreviation is taken
+    (["--data.batch_sise", "8"], "did you mean --data.batch_size?"),
+])
+def test_a_mistyped_option_names_the_closest_one(typed, said, tiny_data, tmp_path, capsys):
+    err = _fails(["fit", *quick_args(tiny_data, tmp_path), *typed], capsys)
+    lines = err.splitlines()
+    assert lines[0].startswith("error: unrecognized argument") and typed[0] in lines[0]
+    assert said in err and "python main.py fit --help" in lines[-1] and len(lines) <= 3
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("typed", "said"), [
+    (["--model.lr", "-1"], "--model.lr -1.0 must be > 0"),
+    (["--model.lr", "0"], "--model.lr 0.0 must be > 0"),  # trained silently for nothing
+    (["--model.weight_decay", "-0.1"], "--model.weight_decay -0.1 must be >= 0"),
+    (["--model.momentum", "1.2"], "--model.momentum 1.2 must be in [0, 1)"),
+    (["--trainer.max_epochs", "0"], "--trainer.max_epochs 0 must be an integer >= 1"),
+    (["--data.batch_size", "0"], "--data.batch_size 0 must be an integer >= 1"),
+    (["--data.image_size", "-32"], "--data.image_size -32 must be an integer >= 1"),
+    (["--data.val_image_size", "0"], "--data.val_image_size 0 must be an integer >= 1"),
+    (["--model.mixup_alpha", "-0.2", "--model.cutmix_alpha", "-1"], "--model.mixup_alpha -0.2 must be >= 0"),
+])
+def test_a_bad_value_stops_at_parse_time_in_one_paragraph(typed, said, tiny_data, tmp_path, capsys):
+    err = _fails(["fit", *quick_args(tiny_data, tmp_path), *typed], capsys)
+    assert len(err.splitlines()) == 1 and said in err and "Fix " in err
+    assert not list(tmp_path.iterdir())  # nothing was built or written
+
+
+@pytest.mark.parametrize("subcommand", ["predict", "validate", "test"])
+def test_evaluating_an_untrained_model_is_refused(subcommand, tiny_data, tmp_path, capsys):
+    err = _fails([subcommand, *quick_args(tiny_data, tmp_path), "--data.predict_dir", str(tiny_data / "val")], capsys)
+    assert len(err.splitlines()) == 1 and "--ckpt_path" in err and "--model.weights" in err
+    assert not list(tmp_path.iterdir())  # no predictions.csv of noise, no folder
+
+
+def test_not_a_checkpoint_a_pickled_object_and_a_plain_state_dict_get_their_own_message(tiny_data, tmp_path, capsys):
+    args = ["validate", *quick_args(tiny_data, tmp_path / "logs")]
+    text = tmp_path / "notes.ckpt"
+    text.write_text("# my notes\n")
+    err = _fails([*args, "--ckpt_path", str(REPO / "README.md")], capsys)
+    assert "is not a checkpoint" in err and "pickle" not in err and "weights_only" not in err
+    err = _fails([*args, "--ckpt_path", str(text)], capsys)
+    assert f"{text} is not a checkpoint" in err and "b'# my notes" in err
+
+    pickled = tmp_path / "module.ckpt"
+    torch.save(torch.nn.Linear(2, 2), pickled)  # a whole module object: needs full pickle
+    err = _fails([*args, "--ckpt_path", str(pickled)], capsys)
+    assert "needs full pickle" in err and "torch.nn.modules.linear.Linear" in err
+    assert err.splitlines()[-1].strip().startswith("python -c '")  # the conversion, shell-quoted
+
+    plain = tmp_path / "r50.pth"
+    torch.save({"conv1.weight": torch.zeros(64, 3, 7, 7)}, plain)
+    err = _fails([*args, "--ckpt_path", str(plain)], capsys)
+    assert "is a plain state_dict" in err and "conv1.weight [64, 3, 7, 7]" in err and f"--model.weights {plain}" in err
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.fixture
+def imagenet_weights_in_cache(tmp_path, monkeypatch):
+    """torch.hub's cache holding a file where ResNet50_Weights.IMAGENET1K_V2 lives (random values, real layout)."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    cached, _ = torchvision_cache_path("ResNet50_Weights.IMAGENET1K_V2")
+    cached.parent.mkdir(parents=True)
+    torch.save(tv_resnet50(weights=None).state_dict(), cached)
+    return cached
+
+
+def test_imagenet_weights_at_32_px_name_data_image_size(imagenet_weights_in_cache, tiny_data, tmp_path, capsys):
+    err = _fails(["fit", *quick_args(tiny_data, tmp_path, width=None), "--config", "configs/model/resnet50.yaml",
+                  "--model.weights", "ResNet50_Weights.IMAGENET1K_V2"], capsys)
+    assert "layer conv1.weight" in err and "--data.image_size 224" in err and "7x7 stem" in err
+
+
+def documented_fine_tune() -> list[str]:
+    text = (REPO / "docs" / "after-training.md").read_text()
+    block = text[text.index("## Fine-tune"):].split("```bash\n", 1)[1].split("```", 1)[0]
+    command = " ".join(line for line in block.replace("\\\n", " ").splitlines() if not line.startswith("#"))
+    return shlex.split(command)
+
+
+@pytest.mark.slow
+def test_the_documented_fine_tune_command_runs(imagenet_weights_in_cache, tiny_data, tmp_path):
+    args = documented_fine_tune()
+    assert args[:3] == ["python", "main.py", "fit"]
+    args = [str(tiny_data) if a == "/data/my_classes" else a for a in args[2:]]
+    # the documented flags, then what keeps the test small (one CPU step, no validation, fp32: bf16 is slow on CPUs)
+    proc = run_main([*args, "--trainer.devices", "1", "--trainer.accelerator", "cpu", "--trainer.max_epochs", "1",
+                     "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "0",
+                     "--trainer.precision", "32-true",
+                     "--data.batch_size", "2", "--data.num_workers", "0", "--model.pictures", "[]",
+                     "--trainer.default_root_dir", str(tmp_path / "logs")], env={"TORCH_HOME": str(tmp_path / "torch")})
+    report = next(line for line in proc.stdout.splitlines() if line.startswith("model.weights"))
+    assert "(torchvision weights): loaded 318 tensors, new 0, ignored 0; head fc replaced (1000 classes there, " \
+           "10 here)" in report, report
