@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 
 import pytorch_lightning as pl
 import torch
 
+from lightning_app.cli import ClassifierCLI
 from lightning_app.memory_probe import StepEstimate, fitting_batch, host_memory_available, probe, verdict
 from lightning_app.module import ImageClassifier
-from tests.conftest import quick_args, run_main
+from tests.conftest import REPO, quick_args, run_main
 
 
 def test_verdict_stops_only_when_clearly_over_and_the_suggested_batch_fits():
@@ -51,3 +53,20 @@ def test_a_step_clearly_too_large_stops_before_it_starts_with_a_batch_that_fits(
     fits = int(re.search(r"--data\.batch_size (\d+) fits", err).group(1))
     assert 1 <= fits < 240 / 4
     assert not list(tmp_path.glob("version_*"))  # nothing was written
+
+
+def documented_smoke_test() -> list[str]:
+    text = (REPO / "docs" / "training.md").read_text()
+    block = text[text.index("A smoke test of a recipe on a CPU"):].split("```bash\n", 1)[1].split("```", 1)[0]
+    return shlex.split(block.replace("\\\n", " "))
+
+
+def test_the_documented_recipe_smoke_test_fits_a_24_gb_machine(tiny_data):
+    command = documented_smoke_test()
+    assert command[:3] == ["python", "main.py", "fit"]
+    # the documented settings, on the tiny data instead of generating the medium preset (same model and sizes)
+    cli = ClassifierCLI(args=[*command[3:], "--data.data_dir", str(tiny_data)], run=False)
+    size, batch = cli.datamodule.train_size, cli.datamodule.batch_size
+    assert cli.model.hparams.arch == "resnet50" and size == 176
+    estimate = probe(cli.model, cli.trainer, size=size, batch=batch)
+    assert estimate.total < 0.4 * 24e9, estimate  # the recipe's own batch of 1024 needs about 55 GB

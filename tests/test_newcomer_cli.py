@@ -8,9 +8,9 @@ import pytest
 import torch
 from torchvision.models import resnet50 as tv_resnet50
 
-from lightning_app.cli import main
+from lightning_app.cli import ClassifierCLI, main
 from lightning_app.weights import torchvision_cache_path
-from tests.conftest import REPO, quick_args, run_main
+from tests.conftest import REPO, quick_args, run_main, train_checkpoint
 
 
 def _fails(args: list[str], capsys) -> str:
@@ -118,3 +118,19 @@ def test_the_documented_fine_tune_command_runs(imagenet_weights_in_cache, tiny_d
     report = next(line for line in proc.stdout.splitlines() if line.startswith("model.weights"))
     assert "(torchvision weights): loaded 318 tensors, new 0, ignored 0; head fc replaced (1000 classes there, " \
            "10 here)" in report, report
+
+
+def test_evaluating_from_weights_needs_every_layer_of_these_classes(tiny_data, tmp_path, capsys):
+    _, _, _, ckpt = train_checkpoint(tiny_data, tmp_path / "run", epochs=1, batch=40)
+    args = ["validate", *quick_args(tiny_data, tmp_path / "logs"), "--trainer.enable_model_summary", "false"]
+    cli = ClassifierCLI(args=[*args, "--model.weights", str(ckpt)])  # a checkpoint of ours as weights: complete
+    by_weights = float(cli.trainer.callback_metrics["val/acc1"])
+    cli = ClassifierCLI(args=[*args, "--ckpt_path", str(ckpt)])
+    assert by_weights == float(cli.trainer.callback_metrics["val/acc1"])
+
+    five = {k[len("backbone."):]: v[:5] if k.startswith("backbone.fc.") else v
+            for k, v in torch.load(ckpt, weights_only=True)["state_dict"].items() if k.startswith("backbone.")}
+    other = tmp_path / "five_classes.pth"
+    torch.save(five, other)
+    err = _fails([*args, "--model.weights", str(other)], capsys)
+    assert "the head fc (10 classes; the weights have 5)" in err and "random initialisation" in err
