@@ -37,7 +37,8 @@ class ImageClassifier(pl.LightningModule):
             or "medium" (bf16); null leaves torch's setting alone. Applied in every process.
         weights: start training from these weights: a checkpoint of ours, a state_dict file or a
             torchvision weights name (ResNet50_Weights.IMAGENET1K_V2) in torch.hub's cache. The head is
-            replaced when the class count differs. Loaded when fit starts, unless resuming with --ckpt_path.
+            replaced when the class count differs. Loaded when fit, validate, test or predict starts, unless
+            --ckpt_path is given; validate, test and predict need weights for every layer, the head included.
         freeze_backbone_epochs: train only the head for this many epochs first (BatchNorm statistics frozen too).
         backbone_lr_scale: the backbone's learning rate as a fraction of the head's (e.g. 0.1 when fine-tuning).
         pictures: TensorBoard images (lightning_app.pictures): confusion_matrix, mistakes, train_batch; [] for none.
