@@ -2,17 +2,28 @@
 on and is named with the epoch counted from 1 (lightning_app.faults.ResumableCheckpoint)."""
 from __future__ import annotations
 
+import logging
 import re
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from datamodules import ImageFolderDataModule
 from lightning_app.cli import ClassifierCLI
+from lightning_app.faults import CheckpointOnSigterm
 from lightning_app.module import ImageClassifier
 from tests.conftest import quick_args
 
 BATCH = 48  # tiny data: 240 train images -> 5 steps per epoch
+
+
+class SigtermInSecondEpoch(pl.Callback):
+    """What Lightning does on SIGTERM after the first batch of the second epoch: CheckpointOnSigterm's save and line."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.current_epoch == 1 and batch_idx == 0:
+            CheckpointOnSigterm(filename="sigterm").on_exception(trainer, pl_module, SIGTERMException())
 
 
 def _validate(path, data_dir) -> float:
@@ -23,11 +34,14 @@ def _validate(path, data_dir) -> float:
     return float(trainer.validate(model, dm, verbose=False)[0]["val/acc1"])
 
 
-def test_step_saves_leave_the_best_checkpoint_to_the_validation_that_scored_it(tiny_data, tmp_path):
-    ClassifierCLI(args=["fit", *quick_args(tiny_data, tmp_path, epochs=2, batch=BATCH),
-                        "--checkpoint.every_n_train_steps", "1", "--checkpoint.save_top_k", "-1",
-                        "--model.pictures", "[]", "--trainer.enable_model_summary", "false",
-                        "--data.val_crop_ratio", "1.0", "--model.lr", "2.0"])
+def test_step_saves_leave_the_best_checkpoint_to_the_validation_that_scored_it(tiny_data, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="pytorch_lightning.utilities.rank_zero"):
+        ClassifierCLI(args=["fit", *quick_args(tiny_data, tmp_path, epochs=2, batch=BATCH),
+                            "--checkpoint.every_n_train_steps", "1", "--checkpoint.save_top_k", "-1",
+                            "--model.pictures", "[]", "--trainer.enable_model_summary", "false",
+                            "--data.val_crop_ratio", "1.0", "--model.lr", "2.0",
+                            "--trainer.callbacks+=tests.test_newcomer_checkpoints.SigtermInSecondEpoch"])
+    assert "sigterm.ckpt in epoch 2, step 6;" in caplog.text  # counted like the epoch lines, from 1
     ckpts = tmp_path / "version_0" / "checkpoints"
     best = sorted(p.name for p in ckpts.glob("best-*.ckpt"))
     # one per validation, named by the epoch (from 1) it ended; before, a step save wrote one per improving
