@@ -22,6 +22,7 @@ from pytorch_lightning.cli import LightningArgumentParser
 MAX_DETAIL_LINES = 2
 _NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted")
 _PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
+_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
 
 
 def data_option_names() -> list[str]:
@@ -74,6 +75,9 @@ def short_error(message: str, parser) -> list[str]:
             out = [f"error: {head}" + (f" {detail[0]}" if head.endswith(":") and detail else "")]
     suggestions = [f"{u.split('=', 1)[0]} -> {m}" if len(unknown) > 1 else m
                    for u in unknown[:MAX_DETAIL_LINES] if (m := closest(u, option_names(parser)))]
+    choice = _INVALID_CHOICE.search(message)
+    if choice:  # a mistyped subcommand (or any other choice)
+        suggestions += difflib.get_close_matches(choice.group(1), re.findall(r"'([^']+)'", choice.group(2)), n=1)
     if suggestions:
         out.append(f"  did you mean {', '.join(suggestions)}?")
     subcommand = parser.prog.replace(" [options]", "").split()[1:]  # prog is "<argv[0]> [options] fit"

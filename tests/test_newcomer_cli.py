@@ -134,3 +134,8 @@ def test_evaluating_from_weights_needs_every_layer_of_these_classes(tiny_data, t
     torch.save(five, other)
     err = _fails([*args, "--model.weights", str(other)], capsys)
     assert "the head fc (10 classes; the weights have 5)" in err and "random initialisation" in err
+
+
+def test_a_mistyped_subcommand_names_the_closest_one(capsys):
+    err = _fails(["predcit", "--ckpt_path", "x.ckpt"], capsys)
+    assert "invalid choice: 'predcit'" in err and "did you mean predict?" in err and len(err.splitlines()) == 3
