@@ -23,10 +23,14 @@ def test_dp_with_compile_is_refused_with_its_message(tiny_data, tmp_path):
 
 
 def test_compile_with_ddp_warns_and_names_syncbatchnorm():
+    from pytorch_lightning.plugins.environments import LightningEnvironment
+
+    two = LightningEnvironment()
+    two.set_world_size(2)  # one process has no all-reduce to overlap: no warning (tests/test_newcomer_small.py)
     with pytest.warns(UserWarning, match="inside the DDP wrapper") as record:
-        check_compile(DDPStrategy())
+        check_compile(DDPStrategy(cluster_environment=two))
     assert "SyncBatchNorm" not in str(record[0].message)
-    strategy = DDPStrategy()
+    strategy = DDPStrategy(cluster_environment=two)
     from pytorch_lightning.plugins import TorchSyncBatchNorm
 
     strategy._layer_sync = TorchSyncBatchNorm()
