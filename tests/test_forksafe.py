@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import gc
 
-import pytest
 from torch.utils.data import DataLoader, Dataset
 
-pytest.importorskip("nvidia.dali", reason="DALI is not installed (pip install nvidia-dali-cuda130==2.4.0)")
-from datamodules.dali.datamodule import DALIDataModule
+from datamodules.dali.datamodule import DALIDataModule  # DALI is required (requirements.txt)
 
 
 class CollectsGarbage(Dataset):

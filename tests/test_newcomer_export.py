@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
+import onnxruntime as ort
 import torch
 from PIL import Image
 
@@ -17,7 +17,6 @@ from lightning_app.cli import ClassifierCLI
 from lightning_app.export import main as export_main
 from tests.conftest import REPO, train_checkpoint
 
-ort = pytest.importorskip("onnxruntime")
 SIZES = [(200, 160), (160, 280), (256, 256), (360, 132), (148, 192)]  # (width, height): downscaled 4-8x
 
 
