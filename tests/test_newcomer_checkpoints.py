@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 
+import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities.exceptions import SIGTERMException
@@ -34,6 +35,7 @@ def _validate(path, data_dir) -> float:
     return float(trainer.validate(model, dm, verbose=False)[0]["val/acc1"])
 
 
+@pytest.mark.slow
 def test_step_saves_leave_the_best_checkpoint_to_the_validation_that_scored_it(tiny_data, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="pytorch_lightning.utilities.rank_zero"):
         ClassifierCLI(args=["fit", *quick_args(tiny_data, tmp_path, epochs=2, batch=BATCH),

@@ -120,6 +120,7 @@ def test_the_documented_fine_tune_command_runs(imagenet_weights_in_cache, tiny_d
            "10 here)" in report, report
 
 
+@pytest.mark.slow
 def test_evaluating_from_weights_needs_every_layer_of_these_classes(tiny_data, tmp_path, capsys):
     _, _, _, ckpt = train_checkpoint(tiny_data, tmp_path / "run", epochs=1, batch=40)
     args = ["validate", *quick_args(tiny_data, tmp_path / "logs"), "--trainer.enable_model_summary", "false"]

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import onnxruntime as ort
+import pytest
 import torch
 from PIL import Image
 
@@ -26,6 +27,7 @@ def doc_snippet() -> str:
     return re.search(r"```python\n(.*?)```", export, re.DOTALL).group(1)
 
 
+@pytest.mark.slow
 def test_the_documented_snippet_reproduces_predict_and_any_batch_runs(tiny_data, tmp_path):
     _, _, _, ckpt = train_checkpoint(tiny_data, tmp_path / "run", epochs=1, batch=40)
     photos = tmp_path / "photos"

@@ -15,6 +15,7 @@ from lightning_app.cli import ClassifierCLI
 from tests.conftest import train_checkpoint
 
 
+@pytest.mark.slow
 def test_predict_names_a_bad_image_once(tiny_data, tmp_path):
     _, _, _, ckpt = train_checkpoint(tiny_data, tmp_path / "run", epochs=1, batch=40)
     photos = tmp_path / "photos"
