@@ -25,8 +25,8 @@ def test_verdict_stops_only_when_clearly_over_and_the_suggested_batch_fits():
 
 
 def test_probe_leaves_the_model_and_the_random_state_as_it_found_them():
-    model = ImageClassifier(arch="resnet50", num_classes=10, image_size=32, pictures=[])
-    trainer = pl.Trainer(accelerator="cpu", precision="bf16-mixed", logger=False)
+    model = ImageClassifier(arch="conv11", num_classes=10, image_size=32, arch_kwargs={"width": 8}, pictures=[])
+    trainer = pl.Trainer(accelerator="cpu", precision="bf16-mixed", logger=False)  # the probe runs under autocast
     buffers = {k: b.clone() for k, b in model.backbone.named_buffers()}
     rng = torch.get_rng_state()
     model.eval()
@@ -34,7 +34,7 @@ def test_probe_leaves_the_model_and_the_random_state_as_it_found_them():
     large = probe(model, trainer, size=32, batch=256)
     assert not model.backbone.training and torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(b, buffers[k]) for k, b in model.backbone.named_buffers())  # BatchNorm stats kept
-    assert 3.2 < large.per_image / small.per_image < 4.8  # activations grow with the pixels (the stem is the same)
+    assert 3.6 < large.per_image / small.per_image < 4.4  # activations grow with the pixels
     assert small.total == small.fixed + 256 * small.per_image
 
 
