@@ -40,6 +40,9 @@ from lightning_app.faults import (
 )
 from lightning_app.memory_probe import MemoryProbe
 from lightning_app.module import ImageClassifier
+from lightning_app.runs.guard import use_atomic_checkpoints
+from lightning_app.runs.identity import training_settings
+from lightning_app.runs.network import network_settings
 from lightning_app.saved_config import RedactedSaveConfigCallback
 from lightning_app.settings import check_settings, require_trained_weights
 from lightning_app.strategies import DDPStrategy  # importing registers --trainer.strategy dp and our ddp
@@ -54,10 +57,7 @@ class ClassifierCLI(LightningCLI):
     def __init__(self, args=None, run: bool = True) -> None:
         silence_known_noise()
         info_to_stdout()
-        self.run_dir: Path | None = None
-        self.resolved_ckpt_path: str | None = None
-        self.run_lock: runs.RunLock | None = None
-        self.fresh_run = False
+        self.plan: runs.RunPlan | None = None
         super().__init__(
             ImageClassifier,
             LightningDataModule,
@@ -92,15 +92,31 @@ class ClassifierCLI(LightningCLI):
         # Lightning's own --ckpt_path load (lightning_fabric/utilities/cloud_io.py, _load) passes weights_only
         # through; None would let TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD turn full pickle back on.
         parser.set_defaults(weights_only=True)
+        if subcommand == "predict":
+            # Lightning keeps every batch's output for its return value unless told not to
+            # (trainer/trainer.py, predict: return_predictions None -> True); PredictionsCSV streams them instead.
+            parser.set_defaults(return_predictions=False)
         return parser
 
+    def _set_seed(self) -> None:
+        self.seed_given = self._get(self.config, "seed_everything")  # before LightningCLI draws one for `true`
+        super()._set_seed()
+
     def _parse_ckpt_path(self) -> None:
-        # LightningCLI reads --ckpt_path's hyperparameters here (torch.load with weights_only=True);
-        # safe_load reads it the same way first, so a file needing pickle gets a message saying what to do.
-        ckpt_path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
-        if ckpt_path and Path(ckpt_path).is_file():
-            refuse_plain_state_dict(ckpt_path, safe_load(ckpt_path, "--ckpt_path"))
-        super()._parse_ckpt_path()
+        # Not LightningCLI's: it merges the checkpoint's hyperparameters over the command line (see
+        # lightning_app/runs/network.py); here only what builds the network comes from the checkpoint.
+        # safe_load reads it with weights_only=True, so a file needing pickle gets a message saying what to do.
+        sub = self.config.get("subcommand")
+        ckpt_path = self.config[sub].get("ckpt_path") if sub else None
+        if not (ckpt_path and Path(ckpt_path).is_file()):
+            return
+        checkpoint = safe_load(ckpt_path, "--ckpt_path")
+        refuse_plain_state_dict(ckpt_path, checkpoint)
+        saved = checkpoint.get("hyper_parameters") or {}
+        model = self.config[sub].model
+        defaults = self._parser(sub).get_defaults().model
+        for key, value in network_settings(saved, dict(model.items()), dict(defaults.items()), ckpt_path).items():
+            model[key] = value
 
     def before_instantiate_classes(self) -> None:
         from models import list_models
@@ -116,77 +132,51 @@ class ClassifierCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         config = self._get(self.config, "trainer")
-        root = Path(config.get("default_root_dir") or "logs")
         self._warn_about_workers()
-        version, log_parent = self._plan_run(root)
-        if self.subcommand == "fit" and self.run_dir is not None:
-            # what Lightning writes by itself (SLURM's hpc_ckpt_K.ckpt on requeue) goes into the run too
-            kwargs["default_root_dir"] = str(self.run_dir)
-        if config.get("logger") in (None, True):
-            kwargs["logger"] = TensorBoardLogger(save_dir=str(log_parent), name="", version=version,
-                                                 default_hp_metric=False)
+        plan = self.plan = self._plan_run(Path(config.get("default_root_dir") or "logs"))
+        if plan is not None:
+            runs.announce(plan)
+            if self.subcommand == "fit" and plan.run_dir is not None:
+                # what Lightning writes by itself (SLURM's hpc_ckpt_K.ckpt on requeue) goes into the run too
+                kwargs["default_root_dir"] = str(plan.run_dir)
+            if config.get("logger") in (None, True):
+                extra = {"purge_step": plan.purge_step} if plan.purge_step is not None else {}
+                kwargs["logger"] = TensorBoardLogger(save_dir=str(plan.log_parent), name="", version=plan.version,
+                                                     default_hp_metric=False, **extra)
+            if plan.guard is not None:
+                self.trainer_defaults["callbacks"].append(plan.guard)
         if config.get("enable_progress_bar", True) is not False:
             self.trainer_defaults["callbacks"].append(progress_callback())
         checkpoint = self._get(self.config_init, "checkpoint", default=None)
-        if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath is None and self.run_dir is not None:
-            checkpoint.dirpath = os.path.realpath(self.run_dir / runs.CHECKPOINTS)
+        if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath is None and plan and plan.run_dir is not None:
+            checkpoint.dirpath = os.path.realpath(plan.run_dir / runs.CHECKPOINTS)
         try:
-            return super().instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
         except BaseException:
             self._discard_failed_run()
             raise
+        use_atomic_checkpoints(trainer)
+        return trainer
 
     # -- run folders -------------------------------------------------------------------------
-    def _plan_run(self, root: Path) -> tuple[int | str | None, Path]:
-        """Decide the run folder and the checkpoint to load: (logger version, logger save_dir)."""
-        sub = self.subcommand
-        if sub is None:  # run=False: parse and instantiate only; nothing is written
-            return None, root
-        ckpt = self._get(self.config, "ckpt_path")
-        signature = runs.ModelSignature.of_module(self.model)
-        run = None
-        if ckpt == "last":
-            found, looked_at = runs.find_last(root, signature)
-            if found is None:
-                where = f"{looked_at} run(s) under {root}" if looked_at else f"no run under {root}"
-                if sub != "fit":
-                    raise UserError(f"--ckpt_path last: {where}, none with {signature.describe()} (this config); "
-                                    "pass --ckpt_path PATH/TO.ckpt.")
-                rank_zero_info(f"--ckpt_path last: {where}, none with {signature.describe()}; starting a fresh run.")
-            else:
-                ckpt = str(found)
-                run = runs.run_of_checkpoint(found)
-                rank_zero_info(f"--ckpt_path last: resuming {found}")
-        elif ckpt is not None and ckpt not in ("best", "hpc", "registry"):
-            if not Path(ckpt).is_file():
-                raise UserError(f"--ckpt_path {ckpt}: no such file.")
-            runs.check_compatible(ckpt, signature)
-            run = runs.run_of_checkpoint(ckpt)
-        self.resolved_ckpt_path = None if ckpt == "last" else ckpt
-
-        if sub != "fit":
-            # never a new version_N: a subfolder of the checkpoint's run, or ROOT/<subcommand>
-            self.run_dir = run[1] if run else None
-            return sub, (run[1] if run else root)
-        if run is not None:
-            version, self.run_dir = run
-        elif runs.is_launch_rank_zero():
-            version, self.run_dir = runs.new_run(root)
-            self.fresh_run = True
-        else:
-            return None, root  # a fresh run on rank > 0: rank 0's folder is broadcast by Lightning
-        if runs.is_launch_rank_zero():
-            self.run_lock = runs.RunLock(self.run_dir).acquire()
-            atexit.register(self.run_lock.release)
-            if self.run_lock.took_over:
-                rank_zero_info(f"took over the lock of {self.run_dir} from process "
-                               f"{self.run_lock.took_over.get('pid')}, which is no longer running.")
-        return version, root
+    def _plan_run(self, root: Path) -> runs.RunPlan | None:
+        """The run folder and the checkpoint to load (lightning_app/runs/plan.py); None with run=False."""
+        if self.subcommand is None:  # run=False: parse and instantiate only; nothing is written
+            return None
+        training = training_settings(
+            dict(self.model.hparams), f"{type(self.datamodule).__module__}.{type(self.datamodule).__name__}",
+            dict(getattr(self.datamodule, "hparams", {}) or {}), self._get(self.config, "trainer").as_dict(),
+            getattr(self, "seed_given", None))
+        plan = runs.plan_run(self.subcommand, self._get(self.config, "ckpt_path"), root, training,
+                             runs.ModelSignature.of_module(self.model))
+        if plan.lock is not None:
+            atexit.register(plan.lock.release)
+        return plan
 
     def _prepare_subcommand_kwargs(self, subcommand: str) -> dict:
         kwargs = super()._prepare_subcommand_kwargs(subcommand)
-        if "ckpt_path" in kwargs:
-            kwargs["ckpt_path"] = self.resolved_ckpt_path
+        if "ckpt_path" in kwargs and self.plan is not None:
+            kwargs["ckpt_path"] = self.plan.ckpt_path
         return kwargs
 
     def _warn_about_workers(self) -> None:
@@ -207,17 +197,20 @@ class ClassifierCLI(LightningCLI):
             self._discard_failed_run()
             raise
         finally:
-            if self.run_lock is not None:
-                self.run_lock.release()
+            if self.plan is not None and self.plan.lock is not None:
+                self.plan.lock.release()
 
     def _discard_failed_run(self) -> None:
         """A fresh run that failed (a bad setting, say) before its first checkpoint leaves no folder behind."""
-        if self.run_lock is not None:
-            self.run_lock.release()
-        if self.fresh_run and self.run_dir is not None and runs.is_launch_rank_zero():
-            ckpts = self.run_dir / runs.CHECKPOINTS
+        plan = self.plan
+        if plan is None:
+            return
+        if plan.lock is not None:
+            plan.lock.release()
+        if plan.made_here and plan.run_dir is not None:
+            ckpts = plan.run_dir / runs.CHECKPOINTS
             if not (ckpts.is_dir() and any(ckpts.iterdir())):
-                shutil.rmtree(self.run_dir, ignore_errors=True)
+                shutil.rmtree(plan.run_dir, ignore_errors=True)
 
     def after_fit(self) -> None:
         trainer = self.trainer

@@ -10,6 +10,7 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
@@ -20,14 +21,16 @@ class CheckpointOnSigterm(pl.Callback):
     Lightning 2.6 already catches SIGTERM: it finishes the running batch, then raises
     SIGTERMException (a SystemExit) on every rank, but saves nothing. This callback saves the
     state at that batch boundary into the checkpoint folder as last.ckpt, so `--ckpt_path last`
-    resumes from it.
+    resumes from it. Lightning raises the same exception in validate/test/predict
+    (pytorch_lightning/loops/evaluation_loop.py, _evaluation_step): those save nothing, so an interrupted
+    evaluation never replaces a run's last.ckpt with a state that holds no optimizer or loop progress.
     """
 
     def __init__(self, filename: str = "last") -> None:
         self.filename = filename
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if not isinstance(exception, SIGTERMException):
+        if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
             return
         ckpt = trainer.checkpoint_callback
         dirpath = ckpt.dirpath if isinstance(ckpt, ModelCheckpoint) and ckpt.dirpath else os.path.join(

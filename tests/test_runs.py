@@ -40,11 +40,15 @@ def test_last_resumes_the_newest_run_of_each_config_in_its_own_folder(tiny_data,
     assert not (tmp_path / "checkpoints").exists()
     steps_a, steps_b = a2.trainer.global_step, b.trainer.global_step
 
-    resumed_a = _fit(tiny_data, tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", "last")
+    # `last` compares the training settings (max_epochs included): the same config finds its newest run
+    resumed_a = _fit(tiny_data, tmp_path, "--ckpt_path", "last")
     assert _run_of(resumed_a) == "version_2"
-    assert resumed_a.trainer.global_step == 2 * steps_a
+    assert resumed_a.trainer.global_step == steps_a  # it had finished its epochs
     assert Path(resumed_a.trainer.checkpoint_callback.dirpath) == (tmp_path / "version_2" / "checkpoints").resolve()
-    resumed_b = _fit(three_classes, tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", "last")
+    assert len(runs.read_run(tmp_path / "version_2")["attempts"]) == 2
+    # more epochs for a run: name its checkpoint
+    last_b = tmp_path / "version_1" / "checkpoints" / "last.ckpt"
+    resumed_b = _fit(three_classes, tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", str(last_b))
     assert _run_of(resumed_b) == "version_1"
     assert resumed_b.trainer.global_step == 2 * steps_b
     assert sorted(p.name for p in tmp_path.iterdir()) == ["version_0", "version_1", "version_2"]
@@ -54,7 +58,7 @@ def test_last_resumes_the_newest_run_of_each_config_in_its_own_folder(tiny_data,
     # validate logs into a subfolder of the checkpoint's run, never a new version_N
     ckpt = tmp_path / "version_1" / "checkpoints" / "last.ckpt"
     val = ClassifierCLI(args=["validate", *quick_args(three_classes, tmp_path, batch=16), "--ckpt_path", str(ckpt)])
-    assert Path(val.trainer.log_dir) == tmp_path / "version_1" / "validate"
+    assert Path(val.trainer.log_dir) == tmp_path / "version_1" / "validate_0"  # each validate its own
     assert sorted(p.name for p in tmp_path.iterdir()) == ["version_0", "version_1", "version_2"]
 
 
@@ -64,7 +68,8 @@ def test_last_without_a_matching_run_starts_fresh_and_a_foreign_checkpoint_is_on
     with caplog.at_level("INFO"):
         fresh = _fit(tiny_data, tmp_path, "--ckpt_path", "last")
     assert _run_of(fresh) == "version_1" and fresh.trainer.global_step > 0
-    assert "none with arch conv11 with 10 classes; starting a fresh run" in caplog.text
+    assert "has this config's training settings (the nearest, version_0, differs in data.data_dir" in caplog.text
+    assert "starting a fresh run" in caplog.text
 
     ckpt = tmp_path / "version_0" / "checkpoints" / "last.ckpt"  # 3 classes, into a 10-class config
     with pytest.raises(SystemExit) as exit_:
@@ -106,7 +111,8 @@ def test_a_second_fit_into_a_live_run_is_refused(tiny_data, tmp_path, capsys):
         lock.write_text(f'{{"pid": {sleeper.pid}, "host": "{os.uname().nodename}", '
                         f'"started": "now", "command": "python main.py fit"}}')
         with pytest.raises(SystemExit) as exit_:
-            main(["fit", *quick_args(tiny_data, tmp_path, batch=16, epochs=2), "--ckpt_path", "last"])
+            main(["fit", *quick_args(tiny_data, tmp_path, batch=16), "--trainer.num_sanity_val_steps", "0",
+                  "--ckpt_path", "last"])
         assert exit_.value.code == 2
         err = capsys.readouterr().err
         assert f"in use by process {sleeper.pid}" in err and "Traceback" not in err
@@ -114,7 +120,8 @@ def test_a_second_fit_into_a_live_run_is_refused(tiny_data, tmp_path, capsys):
         sleeper.kill()
         sleeper.wait()
     # the owner is gone now: its stale lock is taken over and the run resumes
-    resumed = _fit(tiny_data, tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", "last")
+    last = tmp_path / "version_0" / "checkpoints" / "last.ckpt"
+    resumed = _fit(tiny_data, tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", str(last))
     assert _run_of(resumed) == "version_0" and resumed.trainer.current_epoch == 2
     assert not lock.exists()  # released at the end
 

@@ -1,0 +1,97 @@
+"""What keeps a run whole once the trainer starts: every rank on the same run, atomic checkpoints, logs on disk.
+
+- `RunGuard.setup("fit")`: every rank shares what it resolved (checkpoint, its fingerprint, run folder, run id).
+  A rank that differs from rank 0 stops every rank with one paragraph naming both, at once; nothing has
+  loaded yet. The `setup` hook runs after the process group is up and before Lightning restores the
+  checkpoint (pytorch_lightning/trainer/trainer.py, _run: _call_setup_hook, then _restore_modules_and_callbacks).
+- `RunGuard.on_save_checkpoint`: the loggers flush first, so what was logged before a checkpoint is on disk
+  when the checkpoint is; a resumed run purges what was logged after it (TensorBoard's purge_step).
+- `AtomicCheckpointIO`: Lightning's local "atomic" save writes into the system temp folder and then moves
+  the file (lightning_fabric/utilities/cloud_io.py, _atomic_save -> fsspec LocalFileOpener: tempfile.mkstemp()
+  and shutil.move on commit), which is a copy across filesystems, so a kill tears the file. Here the temp
+  file sits beside the target and is fsynced before os.replace.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from fsspec.implementations.local import LocalFileSystem
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning_fabric.utilities.cloud_io import get_filesystem
+
+from lightning_app.errors import UserError
+from lightning_app.runs.folders import write_atomically
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
+            return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write_atomically(path, lambda f: torch.save(checkpoint, f))
+
+
+def use_atomic_checkpoints(trainer: pl.Trainer) -> None:
+    """Swap in AtomicCheckpointIO where the strategy would use the plain TorchCheckpointIO."""
+    if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+        trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+
+
+class RunGuard(pl.Callback):
+    """Holds what this process resolved before the trainer was made; see the module's docstring."""
+
+    def __init__(self, checkpoint: str | None, fingerprint: str | None, run_dir: str | None, run_id: str | None,
+                 made_here: bool) -> None:
+        self.mine = {"host": socket.gethostname(), "pid": os.getpid(), "checkpoint": checkpoint,
+                     "fingerprint": fingerprint, "run_dir": run_dir, "run_id": run_id, "made_here": made_here}
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+            return
+        views: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(views, {**self.mine, "rank": trainer.global_rank})
+        problem = disagreement(views)
+        if problem:
+            raise UserError(problem)
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        for logger in trainer.loggers:
+            logger.save()  # TensorBoardLogger: flush the event file (rank 0 only)
+
+
+def _agrees(view: dict, first: dict) -> bool:
+    if view["checkpoint"] is None and view["run_dir"] is None:
+        return first["checkpoint"] is None  # it starts fresh and follows rank 0's folder
+    return (view["fingerprint"], view["run_id"]) == (first["fingerprint"], first["run_id"])
+
+
+def _side(view: dict) -> str:
+    where = f"rank {view['rank']} on {view['host']}"
+    if view["checkpoint"]:
+        return f"{where} resumes {view['checkpoint']} in {view['run_dir'] or 'no run folder'}"
+    if view["run_dir"]:
+        return f"{where} starts from scratch in {view['run_dir']}"
+    return f"{where} found nothing to resume and starts a fresh run"
+
+
+def disagreement(views: list[dict]) -> str | None:
+    """One paragraph when the ranks did not resolve the same (checkpoint, run), else None."""
+    first = views[0]
+    others = [v for v in views[1:] if v["made_here"] or not _agrees(v, first)]
+    if not others:
+        return None
+    other = others[0]
+    if other["made_here"]:
+        return (f"Two processes made a run folder: rank 0 on {first['host']} made {first['run_dir']} and rank "
+                f"{other['rank']} on {other['host']} made {other['run_dir']}, taking itself for rank 0. Check the "
+                "launcher's rank variables (RANK, LOCAL_RANK, NODE_RANK, SLURM_PROCID); delete the extra folder.")
+    more = f" ({len(others) - 1} more rank(s) differ too)" if len(others) > 1 else ""
+    return (f"The processes of this run resolved --ckpt_path differently, so they would train different states: "
+            f"{_side(first)}; {_side(other)}{more}. Each process looks under its own --trainer.default_root_dir: on "
+            "node-local disks they differ. Keep the runs on a filesystem every node sees, or pass --ckpt_path FILE with "
+            "the same file on every node. Nothing was loaded or trained.")

@@ -1,0 +1,174 @@
+"""A run's identity: `version_N/run.json`, written when the run is made and updated at every resume.
+
+It holds the run's training settings (what `--ckpt_path last` compares), where and when it started,
+and every SLURM job that trained it (job id, array job and task id, restart count). `IGNORED` is the
+one list of settings that do not change what a run learns: `last` ignores them, and a resumed fit
+changes them without a word.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import os
+import socket
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from lightning_app.runs.folders import write_atomically
+
+RUN_JSON = "run.json"
+
+# Settings that never change the weights a run ends with (speed, logging, layout, where files go).
+# The global batch is data.batch_size whatever the layout, so devices, nodes and the strategy are here.
+IGNORED: dict[str, tuple[str, ...]] = {
+    "model": ("pictures", "compile", "channels_last", "matmul_precision"),
+    "data": ("num_workers", "pin_memory", "persistent_workers", "predict_dir", "decode_threads",
+             "cache_dir", "max_cache_size", "storage_options", "in_memory"),
+    "trainer": ("accelerator", "strategy", "devices", "num_nodes", "logger", "enable_progress_bar",
+                "enable_model_summary", "enable_checkpointing", "log_every_n_steps", "default_root_dir",
+                "num_sanity_val_steps", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+                "val_check_interval", "check_val_every_n_epoch", "benchmark", "inference_mode", "profiler",
+                "detect_anomaly", "barebones", "plugins", "max_time", "enable_autolog_hparams", "model_registry"),
+    # callbacks that only watch or save: matched by class name, subclasses included. Any other callback
+    # class is compared unless it says `changes_training = False` (as tests/fault_helpers.py's do).
+    "trainer.callbacks": ("ProgressBar", "LearningRateMonitor", "DeviceStatsMonitor", "ModelSummary", "Timer",
+                          "ModelCheckpoint", "OnExceptionCheckpoint", "BasePredictionWriter", "ThroughputMonitor"),
+}
+
+
+def _keep(section: str, values: dict) -> dict:
+    return {k: v for k, v in values.items() if k not in IGNORED[section] and not str(k).startswith("_")}
+
+
+def model_settings(model_hparams: dict) -> dict:
+    return _plain(_keep("model", model_hparams))
+
+
+def training_settings(model_hparams: dict, data_class: str, data_hparams: dict, trainer: dict,
+                      seed: Any) -> dict:
+    """The settings `last` compares, as plain JSON values."""
+    keep = _keep
+    data = keep("data", data_hparams)
+    if isinstance(data.get("data_dir"), str) and "://" not in data["data_dir"]:
+        data["data_dir"] = os.path.abspath(os.path.expanduser(data["data_dir"]))
+    trainer = keep("trainer", trainer)
+    trainer["callbacks"] = [c for c in (trainer.get("callbacks") or []) if _changes_training(c)]
+    return _plain({"seed": seed, "model": keep("model", model_hparams), "data": {"class_path": data_class, **data},
+                   "trainer": trainer})
+
+
+def _changes_training(callback: Any) -> bool:
+    class_path = callback.get("class_path") if isinstance(callback, dict) else None
+    if not class_path:
+        return True
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return True
+    if getattr(cls, "changes_training", True) is False:
+        return False
+    return not any(base.__name__ in IGNORED["trainer.callbacks"] for base in cls.__mro__)
+
+
+def _plain(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str, sort_keys=True))
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict) and value:
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: value}
+
+
+def differences(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for every setting that differs."""
+    a, b = _flat(old), _flat(new)
+    return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def describe(diffs: list[tuple[str, Any, Any]], limit: int = 6) -> str:
+    shown = [f"{k} {_short(o)} -> {_short(n)}" for k, o, n in diffs[:limit]]
+    return ", ".join(shown) + (f" and {len(diffs) - limit} more" if len(diffs) > limit else "")
+
+
+def _short(value: Any) -> str:
+    text = "unset" if value is None else json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# -- SLURM ---------------------------------------------------------------------------------
+def slurm_job() -> dict:
+    """This process's SLURM job, or {} outside SLURM."""
+    env = os.environ
+    if "SLURM_JOB_ID" not in env:
+        return {}
+    job = {"job_id": env["SLURM_JOB_ID"], "restart_count": int(env.get("SLURM_RESTART_COUNT", "0") or 0)}
+    if env.get("SLURM_ARRAY_JOB_ID"):
+        job |= {"array_job_id": env["SLURM_ARRAY_JOB_ID"], "array_task_id": env.get("SLURM_ARRAY_TASK_ID", "")}
+    return job
+
+
+def job_key(job: dict) -> str | None:
+    """What identifies a job across requeues: `ARRAYJOB_TASK` for an array task (as Lightning's own requeue
+    names it, trainer/connectors/signal_connector.py), else the job id."""
+    if not job:
+        return None
+    if job.get("array_job_id"):
+        return f"{job['array_job_id']}_{job.get('array_task_id', '')}"
+    return str(job["job_id"])
+
+
+def is_requeued(job: dict) -> bool:
+    return bool(job) and int(job.get("restart_count", 0)) > 0
+
+
+# -- run.json ------------------------------------------------------------------------------
+def now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def read_run(run_dir: str | os.PathLike) -> dict | None:
+    try:
+        record = json.loads((Path(run_dir) / RUN_JSON).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("training"), dict) else None
+
+
+def _attempt(checkpoint: str | None, changed: list | None = None) -> dict:
+    attempt = {"at": now(), "host": socket.gethostname(), "pid": os.getpid(), "command": " ".join(sys.argv),
+               "checkpoint": checkpoint, "slurm": slurm_job()}
+    if changed:
+        attempt["changed"] = [{"key": k, "from": o, "to": n} for k, o, n in changed]
+    return attempt
+
+
+def write_new_run(run_dir: str | os.PathLike, training: dict) -> dict:
+    record = {"run_id": uuid.uuid4().hex, "created": now(), "host": socket.gethostname(),
+              "slurm": slurm_job(), "training": training, "attempts": [_attempt(None)]}
+    write_atomically(Path(run_dir) / RUN_JSON, json.dumps(record, indent=1).encode())
+    return record
+
+
+def record_resume(run_dir: str | os.PathLike, record: dict | None, training: dict, checkpoint: str | None,
+                  changed: list) -> dict:
+    """Append this attempt; the training settings become this config's (a resumed fit may change lr, say)."""
+    if record is None:  # a run made before run.json existed: it gets one now
+        record = {"run_id": uuid.uuid4().hex, "created": None, "host": None, "slurm": {}, "attempts": []}
+    record = {**record, "training": training, "attempts": [*record.get("attempts", []), _attempt(checkpoint, changed)]}
+    write_atomically(Path(run_dir) / RUN_JSON, json.dumps(record, indent=1).encode())
+    return record
+
+
+def jobs_of(record: dict) -> set[str]:
+    """Every SLURM job that created or resumed the run."""
+    keys = {job_key(record.get("slurm") or {})}
+    keys |= {job_key(a.get("slurm") or {}) for a in record.get("attempts", [])}
+    return {k for k in keys if k}

@@ -1,0 +1,160 @@
+"""`version_N/.lock`: the one process that may write into a run folder, and how a dead owner's lock is taken.
+
+The lock is written complete into a temp file, then hard-linked into place (`os.link` fails when the
+name exists, so two launches at the same instant cannot both hold it). While the run lives a thread
+refreshes the lock's mtime (its heartbeat). A lock is taken over, with one line saying so, when
+- its owner ran on this host and that process is gone;
+- SLURM requeued the job that holds it (the previous attempt is over);
+- its heartbeat is older than STALE_S, from any host (a restarted pod, a node that died).
+Ages are measured against a file written just now in the same folder, so only the file server's clock counts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from lightning_app.errors import UserError
+from lightning_app.runs.folders import fsync_dir
+from lightning_app.runs.identity import is_requeued, job_key, now, slurm_job
+
+LOCK_NAME = ".lock"
+HEARTBEAT_S = 30.0
+STALE_S = 300.0
+
+
+def _process_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    current = _process_start(pid)
+    return not (start and current and current != start)
+
+
+class RunLock:
+    """pid, host, start time, command and SLURM job of the fit that owns the run folder."""
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        self.path = Path(run_dir) / LOCK_NAME
+        self.held = False
+        self.took_over: dict | None = None  # the previous owner's record when its lock was taken over
+        self.took_over_because = ""
+        self._stop = threading.Event()
+
+    def _record(self) -> dict:
+        job = slurm_job()
+        return {"pid": os.getpid(), "host": socket.gethostname(), "pid_start": _process_start(os.getpid()),
+                "started": now(), "command": " ".join(sys.argv),
+                **({"slurm_job_id": job_key(job), "slurm_restart_count": job["restart_count"]} if job else {})}
+
+    def read(self, path: Path | None = None) -> dict | None:
+        try:
+            record = json.loads((path or self.path).read_text())
+        except (OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) else None
+
+    def acquire(self) -> RunLock:
+        tmp = self.path.with_name(f"{LOCK_NAME}.{socket.gethostname()}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(self._record(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            try:
+                os.link(tmp, self.path)
+            except FileExistsError:
+                self._take_over_if_stale(tmp)
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(self.path.parent)
+        self.held = True
+        self._stop.clear()
+        threading.Thread(target=self._heartbeat, name="run-lock-heartbeat", daemon=True).start()
+        return self
+
+    def _take_over_if_stale(self, tmp: Path) -> None:
+        try:
+            seen = self.path.read_bytes()
+            age = tmp.stat().st_mtime - self.path.stat().st_mtime
+        except FileNotFoundError:  # released between our link and now: try once more
+            os.link(tmp, self.path)
+            return
+        owner = self.read() or {}
+        pid, host = owner.get("pid"), owner.get("host")
+        who = f"process {pid} on host {host}" if pid else "an unreadable lock"
+        if _requeued_after(owner):
+            because = f"SLURM requeued job {owner.get('slurm_job_id')}; the lock was its previous attempt's"
+        elif isinstance(pid, int) and host == socket.gethostname():
+            if _alive(pid, owner.get("pid_start")):
+                raise UserError(
+                    f"run folder {self.path.parent} is in use by process {pid} on {host} (started "
+                    f"{owner.get('started', '?')}: {owner.get('command', '?')}). Wait for it to end or stop it, "
+                    "or train into a fresh run (leave out --ckpt_path).")
+            because = f"{who}, which is no longer running"
+        elif age > STALE_S:
+            because = f"{who}, whose heartbeat stopped {age / 60:.0f} min ago"
+        else:
+            raise UserError(
+                f"run folder {self.path.parent} is locked by {who} (started {owner.get('started', '?')}; "
+                f"heartbeat {max(age, 0):.0f} s ago), which this machine cannot check. If that run is over, its lock "
+                f"is taken over once the heartbeat is {STALE_S / 60:.0f} min old; or delete {self.path} and start again.")
+        # Move the stale lock aside (only one taker's rename succeeds), check it was the one judged stale,
+        # then link ours into place.
+        aside = self.path.with_name(f"{LOCK_NAME}.stale.{socket.gethostname()}.{os.getpid()}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            raise UserError(f"run folder {self.path.parent} was just taken by another process; try again.") from None
+        if aside.read_bytes() != seen:  # another taker replaced it meanwhile: put theirs back
+            try:
+                os.link(aside, self.path)
+            finally:
+                aside.unlink(missing_ok=True)
+            raise UserError(f"run folder {self.path.parent} was just taken by another process; try again.")
+        aside.unlink(missing_ok=True)
+        try:
+            os.link(tmp, self.path)
+        except FileExistsError:
+            raise UserError(f"run folder {self.path.parent} was just taken by another process; try again.") from None
+        self.took_over, self.took_over_because = owner, because
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            if not self._mine():
+                return
+            try:
+                os.utime(self.path)
+            except OSError:
+                return
+
+    def _mine(self) -> bool:
+        record = self.read() or {}
+        return record.get("pid") == os.getpid() and record.get("host") == socket.gethostname()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self.held and self._mine():
+            self.path.unlink(missing_ok=True)
+        self.held = False
+
+
+def _requeued_after(owner: dict) -> bool:
+    me = slurm_job()
+    return is_requeued(me) and owner.get("slurm_job_id") == job_key(me) and \
+        int(owner.get("slurm_restart_count", 0) or 0) < me["restart_count"]

@@ -1,0 +1,90 @@
+"""Where a subcommand writes and what it loads, decided once before the trainer is made.
+
+fit: a fresh ROOT/version_N (made, with its run.json, by the one launch-rank-zero process, which also takes
+its lock), or the run of the resolved checkpoint wherever its root is. validate/test/predict: a folder of
+their own, `<run>/<subcommand>_K`, under the checkpoint's run (ROOT/<subcommand>_K for a checkpoint outside
+any run), printed in one line.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pytorch_lightning.utilities import rank_zero_info
+
+from lightning_app.runs import identity
+from lightning_app.runs.folders import RUN_PATTERN, new_run, new_subfolder
+from lightning_app.runs.guard import RunGuard
+from lightning_app.runs.lock import STALE_S, RunLock
+from lightning_app.runs.ranks import is_launch_rank_zero
+from lightning_app.runs.resolve import resolve
+from lightning_app.runs.signature import ModelSignature, check_compatible, fingerprint
+
+
+@dataclass
+class RunPlan:
+    ckpt_path: str | None  # what the trainer loads
+    log_parent: Path  # TensorBoardLogger(save_dir=log_parent, name="", version=version)
+    version: int | str | None
+    run_dir: Path | None = None
+    purge_step: int | None = None  # TensorBoard drops what a killed attempt logged after its checkpoint
+    lock: RunLock | None = None
+    made_here: bool = False  # a fresh run this process made (removed again if it fails before a checkpoint)
+    guard: RunGuard | None = None
+    lines: list[str] = field(default_factory=list)
+
+
+def plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict, signature: ModelSignature) -> RunPlan:
+    zero = is_launch_rank_zero()
+    resolved = resolve(ckpt_path, root, training, subcommand)
+    if resolved.checkpoint and Path(resolved.checkpoint).is_file():
+        check_compatible(resolved.checkpoint, signature)
+    lines = [resolved.message] if resolved.message else []
+    if subcommand != "fit":
+        parent = resolved.run_dir or root
+        if not zero:
+            return RunPlan(resolved.checkpoint, parent, None, resolved.run_dir)
+        folder = new_subfolder(parent, subcommand)
+        lines.append(f"{subcommand}: {_what(resolved.checkpoint)}; results in {folder}")
+        return RunPlan(resolved.checkpoint, parent, folder.name, resolved.run_dir, lines=lines)
+
+    plan = RunPlan(resolved.checkpoint, root, None, resolved.run_dir, lines=lines)
+    record = resolved.record
+    if resolved.run_dir is not None:
+        plan.version = int(RUN_PATTERN.match(resolved.run_dir.name).group(1))
+        plan.log_parent = resolved.run_dir.parent
+        plan.purge_step = resolved.step + 1 if resolved.checkpoint and resolved.step is not None else 0
+        if resolved.changed and resolved.checkpoint:
+            lines.append(f"resuming {resolved.checkpoint} with changed settings: {identity.describe(resolved.changed)}")
+        elif resolved.changed:
+            lines.append(f"{resolved.run_dir} starts again with changed settings: {identity.describe(resolved.changed)}")
+        if zero:
+            plan.lock = _lock(resolved.run_dir, lines)
+            record = identity.record_resume(resolved.run_dir, record, training, resolved.checkpoint, resolved.changed)
+    elif zero:
+        plan.version, plan.run_dir = new_run(root)
+        plan.made_here = True
+        plan.lock = _lock(plan.run_dir, lines)
+        record = identity.write_new_run(plan.run_dir, training)
+    plan.guard = RunGuard(
+        resolved.checkpoint, fingerprint(resolved.checkpoint) if resolved.checkpoint and os.path.isfile(resolved.checkpoint) else None,
+        os.path.realpath(plan.run_dir) if plan.run_dir else None, (record or {}).get("run_id"), plan.made_here)
+    return plan
+
+
+def _lock(run_dir: Path, lines: list[str]) -> RunLock:
+    lock = RunLock(run_dir).acquire()
+    if lock.took_over is not None:
+        lines.append(f"took over the lock of {run_dir} from {lock.took_over_because} "
+                     f"(locks are taken over from another host after {STALE_S / 60:.0f} min without a heartbeat).")
+    return lock
+
+
+def _what(checkpoint: str | None) -> str:
+    return f"checkpoint {checkpoint}" if checkpoint else "no checkpoint"
+
+
+def announce(plan: RunPlan) -> None:
+    for line in plan.lines:
+        rank_zero_info(line)

@@ -1,0 +1,136 @@
+"""What `--ckpt_path` names: a file, or `last`/`hpc` resolved to one run and one checkpoint.
+
+`last` is the newest run (highest N) whose run.json training settings equal this config's (identity.IGNORED
+lists what is not compared). A requeued SLURM job (SLURM_RESTART_COUNT > 0) resumes a run of its own job
+and nothing else. The run's newest checkpoint (last.ckpt or Lightning's hpc_ckpt_K.ckpt) must be
+readable; otherwise the run is named with its best checkpoint, and no older run is ever taken instead.
+`hpc` is the same run, resumed from its newest hpc_ckpt_K.ckpt only.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lightning_app.errors import UserError
+from lightning_app.runs import identity
+from lightning_app.runs.folders import CHECKPOINTS, HPC_GLOB, LAST, run_dirs, run_of_checkpoint
+from lightning_app.runs.signature import load_light
+
+
+@dataclass
+class Resolved:
+    checkpoint: str | None  # the file to load; None: start from scratch
+    run_dir: Path | None  # the run to continue or log beside; None: a fresh run
+    record: dict | None = None  # its run.json
+    message: str = ""  # one line for the log
+    changed: list = field(default_factory=list)  # (key, run's value, this config's) where they differ
+    step: int | None = None  # the logged step the checkpoint was saved at (TensorBoard purges later ones)
+
+
+def resolve(ckpt_path: str | None, root: Path, training: dict, subcommand: str) -> Resolved:
+    if ckpt_path in ("last", "hpc"):
+        return _resolve_run(ckpt_path, root, training, subcommand)
+    if ckpt_path is None or ckpt_path in ("best", "registry") or str(ckpt_path).startswith("registry:"):
+        return Resolved(ckpt_path, None)
+    if not Path(ckpt_path).is_file():
+        raise UserError(f"--ckpt_path {ckpt_path}: no such file.")
+    run = run_of_checkpoint(ckpt_path)
+    record = identity.read_run(run[1]) if run else None
+    if subcommand != "fit":
+        return Resolved(str(ckpt_path), run[1] if run else None, record)
+    checkpoint = load_light(ckpt_path)
+    if record:
+        changed = identity.differences(record["training"], training)
+    else:  # a run without run.json, or a file outside any run: its model settings are all there is
+        saved = identity.model_settings(checkpoint.get("hyper_parameters") or {})
+        changed = identity.differences({"model": saved}, {"model": training["model"]})
+    return Resolved(str(ckpt_path), run[1] if run else None, record, "", changed, logged_step(checkpoint))
+
+
+def _resolve_run(kind: str, root: Path, training: dict, subcommand: str) -> Resolved:
+    flag = f"--ckpt_path {kind}"
+    runs = [(d, identity.read_run(d)) for _, d in run_dirs(root)]
+    known = [(d, r) for d, r in runs if r is not None]
+    unknown = len(runs) - len(known)
+    job = identity.slurm_job()
+    if identity.is_requeued(job) and subcommand == "fit":
+        key = identity.job_key(job)
+        mine = [(d, r) for d, r in known if key in identity.jobs_of(r)]
+        if not mine:
+            raise UserError(
+                f"{flag}: SLURM job {key} was requeued (restart {job['restart_count']}), but no run under {root} "
+                f"belongs to it ({len(runs)} run(s) there), so there is nothing of this job to resume and no other "
+                "job's run is taken instead. If the job was stopped before its run folder was made, submit it again; "
+                "if its runs are under another --trainer.default_root_dir (node-local disk?), point it there.")
+        same = [(d, r) for d, r in mine if not identity.differences(r["training"], training)]
+        if not same and len(mine) > 1:
+            raise UserError(
+                f"{flag}: SLURM job {key} was requeued and made {len(mine)} runs under {root}, none with this config's "
+                f"training settings: {'; '.join(f'{d.name} differs in ' + identity.describe(identity.differences(r['training'], training)) for d, r in mine)}. "
+                "Pass the one to resume with --ckpt_path PATH/TO.ckpt.")
+        run_dir, record = (same or mine)[-1]
+        why = f"SLURM job {key} requeued (restart {job['restart_count']}): its run {run_dir}"
+    else:
+        same = [(d, r) for d, r in known if not identity.differences(r["training"], training)]
+        if not same:
+            return _no_run(flag, root, training, known, unknown, subcommand)
+        run_dir, record = same[-1]
+        why = f"{run_dir}, the newest of {len(same)} run(s) under {root} with this config's training settings"
+    resolved = _checkpoint_of(kind, run_dir, record, why, subcommand)
+    resolved.changed = identity.differences(record["training"], training)
+    return resolved
+
+
+def _no_run(flag: str, root: Path, training: dict, known: list, unknown: int, subcommand: str) -> Resolved:
+    where = f"none of the {len(known)} run(s) under {root}" if known else f"no run under {root}"
+    if known:
+        diffs = [(identity.differences(r["training"], training), d) for d, r in known]
+        nearest, nearest_dir = min(diffs, key=lambda x: (len(x[0]), -int(x[1].name.split("_")[1])))
+        where += f" has this config's training settings (the nearest, {nearest_dir.name}, differs in " \
+                 f"{identity.describe(nearest)})"
+    else:
+        where += " has this config's training settings"
+    if unknown:
+        where += f"; {unknown} run(s) without {identity.RUN_JSON} (made before runs had one) are not compared"
+    if subcommand != "fit":
+        raise UserError(f"{flag}: {where}. Pass --ckpt_path PATH/TO.ckpt.")
+    return Resolved(None, None, message=f"{flag}: {where}; starting a fresh run.")
+
+
+def _checkpoint_of(kind: str, run_dir: Path, record: dict, why: str, subcommand: str) -> Resolved:
+    flag = f"--ckpt_path {kind}"
+    ckpts = run_dir / CHECKPOINTS
+    candidates = [p for p in run_dir.glob(HPC_GLOB) if p.is_file()]
+    if kind == "last" and (ckpts / LAST).is_file():
+        candidates.append(ckpts / LAST)
+    best = sorted((p for p in ckpts.glob("*.ckpt") if p.name != LAST and not p.name.startswith(".")),
+                  key=os.path.getmtime) if ckpts.is_dir() else []
+    best_text = f"its best checkpoint is {best[-1]}" if best else "it has no other checkpoint"
+    if not candidates:
+        if kind == "hpc":
+            raise UserError(f"{flag}: {why} holds no hpc_ckpt_*.ckpt (Lightning saves one on SLURM's requeue signal); "
+                            f"{best_text}. Use --ckpt_path last, or pass a checkpoint with --ckpt_path PATH.")
+        if best or subcommand != "fit":
+            raise UserError(f"{flag}: {why} has no {LAST}; {best_text}. Pass it with --ckpt_path PATH, or leave out "
+                            "--ckpt_path for a fresh run. No older run is resumed instead.")
+        return Resolved(None, run_dir, record,
+                        f"{flag}: {why} was stopped before its first checkpoint; starting it again in its folder.",
+                        step=0)
+    newest = max(candidates, key=os.path.getmtime)
+    try:
+        checkpoint = load_light(newest)
+    except UserError as e:
+        raise UserError(f"{flag}: {why} ends with {newest}, which cannot be read ({str(e).split(': ', 1)[-1]}); "
+                        f"{best_text}. Pass that with --ckpt_path PATH to go on from it, or leave out --ckpt_path for "
+                        "a fresh run. No older run is resumed instead.") from None
+    return Resolved(str(newest), run_dir, record, f"{flag}: resuming {newest} ({why})",
+                    step=logged_step(checkpoint) if subcommand == "fit" else None)
+
+
+def logged_step(checkpoint: dict) -> int | None:
+    """The step Lightning logs with (fit_loop.epoch_loop._batches_that_stepped) when the checkpoint was saved."""
+    try:
+        return int(checkpoint["loops"]["fit_loop"]["epoch_loop.state_dict"]["_batches_that_stepped"])
+    except (KeyError, TypeError, ValueError):
+        return checkpoint.get("global_step") if isinstance(checkpoint.get("global_step"), int) else None
