@@ -3,8 +3,8 @@
 Classes are the sorted names of the non-hidden folders of train/; val/ must have the same
 folders. Hidden files and folders and non-image files are never samples. Files that fail
 the cheap checks of `images.check_file` are listed in `bad_files`, not in `samples`.
-Scans are cached (keyed by the folders' modification times), so a second start on a large
-tree does not walk it again.
+Scans are cached, keyed by the modification time of every folder the walk entered (nested ones
+included), so a second start on a large tree costs one stat per folder and no per-file work.
 
 At ImageNet scale the scan is I/O: one stat, two small reads per file, mostly waiting on the
 disk (or the network). It runs on SCAN_THREADS threads (the calls release the GIL), and only
@@ -30,7 +30,7 @@ from datamodules.packing import file_lock
 from datamodules.sample.images import check_file, is_image_name
 
 SPLITS = ("train", "val")
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 # Reads in flight: a local disk gains little past 4 and more threads contend for the GIL; 8 keeps a
 # deeper queue for network storage, whose latency threads hide (python -m bench.scanbench measures yours).
 SCAN_THREADS = 8
@@ -140,13 +140,15 @@ def load_index(
         cached = _valid_cache(cache_file, key, root)  # another rank may have scanned while this one waited
         if cached is not None:
             return cached
-        index = _checked(_scan(root, split, classes, check), root, split)
-        _write_cache(cache_file, key, index)
+        split_dir = os.path.join(root, split)
+        folders = {split_dir: os.stat(split_dir).st_mtime_ns}  # each folder is stat'ed before it is listed
+        index = _checked(_scan(root, split, classes, check, folders=folders), root, split)
+        _write_cache(cache_file, key, index, folders)
         return index
 
 
 def _valid_cache(cache_file: Path, key: dict, root: str) -> Index | None:
-    cached = _read_cache(cache_file, key)
+    cached = _read_cache(cache_file, key, root)
     # A bad file repaired in place does not change its folder's mtime: re-check those.
     if cached is not None and all(check_file(os.path.join(root, p)) for p, _ in cached.bad_files):
         return cached
@@ -172,11 +174,14 @@ def _class_folders(split_dir: Path) -> list[str]:
 
 
 def _scan(root: str, split: str, classes: list[str], check: bool, threads: int = SCAN_THREADS,
-          progress: bool | None = None) -> Index:
-    """List every class folder, then check every file (head and tail), both on `threads` threads."""
+          progress: bool | None = None, folders: dict[str, int] | None = None) -> Index:
+    """List every class folder, then check every file (head and tail), both on `threads` threads.
+    `folders` gets {folder: mtime_ns} of every folder entered (the cache's key)."""
     t0 = time.perf_counter()
+    folders = {} if folders is None else folders
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="scan") as pool:
-        listings = list(pool.map(lambda name: sorted(_walk_images(os.path.join(root, split, name))), classes))
+        listings = list(pool.map(lambda name: sorted(_walk_images(os.path.join(root, split, name), folders)),
+                                 classes))
         paths = [p for files in listings for p in files]
         reasons: list[str | None] = [None] * len(paths)
         if check:
@@ -216,12 +221,13 @@ def _progress(total: int, desc: str, progress: bool | None):
                 mininterval=0.5, dynamic_ncols=True, leave=False)
 
 
-def _walk_images(folder: str):
+def _walk_images(folder: str, folders: dict[str, int]):
+    folders[folder] = os.stat(folder).st_mtime_ns  # before listing: a change made during the walk shows later
     for entry in os.scandir(folder):
         if entry.name.startswith("."):
             continue
         if entry.is_dir():
-            yield from _walk_images(entry.path)
+            yield from _walk_images(entry.path, folders)
         elif entry.is_file() and is_image_name(entry.name):
             yield entry.path
 
@@ -232,22 +238,25 @@ def _cache_dir() -> Path:
 
 
 def _cache_key(root: str, split: str, classes: list[str], check: bool) -> dict:
-    # Adding, removing or renaming a file changes its folder's mtime; editing a file in
+    # Adding, removing or renaming a file changes its folder's mtime, at any depth; editing a file in
     # place does not, so a file corrupted in place is caught at decode time instead.
-    # Only the class folders are stat'ed (no listing), so a cache hit costs one stat per class.
-    split_dir = os.path.join(root, split)
-    mtimes = {name: os.stat(os.path.join(split_dir, name)).st_mtime_ns for name in classes}
-    mtimes["."] = os.stat(split_dir).st_mtime_ns
-    return {"version": CACHE_VERSION, "root": root, "split": split, "classes": classes, "check": check, "mtimes": mtimes}
+    return {"version": CACHE_VERSION, "root": root, "split": split, "classes": classes, "check": check}
 
 
-def _read_cache(path: Path, key: dict) -> Index | None:
+def _read_cache(path: Path, key: dict, root: str) -> Index | None:
+    """The cached Index when the key matches and no folder of the walk changed: one stat per folder."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if data.get("key") != key:
+    if data.get("key") != key or not data.get("folders"):
         return None
+    for rel, mtime in data["folders"].items():
+        try:
+            if os.stat(os.path.join(root, rel)).st_mtime_ns != mtime:
+                return None
+        except OSError:
+            return None
     idx = data["index"]
     return Index(
         idx["root"], idx["split"], idx["classes"],
@@ -255,12 +264,13 @@ def _read_cache(path: Path, key: dict) -> Index | None:
     )
 
 
-def _write_cache(path: Path, key: dict, index: Index) -> None:
+def _write_cache(path: Path, key: dict, index: Index, folders: dict[str, int]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        relative = {os.path.relpath(f, index.root): m for f, m in folders.items()}
         with os.fdopen(fd, "w") as f:
-            json.dump({"key": key, "index": asdict(index)}, f)
+            json.dump({"key": key, "folders": relative, "index": asdict(index)}, f)
         os.replace(tmp, path)
     except OSError:
         pass  # the cache is an optimisation only

@@ -8,8 +8,10 @@ pads a shard, and a missing index is reported. Lightning predicts with an unpadd
 UnrepeatedDistributedSamplerWrapper under DDP (trainer/connectors/data_connector.py,
 _get_distributed_sampler), so every index comes exactly once in practice.
 
-The file goes to `trainer.log_dir` (the run's folder), or `trainer.default_root_dir` when there
-is no logger.
+The file goes to `trainer.log_dir`: each predict has its own folder, `<run>/predict_K`
+(lightning_app/runs/plan.py), or `trainer.default_root_dir` when there is no logger. One line says
+what is predicted and where the file goes. File names are written as the filesystem gives them: a
+name that is not UTF-8 keeps its bytes (Python's surrogateescape), so every image gets its row.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from pytorch_lightning.utilities import rank_zero_info
 
 FILENAME = "predictions.csv"
 TOP_K = 5
+TEXT = {"encoding": "utf-8", "errors": "surrogateescape", "newline": ""}  # any file name round-trips
 
 
 def columns(k: int) -> list[str]:
@@ -44,6 +47,15 @@ def _path(dataset, i: int) -> str:
     if hasattr(dataset, "index") and hasattr(dataset.index, "path"):
         return str(dataset.index.path(i))
     return str(i)
+
+
+def _what(dataset, trainer) -> str:
+    """What is predicted, in a few words: the folder given, or the split the data module falls back to."""
+    count = f"{len(dataset)} images" if hasattr(dataset, "__len__") else "the images"
+    if hasattr(dataset, "given_root"):
+        return f"{count} under {dataset.given_root}"
+    root = getattr(trainer.datamodule, "root", None) or getattr(trainer.datamodule, "data_dir", None)
+    return f"{count} of the val split of {root} (no --data.predict_dir given)"
 
 
 class PredictionsCSV(BasePredictionWriter):
@@ -69,8 +81,10 @@ class PredictionsCSV(BasePredictionWriter):
         self._from_batch = getattr(self._dataset, "items_carry_index", False)
         self._names = list(getattr(pl_module, "class_names", []) or [])
         self._seen, self._synthetic = 0, False
-        self._file = open(self._part(trainer.global_rank, done=False), "w", newline="")  # noqa: SIM115 - closed in on_predict_end
+        self._file = open(self._part(trainer.global_rank, done=False), "w", **TEXT)  # noqa: SIM115 - closed in on_predict_end
         self._writer = csv.writer(self._file)
+        with_ckpt = f" with {trainer.ckpt_path}" if trainer.ckpt_path else ""
+        rank_zero_info(f"predict: {_what(self._dataset, trainer)}{with_ckpt} -> {os.path.join(self.out_dir, self.filename)}")
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
         probs = prediction.detach().float().cpu()
@@ -106,7 +120,7 @@ class PredictionsCSV(BasePredictionWriter):
         rows: dict[int, list[str]] = {}
         failed: dict[int, str] = {}
         for rank in range(world_size):
-            with open(self._part(rank, done=True), newline="") as f:
+            with open(self._part(rank, done=True), **TEXT) as f:
                 for record in csv.reader(f):
                     index = int(record[0])
                     if record[2] == "":
@@ -116,7 +130,7 @@ class PredictionsCSV(BasePredictionWriter):
         k = max(((len(r) - 3) // 2 for r in rows.values()), default=TOP_K)
         out = os.path.join(self.out_dir, self.filename)
         tmp = out + f".tmp{os.getpid()}"
-        with open(tmp, "w", newline="") as f:
+        with open(tmp, "w", **TEXT) as f:
             writer = csv.writer(f)
             writer.writerow(columns(k))
             for index in sorted(rows):

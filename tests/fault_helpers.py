@@ -14,6 +14,8 @@ class SignalAt(pl.Callback):
     epoch is the newest. Only the process with global rank `rank` (all if -1) is signalled.
     """
 
+    changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
+
     def __init__(self, epoch: int, batch: int = 0, sig: str = "SIGKILL", rank: int = -1) -> None:
         self.epoch, self.batch, self.sig, self.rank = epoch, batch, sig, rank
 

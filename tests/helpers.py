@@ -17,6 +17,8 @@ class SampleRecorder(pl.Callback):
     epoch the loader's sampler was at, and the seed the run set.
     """
 
+    changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
+
     def __init__(self, out_dir: str) -> None:
         self.out_dir = out_dir
         self.batches: list[list[int]] = []

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-Augment = Callable[[torch.Tensor], torch.Tensor]
+Augment = Callable[..., torch.Tensor]  # (image) or, with `takes_rng = True`, (image, rng)
 
 
 def resize(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -79,7 +79,10 @@ class TrainCrop:
         out = resize(crop, size, size)
         if flip:
             out = out.flip(-1)
-        return self.augment(out) if self.augment is not None else out
+        if self.augment is None:
+            return out
+        # a seeded augment draws from this sample's rng (datamodules/sample/augment.py), never torch's shared one
+        return self.augment(out, rng) if getattr(self.augment, "takes_rng", False) else self.augment(out)
 
 
 class ValCrop:
