@@ -254,7 +254,8 @@ def main(args=None) -> ClassifierCLI:
         if user_error is not None:
             if show_traceback():
                 traceback.print_exc()
-            if rank_zero_only.rank == 0:  # once, from rank 0; the other ranks exit quietly
+            # once, from rank 0 (the other ranks exit quietly), or from each rank an error says it concerns
+            if rank_zero_only.rank == 0 or getattr(user_error, "every_rank", False):
                 print(paragraph(user_error), file=sys.stderr, flush=True)
             raise SystemExit(EXIT_USER_ERROR) from None
         message = describe_distributed_failure(error, DDPStrategy.last_timeout_s, DDPStrategy.last_rank)

@@ -28,6 +28,12 @@ from lightning_app.errors import UserError
 from lightning_app.runs.folders import write_atomically
 
 
+class RanksDisagree(UserError):
+    """Printed by every rank that resolved differently and by rank 0: on separate nodes each log has it."""
+
+    every_rank = True
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
@@ -57,7 +63,11 @@ class RunGuard(pl.Callback):
         dist.all_gather_object(views, {**self.mine, "rank": trainer.global_rank})
         problem = disagreement(views)
         if problem:
-            raise UserError(problem)
+            differs = trainer.global_rank == 0 or not _agrees(views[trainer.global_rank], views[0]) or self.mine["made_here"]
+            # Every rank is here: leave the group together, or gloo aborts a process whose peer left first.
+            dist.barrier()
+            dist.destroy_process_group()
+            raise RanksDisagree(problem) if differs else UserError(problem)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         for logger in trainer.loggers:
