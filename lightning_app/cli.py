@@ -85,6 +85,10 @@ class ClassifierCLI(LightningCLI):
             "checkpoint.save_top_k": 1,
             "checkpoint.filename": "best-epoch{epoch:03d}-acc{val/acc1:.4f}",
             "checkpoint.auto_insert_metric_name": False,
+            # Always last.ckpt, never last-v1.ckpt: Lightning versions the name when a last.ckpt it did not
+            # write itself is there (callbacks/model_checkpoint.py, _save_last_checkpoint), e.g. one saved on
+            # SIGTERM before its first save, or in a run whose folder moved; `--ckpt_path last` reads last.ckpt.
+            "checkpoint.enable_version_counter": False,
         })
 
     def _prepare_subcommand_parser(self, klass, subcommand: str, **kwargs):

@@ -36,7 +36,7 @@ class CheckpointOnSigterm(pl.Callback):
         dirpath = ckpt.dirpath if isinstance(ckpt, ModelCheckpoint) and ckpt.dirpath else os.path.join(
             trainer.default_root_dir, "checkpoints")
         path = os.path.join(dirpath, self.filename + ModelCheckpoint.FILE_EXTENSION)
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)
         rank_zero_info(
             f"SIGTERM: saved {path} in epoch {trainer.current_epoch + 1}, step {trainer.global_step}; "
             "resume with --ckpt_path last."

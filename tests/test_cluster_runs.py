@@ -79,8 +79,9 @@ def test_two_slurm_jobs_in_one_root_each_resume_their_own_run(tiny_data, tmp_pat
         return ["--trainer.callbacks+=tests.fault_helpers.SignalAt", f"--trainer.callbacks.epoch={epoch}",
                 f"--trainer.callbacks.batch={batch}", f"--trainer.callbacks.sig={sig}"]
 
-    # first attempts, side by side: A is preempted with SIGTERM mid-epoch, B killed at an epoch boundary
-    a0 = _popen(job("0.1", *signal_at(1, 2, "SIGTERM")), _env(SLURM_JOB_ID="101", SLURM_RESTART_COUNT="0"))
+    # first attempts, side by side: A is preempted with SIGTERM before its first checkpoint, B killed at an
+    # epoch boundary
+    a0 = _popen(job("0.1", *signal_at(0, 2, "SIGTERM")), _env(SLURM_JOB_ID="101", SLURM_RESTART_COUNT="0"))
     b0 = _popen(job("0.2", *signal_at(1, 0, "SIGKILL")), _env(SLURM_JOB_ID="202", SLURM_RESTART_COUNT="0"))
     (rc_a, out_a), (rc_b, out_b) = _finish(a0), _finish(b0)
     assert rc_a == 0 and "SIGTERM: saved" in out_a, out_a[-3000:]
@@ -109,6 +110,7 @@ def test_two_slurm_jobs_in_one_root_each_resume_their_own_run(tiny_data, tmp_pat
         record = identity.read_run(run)
         assert record["training"]["model"]["lr"] == lr and identity.jobs_of(record) == {key}
         assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 12
+        assert not list(run.glob("checkpoints/last-v*.ckpt"))  # one last.ckpt, whoever saved it first
         # every step logged exactly once, in order; one val/acc1 per epoch
         assert [s for s, _ in scalars(run, "train/loss")] == list(range(12)), run
         assert len(scalars(run, "val/acc1")) == 2
