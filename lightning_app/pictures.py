@@ -52,6 +52,14 @@ def to_uint8(images: torch.Tensor) -> torch.Tensor:
     return (images.float() * std + mean).clamp_(0, 255).round_().to(torch.uint8).cpu()
 
 
+def logged_step(trainer) -> int:
+    """The step Lightning logs this moment's scalars with (trainer/connectors/logger_connector/logger_connector.py,
+    log_metrics: fit_loop.epoch_loop._batches_that_stepped; trainer.global_step is one more at an epoch's end):
+    pictures line up with val/acc1, and a resumed run's TensorBoard purge (lightning_app/runs/guard.py) drops
+    exactly what a killed attempt logged after its checkpoint."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
 class TensorBoardPictures(pl.Callback):
     def __init__(self, kinds=KINDS, max_images: int = 16) -> None:
         self.kinds = set(kinds)
@@ -78,7 +86,7 @@ class TensorBoardPictures(pl.Callback):
         if trainer.global_rank != 0 or writer is None:
             return
         images, labels = to_uint8(batch[0][: self.max_images]).numpy(), batch[1][: self.max_images].tolist()
-        names, step = self._names(pl_module), trainer.global_step
+        names, step = self._names(pl_module), logged_step(trainer)
         titles = [names[y] if isinstance(y, int) and 0 <= y < len(names) else str(y) for y in labels]
         self.drawer.submit(lambda: writer.add_image("images/train_batch", titled_grid(images, titles), step,
                                                     dataformats="HWC"))
@@ -119,7 +127,7 @@ class TensorBoardPictures(pl.Callback):
         if trainer.sanity_checking:
             return
         writer = tensorboard(trainer)
-        names, step = self._names(pl_module), trainer.global_step
+        names, step = self._names(pl_module), logged_step(trainer)
         if self._counts is not None:
             counts = trainer.strategy.reduce(self._counts, reduce_op="sum")  # every rank: one all-reduce
             self._counts = None

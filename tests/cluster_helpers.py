@@ -23,11 +23,26 @@ class SignalDuringValidation(pl.Callback):
             os.kill(os.getpid(), getattr(signal, self.sig))
 
 
-def scalars(run_dir: str | os.PathLike, tag: str) -> list[tuple[int, float]]:
+def scalars(run_dir: str | os.PathLike, tag: str, kind: str = "scalars") -> list[tuple[int, float]]:
     """(step, value) of `tag` as TensorBoard shows it: every event file of the folder, a resumed attempt's
-    purge_step dropping what a killed one logged after its checkpoint."""
+    SessionLog START dropping what a killed one logged after its checkpoint. kind "images": (step, None)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(Path(run_dir)), size_guidance={"scalars": 0})
+    acc = EventAccumulator(str(Path(run_dir)), size_guidance={kind: 0})
     acc.Reload()
-    return [(e.step, e.value) for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
+    if tag not in acc.Tags()[kind]:
+        return []
+    if kind == "images":
+        return [(e.step, None) for e in acc.Images(tag)]
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+class FlushLogs(pl.Callback):
+    """Flushes the TensorBoard event file after every training batch: what its 120 s timer does in a long
+    epoch, so events logged after the last checkpoint are on disk when the process is killed."""
+
+    changes_training = False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        for logger in trainer.loggers:
+            logger.save()

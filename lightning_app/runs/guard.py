@@ -5,7 +5,11 @@
   loaded yet. The `setup` hook runs after the process group is up and before Lightning restores the
   checkpoint (pytorch_lightning/trainer/trainer.py, _run: _call_setup_hook, then _restore_modules_and_callbacks).
 - `RunGuard.on_save_checkpoint`: the loggers flush first, so what was logged before a checkpoint is on disk
-  when the checkpoint is; a resumed run purges what was logged after it (TensorBoard's purge_step).
+  when the checkpoint is. A resumed run then drops what a killed attempt logged after it: at its first
+  training batch, the step Lightning logs with next is known (loops/training_epoch_loop.py, reset: it
+  adds 1 to _batches_that_stepped or not, depending on where the checkpoint was saved), and a SessionLog
+  START there makes TensorBoard discard every earlier event of that step or later (what SummaryWriter's
+  purge_step writes; tensorboard's EventAccumulator._CheckForRestartAndMaybePurge reads it).
 - `AtomicCheckpointIO`: Lightning's local "atomic" save writes into the system temp folder and then moves
   the file (lightning_fabric/utilities/cloud_io.py, _atomic_save -> fsspec LocalFileOpener: tempfile.mkstemp()
   and shutil.move on commit), which is a copy across filesystems, so a kill tears the file. Here the temp
@@ -23,6 +27,7 @@ import torch.distributed as dist
 from fsspec.implementations.local import LocalFileSystem
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_fabric.utilities.cloud_io import get_filesystem
+from pytorch_lightning.loggers import TensorBoardLogger
 
 from lightning_app.errors import UserError
 from lightning_app.runs.folders import write_atomically
@@ -52,9 +57,10 @@ class RunGuard(pl.Callback):
     """Holds what this process resolved before the trainer was made; see the module's docstring."""
 
     def __init__(self, checkpoint: str | None, fingerprint: str | None, run_dir: str | None, run_id: str | None,
-                 made_here: bool) -> None:
+                 made_here: bool, resumed: bool = False) -> None:
         self.mine = {"host": socket.gethostname(), "pid": os.getpid(), "checkpoint": checkpoint,
                      "fingerprint": fingerprint, "run_dir": run_dir, "run_id": run_id, "made_here": made_here}
+        self.purge_pending = resumed
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
@@ -68,6 +74,20 @@ class RunGuard(pl.Callback):
             dist.barrier()
             dist.destroy_process_group()
             raise RanksDisagree(problem) if differs else UserError(problem)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self.purge_pending:
+            return
+        self.purge_pending = False
+        if trainer.global_rank != 0:
+            return
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped  # what this batch's metrics are logged with
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment._get_file_writer().add_event(
+                    Event(step=step, session_log=SessionLog(status=SessionLog.START)))
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         for logger in trainer.loggers:

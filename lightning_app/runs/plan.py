@@ -28,7 +28,7 @@ class RunPlan:
     log_parent: Path  # TensorBoardLogger(save_dir=log_parent, name="", version=version)
     version: int | str | None
     run_dir: Path | None = None
-    purge_step: int | None = None  # TensorBoard drops what a killed attempt logged after its checkpoint
+    purge_step: int | None = None  # a run started again: TensorBoard drops all its stopped attempt logged
     lock: RunLock | None = None
     made_here: bool = False  # a fresh run this process made (removed again if it fails before a checkpoint)
     guard: RunGuard | None = None
@@ -55,7 +55,8 @@ def plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict,
     if resolved.run_dir is not None:
         plan.version = int(RUN_PATTERN.match(resolved.run_dir.name).group(1))
         plan.log_parent = resolved.run_dir.parent
-        plan.purge_step = resolved.step + 1 if resolved.checkpoint and resolved.step is not None else 0
+        if not resolved.checkpoint:  # started again: TensorBoard drops everything the stopped attempt logged
+            plan.purge_step = 0
         if resolved.changed and resolved.checkpoint:
             lines.append(f"resuming {resolved.checkpoint} with changed settings: {identity.describe(resolved.changed)}")
         elif resolved.changed:
@@ -70,7 +71,8 @@ def plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict,
         record = identity.write_new_run(plan.run_dir, training)
     plan.guard = RunGuard(
         resolved.checkpoint, fingerprint(resolved.checkpoint) if resolved.checkpoint and os.path.isfile(resolved.checkpoint) else None,
-        os.path.realpath(plan.run_dir) if plan.run_dir else None, (record or {}).get("run_id"), plan.made_here)
+        os.path.realpath(plan.run_dir) if plan.run_dir else None, (record or {}).get("run_id"), plan.made_here,
+        resumed=bool(resolved.checkpoint and resolved.run_dir))
     return plan
 
 

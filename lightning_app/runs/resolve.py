@@ -25,7 +25,6 @@ class Resolved:
     record: dict | None = None  # its run.json
     message: str = ""  # one line for the log
     changed: list = field(default_factory=list)  # (key, run's value, this config's) where they differ
-    step: int | None = None  # the logged step the checkpoint was saved at (TensorBoard purges later ones)
 
 
 def resolve(ckpt_path: str | None, root: Path, training: dict, subcommand: str) -> Resolved:
@@ -45,7 +44,7 @@ def resolve(ckpt_path: str | None, root: Path, training: dict, subcommand: str) 
     else:  # a run without run.json, or a file outside any run: its model settings are all there is
         saved = identity.model_settings(checkpoint.get("hyper_parameters") or {})
         changed = identity.differences({"model": saved}, {"model": training["model"]})
-    return Resolved(str(ckpt_path), run[1] if run else None, record, "", changed, logged_step(checkpoint))
+    return Resolved(str(ckpt_path), run[1] if run else None, record, "", changed)
 
 
 def _resolve_run(kind: str, root: Path, training: dict, subcommand: str) -> Resolved:
@@ -115,22 +114,13 @@ def _checkpoint_of(kind: str, run_dir: Path, record: dict, why: str, subcommand:
             raise UserError(f"{flag}: {why} has no {LAST}; {best_text}. Pass it with --ckpt_path PATH, or leave out "
                             "--ckpt_path for a fresh run. No older run is resumed instead.")
         return Resolved(None, run_dir, record,
-                        f"{flag}: {why} was stopped before its first checkpoint; starting it again in its folder.",
-                        step=0)
+                        f"{flag}: {why} was stopped before its first checkpoint; starting it again in its folder.")
     newest = max(candidates, key=os.path.getmtime)
     try:
-        checkpoint = load_light(newest)
+        load_light(newest)
     except UserError as e:
         raise UserError(f"{flag}: {why} ends with {newest}, which cannot be read ({str(e).split(': ', 1)[-1]}); "
                         f"{best_text}. Pass that with --ckpt_path PATH to go on from it, or leave out --ckpt_path for "
                         "a fresh run. No older run is resumed instead.") from None
-    return Resolved(str(newest), run_dir, record, f"{flag}: resuming {newest} ({why})",
-                    step=logged_step(checkpoint) if subcommand == "fit" else None)
+    return Resolved(str(newest), run_dir, record, f"{flag}: resuming {newest} ({why})")
 
-
-def logged_step(checkpoint: dict) -> int | None:
-    """The step Lightning logs with (fit_loop.epoch_loop._batches_that_stepped) when the checkpoint was saved."""
-    try:
-        return int(checkpoint["loops"]["fit_loop"]["epoch_loop.state_dict"]["_batches_that_stepped"])
-    except (KeyError, TypeError, ValueError):
-        return checkpoint.get("global_step") if isinstance(checkpoint.get("global_step"), int) else None
