@@ -137,18 +137,19 @@ class ClassifierCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         config = self._get(self.config, "trainer")
         self._warn_about_workers()
-        plan = self.plan = self._plan_run(Path(config.get("default_root_dir") or "logs"))
+        root = Path(config.get("default_root_dir") or "logs")
+        plan = self.plan = self._plan_run(root)
         if plan is not None:
             runs.announce(plan)
             if self.subcommand == "fit" and plan.run_dir is not None:
                 # what Lightning writes by itself (SLURM's hpc_ckpt_K.ckpt on requeue) goes into the run too
                 kwargs["default_root_dir"] = str(plan.run_dir)
-            if config.get("logger") in (None, True):
-                extra = {"purge_step": plan.purge_step} if plan.purge_step is not None else {}
-                kwargs["logger"] = TensorBoardLogger(save_dir=str(plan.log_parent), name="", version=plan.version,
-                                                     default_hp_metric=False, **extra)
             if plan.guard is not None:
                 self.trainer_defaults["callbacks"].append(plan.guard)
+        if config.get("logger") in (None, True):
+            extra = {"purge_step": plan.purge_step} if plan and plan.purge_step is not None else {}
+            kwargs["logger"] = TensorBoardLogger(save_dir=str(plan.log_parent if plan else root), name="",
+                                                 version=plan.version if plan else None, default_hp_metric=False, **extra)
         if config.get("enable_progress_bar", True) is not False:
             self.trainer_defaults["callbacks"].append(progress_callback())
         checkpoint = self._get(self.config_init, "checkpoint", default=None)

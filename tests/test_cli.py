@@ -85,8 +85,10 @@ def test_resume_continues_at_the_right_epoch_and_step(tiny_data, tmp_path):
     first = ClassifierCLI(args=["fit", *base, "--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1"])
     steps_per_epoch = first.trainer.num_training_batches
     assert first.trainer.global_step == 2 * steps_per_epoch
+    # more epochs are another training setting: `last` would start a fresh run, so name the checkpoint
+    last = tmp_path / "version_0" / "checkpoints" / "last.ckpt"
     second = ClassifierCLI(args=["fit", *base, "--trainer.max_epochs", "3", "--trainer.log_every_n_steps", "1",
-                                 "--ckpt_path", "last"])
+                                 "--ckpt_path", str(last)])
     assert second.trainer.current_epoch == 3
     assert second.trainer.global_step == 3 * steps_per_epoch
     # the resumed run continued in the same run folder, and trained only the third epoch: its curve

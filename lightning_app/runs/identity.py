@@ -55,7 +55,8 @@ def training_settings(model_hparams: dict, data_class: str, data_hparams: dict, 
     if isinstance(data.get("data_dir"), str) and "://" not in data["data_dir"]:
         data["data_dir"] = os.path.abspath(os.path.expanduser(data["data_dir"]))
     trainer = keep("trainer", trainer)
-    trainer["callbacks"] = [c for c in (trainer.get("callbacks") or []) if _changes_training(c)]
+    callbacks = trainer.get("callbacks") or []
+    trainer["callbacks"] = [c for c in (callbacks if isinstance(callbacks, list) else [callbacks]) if _changes_training(c)]
     return _plain({"seed": seed, "model": keep("model", model_hparams), "data": {"class_path": data_class, **data},
                    "trainer": trainer})
 
