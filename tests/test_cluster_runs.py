@@ -152,6 +152,11 @@ def test_last_compares_training_settings_and_a_requeued_job_takes_only_its_own_r
                                       "datamodules.ImageFolderDataModule", {"data_dir": "/d", "num_workers": 0},
                                       {"max_epochs": 2, "devices": 1}, seed=1)
     assert resolve("last", tmp_path, same, "fit").run_dir == other  # the newest with equal settings
+    # validate/test/predict evaluate a network: how long it trained does not matter to them
+    longer = identity.training_settings({"arch": "conv11", "num_classes": 10, "lr": 0.1}, "datamodules.ImageFolderDataModule",
+                                        {"data_dir": "/d"}, {"max_epochs": 9}, seed=1)
+    assert resolve("last", tmp_path, longer, "validate").run_dir == other
+    assert resolve("last", tmp_path, longer, "fit").run_dir is None
     clean_env.setenv("SLURM_JOB_ID", "101")
     clean_env.setenv("SLURM_RESTART_COUNT", "1")
     assert resolve("last", tmp_path, same, "fit").run_dir == mine  # requeued: its own, not the newer equal one

@@ -25,8 +25,9 @@ RUN_JSON = "run.json"
 # The global batch is data.batch_size whatever the layout, so devices, nodes and the strategy are here.
 IGNORED: dict[str, tuple[str, ...]] = {
     "model": ("pictures", "compile", "channels_last", "matmul_precision"),
-    "data": ("num_workers", "pin_memory", "persistent_workers", "predict_dir", "decode_threads",
-             "cache_dir", "max_cache_size", "storage_options", "in_memory"),
+    "data": ("num_workers", "pin_memory", "persistent_workers", "predict_dir", "decode_threads", "pack_workers",
+             "cache_dir", "max_cache_size", "max_pre_download", "storage_options", "in_memory", "num_threads",
+             "prefetch_queue_depth", "hw_decoder_load"),
     "trainer": ("accelerator", "strategy", "devices", "num_nodes", "logger", "enable_progress_bar",
                 "enable_model_summary", "enable_checkpointing", "log_every_n_steps", "default_root_dir",
                 "num_sanity_val_steps", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
@@ -37,6 +38,12 @@ IGNORED: dict[str, tuple[str, ...]] = {
     "trainer.callbacks": ("ProgressBar", "LearningRateMonitor", "DeviceStatsMonitor", "ModelSummary", "Timer",
                           "ModelCheckpoint", "OnExceptionCheckpoint", "BasePredictionWriter", "ThroughputMonitor"),
 }
+
+
+def comparable(training: dict, subcommand: str) -> dict:
+    """What `last` compares for this subcommand: validate/test/predict evaluate a network, so only the seed,
+    model and data settings count for them; how long or how it was trained (the trainer's) does not."""
+    return training if subcommand == "fit" else {k: v for k, v in training.items() if k != "trainer"}
 
 
 def _keep(section: str, values: dict) -> dict:

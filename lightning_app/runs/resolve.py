@@ -51,6 +51,11 @@ def _resolve_run(kind: str, root: Path, training: dict, subcommand: str) -> Reso
     flag = f"--ckpt_path {kind}"
     runs = [(d, identity.read_run(d)) for _, d in run_dirs(root)]
     known = [(d, r) for d, r in runs if r is not None]
+    wanted = identity.comparable(training, subcommand)
+
+    def differs(record: dict) -> list:
+        return identity.differences(identity.comparable(record["training"], subcommand), wanted)
+
     unknown = len(runs) - len(known)
     job = identity.slurm_job()
     if identity.is_requeued(job) and subcommand == "fit":
@@ -62,18 +67,18 @@ def _resolve_run(kind: str, root: Path, training: dict, subcommand: str) -> Reso
                 f"belongs to it ({len(runs)} run(s) there), so there is nothing of this job to resume and no other "
                 "job's run is taken instead. If the job was stopped before its run folder was made, submit it again; "
                 "if its runs are under another --trainer.default_root_dir (node-local disk?), point it there.")
-        same = [(d, r) for d, r in mine if not identity.differences(r["training"], training)]
+        same = [(d, r) for d, r in mine if not differs(r)]
         if not same and len(mine) > 1:
             raise UserError(
                 f"{flag}: SLURM job {key} was requeued and made {len(mine)} runs under {root}, none with this config's "
-                f"training settings: {'; '.join(f'{d.name} differs in ' + identity.describe(identity.differences(r['training'], training)) for d, r in mine)}. "
+                f"training settings: {'; '.join(f'{d.name} differs in ' + identity.describe(differs(r)) for d, r in mine)}. "
                 "Pass the one to resume with --ckpt_path PATH/TO.ckpt.")
         run_dir, record = (same or mine)[-1]
         why = f"SLURM job {key} requeued (restart {job['restart_count']}): its run {run_dir}"
     else:
-        same = [(d, r) for d, r in known if not identity.differences(r["training"], training)]
+        same = [(d, r) for d, r in known if not differs(r)]
         if not same:
-            return _no_run(flag, root, training, known, unknown, subcommand)
+            return _no_run(flag, root, [(differs(r), d) for d, r in known], unknown, subcommand)
         run_dir, record = same[-1]
         why = f"{run_dir}, the newest of {len(same)} run(s) under {root} with this config's training settings"
     resolved = _checkpoint_of(kind, run_dir, record, why, subcommand)
@@ -81,10 +86,10 @@ def _resolve_run(kind: str, root: Path, training: dict, subcommand: str) -> Reso
     return resolved
 
 
-def _no_run(flag: str, root: Path, training: dict, known: list, unknown: int, subcommand: str) -> Resolved:
-    where = f"none of the {len(known)} run(s) under {root}" if known else f"no run under {root}"
-    if known:
-        diffs = [(identity.differences(r["training"], training), d) for d, r in known]
+def _no_run(flag: str, root: Path, diffs: list, unknown: int, subcommand: str) -> Resolved:
+    """`diffs`: (differences, run folder) for every run with a run.json."""
+    where = f"none of the {len(diffs)} run(s) under {root}" if diffs else f"no run under {root}"
+    if diffs:
         nearest, nearest_dir = min(diffs, key=lambda x: (len(x[0]), -int(x[1].name.split("_")[1])))
         where += f" has this config's training settings (the nearest, {nearest_dir.name}, differs in " \
                  f"{identity.describe(nearest)})"
