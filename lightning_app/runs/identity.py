@@ -11,6 +11,7 @@ import datetime
 import importlib
 import json
 import os
+import re
 import socket
 import sys
 import uuid
@@ -137,6 +138,27 @@ def is_requeued(job: dict) -> bool:
     return bool(job) and int(job.get("restart_count", 0)) > 0
 
 
+def command_line() -> str:
+    """This process's command, with every argument that carries a credential written as <redacted>: one that
+    names a credential key (datamodules/shards/storage.py, is_secret) and the value of --data.storage_options."""
+    from datamodules.shards.storage import REDACTED, is_secret
+
+    words, hide_next = [], False
+    for arg in sys.argv:
+        flag, eq, _ = arg.partition("=")
+        if hide_next:
+            words.append(REDACTED)
+            hide_next = False
+        elif "storage_options" in flag and arg.startswith("--"):
+            words.append(f"{flag}={REDACTED}" if eq else arg)
+            hide_next = not eq
+        elif any(is_secret(w) for w in re.findall(r"[A-Za-z_]+", arg)):
+            words.append(REDACTED)
+        else:
+            words.append(arg)
+    return " ".join(words)
+
+
 # -- run.json ------------------------------------------------------------------------------
 def now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -151,7 +173,7 @@ def read_run(run_dir: str | os.PathLike) -> dict | None:
 
 
 def _attempt(checkpoint: str | None, changed: list | None = None) -> dict:
-    attempt = {"at": now(), "host": socket.gethostname(), "pid": os.getpid(), "command": " ".join(sys.argv),
+    attempt = {"at": now(), "host": socket.gethostname(), "pid": os.getpid(), "command": command_line(),
                "checkpoint": checkpoint, "slurm": slurm_job()}
     if changed:
         attempt["changed"] = [{"key": k, "from": o, "to": n} for k, o, n in changed]

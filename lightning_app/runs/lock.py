@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import threading
 from pathlib import Path
 
 from lightning_app.errors import UserError
 from lightning_app.runs.folders import fsync_dir
-from lightning_app.runs.identity import is_requeued, job_key, now, slurm_job
+from lightning_app.runs.identity import command_line, is_requeued, job_key, now, slurm_job
 
 LOCK_NAME = ".lock"
 HEARTBEAT_S = 30.0
@@ -59,7 +58,7 @@ class RunLock:
     def _record(self) -> dict:
         job = slurm_job()
         return {"pid": os.getpid(), "host": socket.gethostname(), "pid_start": _process_start(os.getpid()),
-                "started": now(), "command": " ".join(sys.argv),
+                "started": now(), "command": command_line(),
                 **({"slurm_job_id": job_key(job), "slurm_restart_count": job["restart_count"]} if job else {})}
 
     def read(self, path: Path | None = None) -> dict | None:
