@@ -4,7 +4,6 @@ SLURM jobs sharing one root with requeues, an `srun --pty` shell in which Lightn
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import multiprocessing
 import os
@@ -57,10 +56,6 @@ def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def _digest(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha1(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.ckpt"))}
-
-
 def _run_of_job(root: Path, job: str) -> Path:
     (run,) = [d for d in root.glob("version_*") if identity.job_key(identity.read_run(d)["slurm"]) == job]
     return run
@@ -90,29 +85,29 @@ def test_two_slurm_jobs_in_one_root_each_resume_their_own_run(tiny_data, tmp_pat
     run_a, run_b = _run_of_job(root, "101"), _run_of_job(root, "202")
     os.utime(run_b / "checkpoints" / "last.ckpt")  # B's checkpoint is the newest in the root
 
-    # A requeued: its own run, although B's last.ckpt is newer
-    before_b = _digest(run_b / "checkpoints")
-    rc, out = _finish(_popen(job("0.1", "--ckpt_path", "last"), _env(SLURM_JOB_ID="101", SLURM_RESTART_COUNT="1")))
-    assert rc == 0 and f"SLURM job 101 requeued (restart 1): its run {run_a}" in out, out[-3000:]
-    assert _digest(run_b / "checkpoints") == before_b
-
-    # B requeued, beside a requeued job that has no run here: that one stops with one paragraph
-    before_a = _digest(run_a / "checkpoints")
+    # all requeued at once, beside a requeued job that has no run here: that one stops with one paragraph
+    a1 = _popen(job("0.1", "--ckpt_path", "last"), _env(SLURM_JOB_ID="101", SLURM_RESTART_COUNT="1"))
     b1 = _popen(job("0.2", "--ckpt_path", "last"), _env(SLURM_JOB_ID="202", SLURM_RESTART_COUNT="1"))
     c1 = _popen(job("0.3", "--ckpt_path", "last"), _env(SLURM_JOB_ID="303", SLURM_RESTART_COUNT="2"))
-    (rc_b, out_b), (rc_c, out_c) = _finish(b1), _finish(c1)
-    assert rc_b == 0, out_b[-3000:]
+    (rc_a, out_a), (rc_b, out_b), (rc_c, out_c) = _finish(a1), _finish(b1), _finish(c1)
+    assert rc_a == 0 and f"SLURM job 101 requeued (restart 1): its run {run_a}" in out_a, out_a[-3000:]
+    assert rc_b == 0 and f"SLURM job 202 requeued (restart 1): its run {run_b}" in out_b, out_b[-3000:]
     assert rc_c == 2 and "SLURM job 303 was requeued (restart 2), but no run under" in out_c, out_c[-3000:]
-    assert _digest(run_a / "checkpoints") == before_a
     assert sorted(p.name for p in root.iterdir()) == ["version_0", "version_1"]
 
-    for run, lr, key in ((run_a, 0.1, "101"), (run_b, 0.2, "202")):
+    for run, lr, key, procs in ((run_a, 0.1, "101", (a0, a1)), (run_b, 0.2, "202", (b0, b1))):
+        pids = {p.pid for p in procs}
         assert yaml.safe_load((run / "config.yaml").read_text())["model"]["lr"] == lr
         record = identity.read_run(run)
         assert record["training"]["model"]["lr"] == lr and identity.jobs_of(record) == {key}
+        # nothing of the other job in this run: its attempts, event files and checkpoints are this job's
+        assert {a["pid"] for a in record["attempts"]} == pids
+        assert {int(p.name.split(".")[-2]) for p in run.glob("events.out.tfevents.*")} <= pids
+        for ckpt in run.glob("checkpoints/*.ckpt"):
+            assert torch.load(ckpt, weights_only=False)["hyper_parameters"]["lr"] == lr, ckpt
         assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 12
         assert not list(run.glob("checkpoints/last-v*.ckpt"))  # one last.ckpt, whoever saved it first
-        # every step logged exactly once, in order; one val/acc1 per epoch
+        # every step logged exactly once, in order; one val/acc1 (and confusion matrix) per epoch
         assert [s for s, _ in scalars(run, "train/loss")] == list(range(12)), run
         val_steps = [s for s, _ in scalars(run, "val/acc1")]
         assert len(val_steps) == 2 and [s for s, _ in scalars(run, "images/confusion_matrix", "images")] == val_steps
