@@ -28,7 +28,7 @@ IGNORED: dict[str, tuple[str, ...]] = {
     "model": ("pictures", "compile", "channels_last", "matmul_precision"),
     "data": ("num_workers", "pin_memory", "persistent_workers", "predict_dir", "decode_threads", "pack_workers",
              "cache_dir", "max_cache_size", "max_pre_download", "storage_options", "in_memory", "num_threads",
-             "prefetch_queue_depth", "hw_decoder_load"),
+             "prefetch_queue_depth", "hw_decoder_load", "pinned_budget_gib", "shm_budget_gib", "host_budget_gib"),
     "trainer": ("accelerator", "strategy", "devices", "num_nodes", "logger", "enable_progress_bar",
                 "enable_model_summary", "enable_checkpointing", "log_every_n_steps", "default_root_dir",
                 "num_sanity_val_steps", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
