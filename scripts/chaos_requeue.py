@@ -112,11 +112,15 @@ class Job(threading.Thread):
 
 def check(job: Job, opts: argparse.Namespace, steps_per_epoch: int) -> list[str]:
     """What is wrong with this job's run, as sentences (empty when all is well)."""
+    import logging
+
     import torch
     import yaml
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from lightning_app.runs import identity
+
+    logging.getLogger("tensorboard").setLevel(logging.ERROR)  # its note on each purge a resume asked for
 
     logs = opts.root / "logs"
     mine = [d for d in sorted(logs.glob("version_*")) if job.job_id in identity.jobs_of(identity.read_run(d) or {})]
@@ -158,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Exit status 0 when every check passes.")
     ap.add_argument("--root", type=Path, required=True, help="empty folder for the runs (ROOT/logs), logs and report")
     ap.add_argument("--kills", type=int, default=5, help="random SIGTERM/SIGKILL requeues per job (default 5)")
-    ap.add_argument("--epochs", type=int, default=10, help="epochs per job (default 10)")
+    ap.add_argument("--epochs", type=int, default=30, help="epochs per job (default 30: long enough that the kills land)")
     ap.add_argument("--preset", default="tiny", help="built-in dataset preset (default tiny: 240 train images, 32 px)")
     ap.add_argument("--max-delay", type=float, default=20.0, help="a kill comes 0..this many seconds into an attempt")
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill times and signals")
