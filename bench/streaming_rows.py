@@ -141,14 +141,14 @@ def download_rate(url: str, threads: int = 4, storage_options: dict | None = Non
     from litdata.streaming.client import S3Client
     from litdata.streaming.downloader import _obstore_credential_provider
 
-    from datamodules.shards.storage import _obstore_store, client_settings, split_url
+    from datamodules.shards.storage import client_settings, obstore_store, split_url
 
     bucket, prefix = split_url(url)
     litdata_client = S3Client(storage_options=client_settings(storage_options))  # as ShardS3Downloader makes it
     client = litdata_client.client
     index = json.loads(client.get_object(Bucket=bucket, Key=f"{prefix}/train/index.json")["Body"].read())
     keys = [f"{prefix}/train/{c['filename']}" for c in index["chunks"]]
-    store = _obstore_store(bucket, client, _obstore_credential_provider(litdata_client))
+    store = obstore_store(bucket, client, _obstore_credential_provider(litdata_client))
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
         total = sum(pool.map(lambda k: len(obstore.get(store, k).bytes()), keys))

@@ -42,6 +42,16 @@ def _text(error: BaseException) -> str:
     return "\n".join(parts)
 
 
+def _root_cause(error: BaseException) -> str:
+    """The first line of the innermost exception (obstore's messages go on with a multi-line debug dump)."""
+    e, seen = error, set()
+    while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0]}"[:300] if lines else type(e).__name__
+
+
 def _is_enospc(error: BaseException) -> bool:
     e, seen = error, set()
     while e is not None and id(e) not in seen:
@@ -56,7 +66,7 @@ def explain(error: BaseException, url: str, endpoint: str | None = None, cache_d
     """One paragraph for a known failure reading the pack at `url`, else None."""
     text = _text(error)
     at = f" at {endpoint}" if endpoint else ""
-    first = text.strip().splitlines()[-1][:300] if text.strip() else type(error).__name__
+    first = _root_cause(error)
     died = _WORKER_DIED.search(text)
     if died:
         return worker_died(url, died.group(0))

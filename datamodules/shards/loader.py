@@ -28,8 +28,16 @@ from litdata import StreamingDataLoader, StreamingDataset
 from datamodules.index import DataError
 from datamodules.sample.batches import RING_SLOTS, RingBatch, give_back
 from datamodules.sample.dataset import SampleDataset
+from datamodules.shards.downloader import register_downloader
 from datamodules.shards.errors import as_data_error, corrupt_chunk, worker_died
-from datamodules.shards.storage import register_downloader
+from datamodules.shards.prefetch import quiet_explained_crashes
+
+
+def _our_litdata_parts() -> None:
+    """Our S3 downloader, and LitData's crash report left to our paragraph: in this process and, after
+    unpickling, in every DataLoader worker (a spawned worker starts with litdata's own)."""
+    register_downloader()
+    quiet_explained_crashes()
 
 
 class ShardDataset(StreamingDataset):
@@ -37,12 +45,12 @@ class ShardDataset(StreamingDataset):
     one, so under DDP every rank gets the same count and at most world_size - 1 samples are left out."""
 
     def __init__(self, url: str, *, batch_aligned: bool = True, endpoint: str | None = None, **kwargs) -> None:
-        register_downloader()
+        _our_litdata_parts()
         self.url, self.endpoint, self.batch_aligned = url, endpoint, batch_aligned
         super().__init__(url, **kwargs)
 
-    def __setstate__(self, state: dict) -> None:  # a spawned worker starts with litdata's own downloaders
-        register_downloader()
+    def __setstate__(self, state: dict) -> None:
+        _our_litdata_parts()
         self.__dict__.update(state)
 
     def set_batch_size(self, batch_size: int) -> None:
@@ -143,7 +151,7 @@ class ShardLoader(StreamingDataLoader):
                     return f"DataLoader worker (pid {', '.join(dead)}) is gone" if dead else ""
                 time.sleep(0.05)
         except RuntimeError as e:  # torch's SIGCHLD handler names it (torch/utils/data/_utils/signal_handling.py)
-            return str(e)
+            return str(e).strip().rstrip(".")
 
     def __len__(self) -> int:
         dataset: ShardDataset = self.dataset
@@ -156,3 +164,4 @@ class ShardLoader(StreamingDataLoader):
         _, intervals = dataset.shuffler.get_chunks_and_intervals_per_workers(env, workers, 1, dataset.current_epoch)
         mine = intervals[env.global_rank * workers:(env.global_rank + 1) * workers]
         return sum(math.ceil(sum(i[2] - i[1] for i in worker) / self.batch_size) for worker in mine)
+

@@ -14,9 +14,8 @@ Two library defaults would turn an unreachable store into a hang, and are replac
 - litdata downloads chunks through obstore (litdata/streaming/downloader.py, S3Downloader.download_file
   via _build_obstore_s3_store), with fixed client options (_OBSTORE_CLIENT_OPTIONS: a 200 s timeout,
   obstore's default of 10 retries over up to 3 minutes) and without `allow_http`, so obstore refuses an
-  `http://` endpoint. `ShardS3Downloader`, registered for s3:// through litdata's public
-  `register_downloader`, builds that store from the same boto3 client with `allow_http` exactly when
-  the endpoint is plain HTTP, and with bounded retries and timeouts.
+  `http://` endpoint. `obstore_store` builds that store from the same boto3 client with `allow_http`
+  exactly when the endpoint is plain HTTP, and with bounded retries and timeouts (downloader.py uses it).
 
 Credentials are never written anywhere: `redact` replaces them in whatever is saved or logged.
 """
@@ -89,7 +88,7 @@ def endpoint_of(storage_options: dict | None) -> str:
     return s3_client(storage_options).meta.endpoint_url
 
 
-def _obstore_store(bucket: str, boto_client: Any, credentials: Any) -> Any:
+def obstore_store(bucket: str, boto_client: Any, credentials: Any) -> Any:
     """litdata's _build_obstore_s3_store with the client options this module needs (see the module doc)."""
     from obstore.store import S3Store
 
@@ -106,51 +105,3 @@ def _obstore_store(bucket: str, boto_client: Any, credentials: Any) -> Any:
                       "allow_http": str(endpoint or "").startswith("http://")}
     return S3Store(bucket, config=config, credential_provider=credentials, client_options=client_options,
                    retry_config={"max_retries": ATTEMPTS - 1, "retry_timeout": RETRY_WINDOW})
-
-
-class ChunkSizeError(OSError):
-    """A downloaded chunk whose size is not the one its index.json records."""
-
-
-def _downloader_class():
-    from litdata.streaming import downloader as ld
-
-    class ShardS3Downloader(ld.S3Downloader):
-        """litdata's S3 downloader, with bounded retries and `allow_http` for an http:// endpoint."""
-
-        def __init__(self, remote_dir: str, cache_dir: str, chunks: list, storage_options: dict | None = None,
-                     **kwargs: Any) -> None:
-            super().__init__(remote_dir, cache_dir, chunks, client_settings(storage_options), **kwargs)
-
-        def download_file(self, remote_filepath: str, local_filepath: str) -> None:
-            super().download_file(remote_filepath, local_filepath)
-            expected = ld._indexed_object_bytes(self._chunks, remote_filepath)  # index.json: 0, not checked
-            size = os.path.getsize(local_filepath) if expected and os.path.exists(local_filepath) else expected
-            if size != expected:  # a truncated object: fail now, not after litdata's 120 s wait for the rest
-                os.remove(local_filepath)
-                raise ChunkSizeError(f"{remote_filepath} is {size} bytes, its index.json says {expected}")
-
-        def _get_store(self, bucket: str) -> Any:
-            # the same process-local caching (and fork check) as S3Downloader._get_store
-            return ld._cached_obstore_store(
-                self, lambda: _obstore_store(bucket, self._client.client, ld._obstore_credential_provider(self._client)))
-
-    return ShardS3Downloader
-
-
-_registered = False
-
-
-def register_downloader() -> None:
-    """Make litdata download s3:// chunks with `ShardS3Downloader` in this process (idempotent).
-
-    Called where a StreamingDataset is made and, after unpickling, in every DataLoader worker
-    (a spawned worker starts with litdata's own registry).
-    """
-    global _registered
-    if _registered:
-        return
-    from litdata.streaming.downloader import register_downloader as register
-
-    register("s3://", _downloader_class(), overwrite=True)
-    _registered = True

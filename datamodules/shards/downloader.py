@@ -1,0 +1,136 @@
+"""How LitData downloads the chunks of an s3:// pack: `ShardS3Downloader`, registered for s3:// through
+litdata's public `register_downloader`, is litdata 0.2.76's S3Downloader (litdata/streaming/downloader.py) with:
+
+- the store and client of storage.py: bounded retries and timeouts, `allow_http` for an http:// endpoint;
+- a size check: a chunk whose object is shorter than its index.json says fails at once (ChunkSizeError),
+  where litdata would wait 30 s for the rest, then download it again;
+- index.json waited for: litdata gives another process's download of it 1 s (S3Downloader.download_file,
+  `FileLock(..., timeout=1)`), then goes on without the file and fails with "doesn't contain any
+  index.json file". Every rank of a node, and nodes that share a cache folder, fetch it at the same moment;
+- one code path for every download: litdata fetches several chunks at once on its prefetch thread's
+  event loop (async_prefetch.py, download_chunk_indexes_concurrently). `adownload_file` runs
+  `download_file` in a thread, as litdata itself does for a downloader without a native async path, so
+  the checks above hold there too, and a failed download waits for the others under way (`InFlight`).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
+
+from datamodules.shards.storage import ATTEMPTS, READ_TIMEOUT_S, RETRY_WINDOW, client_settings, obstore_store
+
+INDEX_WAIT_S = READ_TIMEOUT_S * ATTEMPTS  # the longest another process's index.json download may take
+SETTLE_S = RETRY_WINDOW.total_seconds() + READ_TIMEOUT_S  # the longest one chunk download may take
+
+
+class ChunkSizeError(OSError):
+    """A downloaded chunk whose size is not the one its index.json records."""
+
+
+class InFlight:
+    """The downloads under way in one process; a failed one waits for the others to end before it raises.
+
+    The first failure ends litdata's concurrent download and, through the prefetch thread's end, closes
+    that thread's event loop (reader.py, PrepareChunksThread.run -> close_thread_event_loop). A download
+    still running would then complete into a closed loop, and asyncio would print "Event loop is closed"
+    tracebacks in the worker, beside the one paragraph the user should read.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.count = 0
+        self.changed = threading.Condition()
+
+    @contextmanager
+    def download(self) -> Iterator[None]:
+        with self.changed:
+            self.count += 1
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            with self.changed:
+                self.count -= 1
+                self.changed.notify_all()
+                if failed:
+                    self.changed.wait_for(lambda: self.count == 0, timeout=SETTLE_S)
+
+
+_in_flight: InFlight | None = None
+
+
+def in_flight() -> InFlight:
+    """This process's InFlight (a forked worker starts its own)."""
+    global _in_flight
+    if _in_flight is None or _in_flight.pid != os.getpid():
+        _in_flight = InFlight()
+    return _in_flight
+
+
+def _downloader_class():
+    from filelock import FileLock, Timeout
+    from litdata.constants import _INDEX_FILENAME
+    from litdata.streaming import downloader as ld
+
+    class ShardS3Downloader(ld.S3Downloader):
+        """litdata's S3 downloader, with the changes of the module doc."""
+
+        def __init__(self, remote_dir: str, cache_dir: str, chunks: list, storage_options: dict | None = None,
+                     **kwargs: Any) -> None:
+            super().__init__(remote_dir, cache_dir, chunks, client_settings(storage_options), **kwargs)
+
+        def download_file(self, remote_filepath: str, local_filepath: str) -> None:
+            with in_flight().download():
+                super().download_file(remote_filepath, local_filepath)
+                if remote_filepath.endswith(_INDEX_FILENAME):
+                    self._wait_for_index(remote_filepath, local_filepath)
+                self._check_size(remote_filepath, local_filepath)
+
+        async def adownload_file(self, remote_filepath: str, local_filepath: str) -> None:
+            await asyncio.to_thread(self.download_file, remote_filepath, local_filepath)
+
+        def _wait_for_index(self, remote_filepath: str, local_filepath: str) -> None:
+            """Another process holds the download lock: wait for its index.json, or fetch it once it gave up."""
+            deadline = time.monotonic() + INDEX_WAIT_S
+            while not os.path.exists(local_filepath) and time.monotonic() < deadline:
+                with suppress(Timeout), FileLock(local_filepath + ".lock", timeout=deadline - time.monotonic()):
+                    pass
+                super().download_file(remote_filepath, local_filepath)
+
+        def _check_size(self, remote_filepath: str, local_filepath: str) -> None:
+            expected = ld._indexed_object_bytes(self._chunks, remote_filepath)  # index.json: 0, not checked
+            size = os.path.getsize(local_filepath) if expected and os.path.exists(local_filepath) else expected
+            if size != expected:
+                os.remove(local_filepath)
+                raise ChunkSizeError(f"{remote_filepath} is {size} bytes, its index.json says {expected}")
+
+        def _get_store(self, bucket: str) -> Any:
+            # the same process-local caching (and fork check) as S3Downloader._get_store
+            return ld._cached_obstore_store(
+                self, lambda: obstore_store(bucket, self._client.client, ld._obstore_credential_provider(self._client)))
+
+    return ShardS3Downloader
+
+
+_registered = False
+
+
+def register_downloader() -> None:
+    """Make litdata download s3:// chunks with `ShardS3Downloader` in this process (idempotent).
+
+    Called where a StreamingDataset is made and, after unpickling, in every DataLoader worker
+    (a spawned worker starts with litdata's own registry).
+    """
+    global _registered
+    if _registered:
+        return
+    from litdata.streaming.downloader import register_downloader as register
+
+    register("s3://", _downloader_class(), overwrite=True)
+    _registered = True
