@@ -22,7 +22,13 @@ from datamodules.packing import file_lock
 from datamodules.sample.crop import TrainCrop, ValCrop
 from datamodules.shards.errors import as_data_error, corrupt_chunk
 from datamodules.shards.layout import INDEX, MARKER, read_meta
-from datamodules.shards.loader import ShardBatches, ShardDataset, ShardLoader
+from datamodules.shards.loader import (
+    PredictShardDataset,
+    PredictShardLoader,
+    ShardBatches,
+    ShardDataset,
+    ShardLoader,
+)
 from datamodules.shards.storage import endpoint_of, is_remote, redact
 from datamodules.shards.store import open_store
 
@@ -177,17 +183,18 @@ class StreamingDataModule(ImageDataModule):
         return {"train": int(train), "val": int(val)}
 
     # -- loaders ----------------------------------------------------------------------------
-    def _stream(self, split: str, crop, size) -> ShardLoader:
+    def _stream(self, split: str, crop, size, dataset: ShardDataset | None = None) -> ShardLoader:
         plan = self.memory_plan(fit=True if split == "train" else None)  # workers and batches in flight: the budget's
         self._show_plan(plan)
         sizing = plan.loader(split)
         workers = sizing.workers
+        predict = isinstance(dataset, PredictShardDataset)
         batches = ShardBatches(crop, size, f"{self.url}/{split}", decode_threads=max(1, self.cpus() // max(1, workers)),
-                               ring_slots=sizing.ring_slots)
-        return ShardLoader(self.datasets[split], batch_size=self.per_process_batch_size, num_workers=workers,
-                           collate_fn=batches, pin_memory=self.pins_memory,
-                           persistent_workers=self.persistent_workers and workers > 0,
-                           prefetch_factor=sizing.prefetch if workers > 0 else None)
+                               ring_slots=sizing.ring_slots, with_paths=predict)
+        return (PredictShardLoader if predict else ShardLoader)(
+            dataset or self.datasets[split], batch_size=self.per_process_batch_size, num_workers=workers,
+            collate_fn=batches, pin_memory=self.pins_memory, persistent_workers=self.persistent_workers and workers > 0,
+            prefetch_factor=sizing.prefetch if workers > 0 else None)
 
     def train_dataloader(self) -> ShardLoader:
         return self._stream("train", TrainCrop(self.min_scale, self.train_augment), self._train_size)
@@ -199,7 +206,15 @@ class StreamingDataModule(ImageDataModule):
         return self.val_dataloader()
 
     def predict_dataloader(self):
-        return super().predict_dataloader() if self.predict_dir is not None else self.val_dataloader()
+        """--data.predict_dir's images, or else the pack's val split (its paths those of the packed tree)."""
+        if self.predict_dir is not None:
+            return super().predict_dataloader()
+        remote = is_remote(self.url)
+        dataset = PredictShardDataset(
+            f"{self.url}/val", source_root=self.meta.get("source_root", ""), cache_dir=self.cache_dir if remote else None,
+            storage_options=self.storage_options or None, max_pre_download=self.max_pre_download,
+            max_cache_size=self._cache_budgets()["val"] if remote else None, endpoint=self.endpoint)
+        return self._stream("val", ValCrop(self.val_crop_ratio), self.val_image_size, dataset)
 
     def train_batches(self) -> int:
         """Batches per epoch on this process (what the LR schedule counts), from the dataset's length."""

@@ -18,6 +18,7 @@ the epoch comes exactly once across both runs.
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -105,20 +106,27 @@ class ItemSource:
 
 
 class ShardBatches:
-    """The collate_fn: [(bytes, label, path, index)] -> (uint8 images, labels, indices), built in the worker."""
+    """The collate_fn: [(bytes, label, path, index)] -> (uint8 images, labels, indices), built in the worker.
+
+    with_paths (predict): (uint8 images, indices, paths) instead, as a plain tuple (RingBatch pins only tensors).
+    """
 
     def __init__(self, crop: Callable, size: int | torch.Tensor, url: str, decode_threads: int = 1,
-                 ring_slots: int = RING_SLOTS) -> None:
+                 ring_slots: int = RING_SLOTS, with_paths: bool = False) -> None:
         self.crop, self.size, self.url, self.decode_threads = crop, size, url, decode_threads
         self.ring_slots = ring_slots  # from the memory plan (datamodules/memory.py)
+        self.with_paths = with_paths
 
-    def __call__(self, items: list[tuple]) -> tuple[torch.Tensor, ...]:
+    def __call__(self, items: list[tuple]) -> tuple:
         data, labels, paths, indices = zip(*items)
         samples = SampleDataset(ItemSource(data, paths, self.url), labels, self.crop, self.size)
         samples.decode_threads = self.decode_threads
         samples.ring_slots = self.ring_slots
         images, labels = samples.__getitems__(range(len(items)))
-        batch = (images, labels, torch.tensor(indices, dtype=torch.int64))
+        indices = torch.tensor(indices, dtype=torch.int64)
+        if self.with_paths:
+            return images, indices, list(paths)
+        batch = (images, labels, indices)
         return RingBatch(batch) if isinstance(images, torch.Tensor) and torch.utils.data.get_worker_info() else batch
 
 
@@ -165,3 +173,27 @@ class ShardLoader(StreamingDataLoader):
         mine = intervals[env.global_rank * workers:(env.global_rank + 1) * workers]
         return sum(math.ceil(sum(i[2] - i[1] for i in worker) / self.batch_size) for worker in mine)
 
+
+class PredictShardDataset(ShardDataset):
+    """A split to predict: every sample once over all ranks (drop_last off), in the pack's order. Rows of
+    predictions.csv (lightning_app/predict.py) take the index from the batch and the path from `display_path`."""
+
+    items_carry_index = True
+
+    def __init__(self, url: str, *, source_root: str, **kwargs) -> None:
+        super().__init__(url, shuffle=False, drop_last=False, batch_aligned=False, **kwargs)
+        self.source_root = source_root
+        self.paths: dict[int, str] = {}  # index -> path in the packed tree, filled as batches arrive
+
+    def display_path(self, i: int) -> str:
+        """The image's path in the tree the pack was made from (the path ImageFolder's Index gives)."""
+        return os.path.join(self.source_root, self.paths[i])
+
+
+class PredictShardLoader(ShardLoader):
+    """(images, indices) batches of a PredictShardDataset, whose paths it records as they pass."""
+
+    def __iter__(self):
+        for images, indices, paths in super().__iter__():
+            self.dataset.paths.update(zip(indices.tolist(), paths))
+            yield give_back((images, indices))  # a worker's ring buffer (unless pinned): reused once freed
