@@ -91,6 +91,9 @@ KNOWN_NOISE_WARNINGS = (
     # pytorch_lightning/utilities/data.py (has_len): LitData shards its IterableDataset over the workers itself
     # (datamodules/shards/loader.py), so its __len__ is exact
     (r"Your `IterableDataset` has `__len__` defined\.", UserWarning),
+    # pytorch_lightning/loops/prediction_loop.py (_get_batch_indices): a stream has no batch sampler; the
+    # prediction writer takes each row's index from the batch (datamodules/shards/loader.py, PredictShardDataset)
+    (r"Couldn't infer the batch indices fetched from your dataloader: `PredictShardLoader`", UserWarning),
 )
 
 # rank_zero_info lines (python logging, not warnings): lightning_utilities' rank_zero `log`,

@@ -114,7 +114,9 @@ class PredictionsCSV(BasePredictionWriter):
         trainer.strategy.barrier("predictions_csv_merge")
         if trainer.global_rank == 0:
             known = self._dataset is not None and hasattr(self._dataset, "__len__") and not self._synthetic
-            self.merge(trainer.world_size, len(self._dataset) if known else None)
+            # a stream's len() is this rank's share; it says how many items all ranks hold as `total_items`
+            total = getattr(self._dataset, "total_items", None) or (len(self._dataset) if known else None)
+            self.merge(trainer.world_size, total if known else None)
 
     def merge(self, world_size: int, expected: int | None) -> str:
         rows: dict[int, list[str]] = {}

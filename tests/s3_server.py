@@ -1,9 +1,11 @@
 """A real S3 endpoint for tests: `moto_server -H 127.0.0.1 -p PORT` (moto[server]), in memory, any key accepted.
 
-Bound to loopback explicitly (its default is 0.0.0.0), on a free port, stopped after the test.
-Import `s3_fixture` / `shared_s3_fixture` into a test module to use the fixtures `s3` / `shared_s3`.
-`S3Server.env` is what the packer, training and the benchmark read: AWS_ENDPOINT_URL and test
-credentials, with the user's own AWS config files masked.
+Bound to loopback explicitly (its default is 0.0.0.0), on a free port, stopped after use.
+Import `s3_fixture`, `s3_session_fixture` and `shared_s3_fixture` into a test module to use the fixtures
+`s3` (a server of the test's own, for a test that stops it), `s3_session` (one server for the whole
+session, started on first use) and `shared_s3` (that server, with the AWS_* variables set for the test).
+Tests that share the server use buckets of their own. `S3Server.env` is what the packer, training and
+the benchmark read: AWS_ENDPOINT_URL and test credentials, with the user's own AWS config files masked.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -54,15 +58,43 @@ class S3Server:
                 "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
 
     def bucket(self, name: str) -> str:
-        import boto3
-
-        boto3.client("s3", endpoint_url=self.url, region_name="us-east-1", aws_access_key_id="test",
-                     aws_secret_access_key="test-secret-42").create_bucket(Bucket=name)
+        self.client().create_bucket(Bucket=name)
         return f"s3://{name}"
 
-    def require_auth(self) -> None:
-        """From now on only keys created through moto's IAM are accepted (moto's /moto-api/reset-auth)."""
-        req = urllib.request.Request(f"{self.url}/moto-api/reset-auth", data=b"0", method="POST",
+    def copy(self, src: str, dst: str, to: S3Server | None = None) -> str:
+        """Copy every object under the s3:// URL `src` to `dst` (its bucket made if need be), on this server or `to`."""
+        target = to or self
+        (sb, sp), (db, dp) = (u[len("s3://"):].partition("/")[::2] for u in (src, dst))
+        if db not in {b["Name"] for b in target.client().list_buckets()["Buckets"]}:
+            target.bucket(db)
+        source, dest = self.client(), target.client()
+        for page in source.get_paginator("list_objects_v2").paginate(Bucket=sb, Prefix=sp + "/"):
+            for obj in page.get("Contents", []):
+                key = dp + obj["Key"][len(sp):]
+                if target is self:
+                    dest.copy_object(Bucket=db, Key=key, CopySource={"Bucket": sb, "Key": obj["Key"]})
+                else:
+                    dest.put_object(Bucket=db, Key=key, Body=source.get_object(Bucket=sb, Key=obj["Key"])["Body"].read())
+        return dst
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.url, region_name="us-east-1", aws_access_key_id="test",
+                            aws_secret_access_key="test-secret-42")
+
+    @contextmanager
+    def auth_required(self) -> Iterator[None]:
+        """Inside, only keys created through moto's IAM are accepted; after, any key again (moto's
+        /moto-api/reset-auth sets how many requests may go unauthenticated: 0, then inf, its default)."""
+        self._reset_auth(b"0")
+        try:
+            yield
+        finally:
+            self._reset_auth(b"inf")
+
+    def _reset_auth(self, count: bytes) -> None:
+        req = urllib.request.Request(f"{self.url}/moto-api/reset-auth", data=count, method="POST",
                                      headers={"Content-Type": "text/plain"})  # a form body would reach it empty
         urllib.request.urlopen(req, timeout=5).close()
 
@@ -88,15 +120,19 @@ def s3_fixture(tmp_path, monkeypatch):
         server.stop()
 
 
-@pytest.fixture(name="shared_s3", scope="module")
-def shared_s3_fixture(tmp_path_factory):
-    """One server for the tests of a module that only read: packing once is most of their cost."""
+@pytest.fixture(name="s3_session", scope="session")
+def s3_session_fixture(tmp_path_factory):
+    """One moto S3 server for the whole session, started when a test first asks for it."""
     server = S3Server(tmp_path_factory.mktemp("moto") / "moto.log")
-    mp = pytest.MonkeyPatch()
-    for k, v in server.env.items():
-        mp.setenv(k, v)
     try:
         yield server
     finally:
-        mp.undo()
         server.stop()
+
+
+@pytest.fixture(name="shared_s3")
+def shared_s3_fixture(s3_session, monkeypatch):
+    """The session's server, the AWS_* variables pointing at it for this test."""
+    for k, v in s3_session.env.items():
+        monkeypatch.setenv(k, v)
+    return s3_session

@@ -211,7 +211,8 @@ class StreamingDataModule(ImageDataModule):
             return super().predict_dataloader()
         remote = is_remote(self.url)
         dataset = PredictShardDataset(
-            f"{self.url}/val", source_root=self.meta.get("source_root", ""), cache_dir=self.cache_dir if remote else None,
+            f"{self.url}/val", source_root=self.meta.get("source_root", ""),
+            total_items=self.meta["splits"]["val"]["count"], cache_dir=self.cache_dir if remote else None,
             storage_options=self.storage_options or None, max_pre_download=self.max_pre_download,
             max_cache_size=self._cache_budgets()["val"] if remote else None, endpoint=self.endpoint)
         return self._stream("val", ValCrop(self.val_crop_ratio), self.val_image_size, dataset)

@@ -180,9 +180,10 @@ class PredictShardDataset(ShardDataset):
 
     items_carry_index = True
 
-    def __init__(self, url: str, *, source_root: str, **kwargs) -> None:
+    def __init__(self, url: str, *, source_root: str, total_items: int, **kwargs) -> None:
         super().__init__(url, shuffle=False, drop_last=False, batch_aligned=False, **kwargs)
         self.source_root = source_root
+        self.total_items = total_items  # on all ranks (len() is this rank's share)
         self.paths: dict[int, str] = {}  # index -> path in the packed tree, filled as batches arrive
 
     def display_path(self, i: int) -> str:
