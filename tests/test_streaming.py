@@ -33,7 +33,7 @@ from datamodules.shards.pack import pack
 from datamodules.shards.storage import obstore_store, s3_client
 from tests.conftest import REPO, free_port, quick_args, run_main, train_checkpoint
 from tests.s3_server import s3_fixture, s3_session_fixture, shared_s3_fixture  # noqa: F401 - the fixtures
-from tests.streaming_helpers import IdRecordingStreamingDataModule, read_records
+from tests.streaming_helpers import IdRecordingStreamingDataModule, in_fork, read_records
 
 pytestmark = pytest.mark.timeout(300)
 CHUNK_MB = 0.01  # the tiny set (240 + 80 JPEGs of about 1.2 KB) in chunks of 9 images: many chunks, many workers
@@ -62,6 +62,15 @@ def _only_a_paragraph(stderr: str) -> None:
     """What a user reads on stderr when streaming fails: no traceback (LitData's, a worker's), a few lines."""
     assert "Traceback" not in stderr and "CRASHED" not in stderr, stderr[-3000:]
     assert len(stderr.strip().splitlines()) <= MAX_STDERR_LINES, stderr[-3000:]
+
+
+@pytest.fixture(autouse=True)
+def _no_obstore_in_this_process():
+    """Downloads through obstore happen in DataLoader workers or `in_fork`, never in the pytest process (see in_fork)."""
+    from litdata.streaming import downloader
+
+    yield
+    assert downloader._OBSTORE_INIT_PID != os.getpid(), "this test downloaded through obstore in the pytest process"
 
 
 @pytest.fixture(scope="session")
@@ -96,7 +105,7 @@ def test_pack_to_s3_then_one_epoch_sees_every_id_once(s3_pack, tiny_data, tmp_pa
 
 
 def test_streamed_val_pixels_equal_imagefolders(s3_pack, tiny_data, tmp_path):
-    streamed = _dm(s3_pack, cache_dir=str(tmp_path / "cache"), num_workers=0)
+    streamed = _dm(s3_pack, cache_dir=str(tmp_path / "cache"), num_workers=1)
     folder = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=24, num_workers=0, image_size=32,
                                    val_crop_ratio=1.0)
     folder.setup("fit")
@@ -182,6 +191,34 @@ def test_predict_streams_the_val_split_or_reads_a_folder(s3_pack, tiny_data, tmp
 
 # ------------------------------------------------------------------------------ failures: one paragraph each
 
+def _obstore_get_explained(bucket: str, key: str, url: str) -> str:
+    try:
+        obstore.get(obstore_store(bucket, s3_client(None), None), key)  # the store the downloader uses
+    except Exception as e:  # noqa: BLE001 - what it raises is the point
+        return explain(e, url)
+    return "no error"
+
+
+def _download_both_ways(url: str, chunks: list, cache: str, name: str) -> list[str]:
+    """What download_file and adownload_file raise for the chunk `name` (litdata fetches several chunks at
+    once through the second, one at a time through the first), and whether a file was left."""
+    from litdata.streaming.downloader import get_downloader
+
+    from datamodules.shards.downloader import register_downloader
+
+    register_downloader()
+    downloader = get_downloader(f"{url}/train", cache, chunks)
+    remote, local = f"{url}/train/{name}", os.path.join(cache, name)
+    out = []
+    for fetch in (lambda: downloader.download_file(remote, local),
+                  lambda: asyncio.run(downloader.adownload_file(remote, local))):
+        try:
+            fetch()
+            out.append("no error")
+        except Exception as e:  # noqa: BLE001 - what it raises is the point
+            out.append(f"{type(e).__name__}: {e}")
+    return out + [f"left a file: {os.path.exists(local)}"]
+
 def test_unreachable_endpoint_mid_epoch_is_one_paragraph(s3, s3_session, _packed, tmp_path, capfd):
     url = s3_session.copy(_packed, "s3://gone/tiny", to=s3)  # this test's own server: it stops it
     # a cache smaller than the train split: the rest of the epoch must come from the store
@@ -199,10 +236,9 @@ def test_unreachable_endpoint_mid_epoch_is_one_paragraph(s3, s3_session, _packed
         StreamingDataModule(data_dir=url)
     # obstore's error (what a worker's download raises unless obstore was started before the fork) goes on
     # with a multi-line dump: the paragraph quotes its first line
-    with pytest.raises(Exception) as refused:
-        obstore.get(obstore_store("gone", s3_client(None), None), "tiny/train/index.json")
-    assert re.search(r"refused the connection \(GenericError: .*GET http://127\.0\.0\.1:\d+/gone/tiny/train/index\.json",
-                     explain(refused.value, url)), explain(refused.value, url)
+    paragraph = in_fork(_obstore_get_explained, "gone", "tiny/train/index.json", url)
+    assert re.search(r"refused the connection \(GenericError: [^\n]*GET http://127\.0\.0\.1:\d+/gone/tiny/train/index\.json",
+                     paragraph), paragraph
     loader._iterator._shutdown_workers()  # whatever the workers print, they print by now
     _only_a_paragraph(capfd.readouterr().err)
 
@@ -221,9 +257,6 @@ def test_refused_credentials_missing_prefix_and_bucket_are_one_paragraph_each(sh
 
 
 def test_a_truncated_chunk_is_named_and_is_all_the_user_reads(shared_s3, s3_pack, tiny_data, tmp_path, capfd):
-    from litdata.streaming.downloader import get_downloader
-
-    from datamodules.shards.downloader import ChunkSizeError, register_downloader
     from lightning_app.cli import main
 
     url = shared_s3.copy(s3_pack, "s3://broken/tiny")
@@ -239,16 +272,12 @@ def test_a_truncated_chunk_is_named_and_is_all_the_user_reads(shared_s3, s3_pack
     err = capfd.readouterr().err
     assert "Chunk train/chunk-000003.bin of the pack s3://broken/tiny is corrupt or truncated (is " in err, err[-3000:]
     _only_a_paragraph(err)
-    # litdata fetches several chunks at once through adownload_file, one at a time through download_file
-    register_downloader()
     chunks = json.loads(client.get_object(Bucket="broken", Key="tiny/train/index.json")["Body"].read())["chunks"]
-    downloader = get_downloader(f"{url}/train", str(tmp_path / "direct"), chunks)
-    local = tmp_path / "direct" / "chunk-000003.bin"
-    with pytest.raises(ChunkSizeError, match=r"is \d+ bytes, its index.json says \d+"):
-        downloader.download_file(f"{url}/train/chunk-000003.bin", str(local))
-    with pytest.raises(ChunkSizeError, match=r"is \d+ bytes, its index.json says \d+"):
-        asyncio.run(downloader.adownload_file(f"{url}/train/chunk-000003.bin", str(local)))
-    assert not local.exists()
+    sync, concurrent, left = in_fork(_download_both_ways, url, chunks, str(tmp_path / "direct"), "chunk-000003.bin")
+    for raised in (sync, concurrent):
+        assert re.fullmatch(r"ChunkSizeError: s3://broken/tiny/train/chunk-000003\.bin is \d+ bytes, its index\.json "
+                            r"says \d+", raised), raised
+    assert left == "left a file: False"
 
 
 def test_full_cache_disk_is_one_paragraph(s3_pack, tmp_path):
@@ -258,7 +287,7 @@ def test_full_cache_disk_is_one_paragraph(s3_pack, tmp_path):
                       check=False).returncode:
         pytest.skip("cannot mount a small tmpfs here (needs root): no full disk to test with")
     try:  # the train split's 277 KB of chunks do not fit
-        dm = _dm(s3_pack, cache_dir=str(disk), max_cache_size=None, num_workers=0)
+        dm = _dm(s3_pack, cache_dir=str(disk), max_cache_size=None, num_workers=1)
         with pytest.raises(DataError, match=r"The disk holding .*small-disk.* is full while streaming s3://packs/tiny"):
             _epoch(dm.train_dataloader())
     finally:
@@ -401,7 +430,7 @@ def test_a_killed_pack_is_refused_then_resumed(shared_s3, slow_tree, tmp_path, c
     assert "Traceback" not in err
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, check=True)
     assert "resuming train/ of s3://slow/tree" in again.stderr
-    dm = StreamingDataModule(data_dir=url, cache_dir=str(tmp_path / "cache"), batch_size=16, num_workers=0,
+    dm = StreamingDataModule(data_dir=url, cache_dir=str(tmp_path / "cache"), batch_size=16, num_workers=1,
                              image_size=32)
     dm.setup("fit")
     assert sorted(_epoch(dm.train_dataloader())[0]) == list(range(160))
