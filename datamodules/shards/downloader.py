@@ -10,67 +10,26 @@ litdata's public `register_downloader`, is litdata 0.2.76's S3Downloader (litdat
 - one code path for every download: litdata fetches several chunks at once on its prefetch thread's
   event loop (async_prefetch.py, download_chunk_indexes_concurrently). `adownload_file` runs
   `download_file` in a thread, as litdata itself does for a downloader without a native async path, so
-  the checks above hold there too, and a failed download waits for the others under way (`InFlight`).
+  the checks above hold there too. It also keeps obstore's native futures off that loop: when one
+  download fails, the prefetch thread ends and closes its loop (reader.py, PrepareChunksThread.run ->
+  close_thread_event_loop), and an obstore GET still under way then completes into the closed loop
+  and prints "Event loop is closed" tracebacks in the worker. A thread's result is dropped quietly.
 """
 from __future__ import annotations
 
 import asyncio
 import os
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from typing import Any
 
-from datamodules.shards.storage import ATTEMPTS, READ_TIMEOUT_S, RETRY_WINDOW, client_settings, obstore_store
+from datamodules.shards.storage import ATTEMPTS, READ_TIMEOUT_S, client_settings, obstore_store
 
 INDEX_WAIT_S = READ_TIMEOUT_S * ATTEMPTS  # the longest another process's index.json download may take
-SETTLE_S = RETRY_WINDOW.total_seconds() + READ_TIMEOUT_S  # the longest one chunk download may take
 
 
 class ChunkSizeError(OSError):
     """A downloaded chunk whose size is not the one its index.json records."""
-
-
-class InFlight:
-    """The downloads under way in one process; a failed one waits for the others to end before it raises.
-
-    The first failure ends litdata's concurrent download and, through the prefetch thread's end, closes
-    that thread's event loop (reader.py, PrepareChunksThread.run -> close_thread_event_loop). A download
-    still running would then complete into a closed loop, and asyncio would print "Event loop is closed"
-    tracebacks in the worker, beside the one paragraph the user should read.
-    """
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.count = 0
-        self.changed = threading.Condition()
-
-    @contextmanager
-    def download(self) -> Iterator[None]:
-        with self.changed:
-            self.count += 1
-        failed = True
-        try:
-            yield
-            failed = False
-        finally:
-            with self.changed:
-                self.count -= 1
-                self.changed.notify_all()
-                if failed:
-                    self.changed.wait_for(lambda: self.count == 0, timeout=SETTLE_S)
-
-
-_in_flight: InFlight | None = None
-
-
-def in_flight() -> InFlight:
-    """This process's InFlight (a forked worker starts its own)."""
-    global _in_flight
-    if _in_flight is None or _in_flight.pid != os.getpid():
-        _in_flight = InFlight()
-    return _in_flight
 
 
 def _downloader_class():
@@ -86,11 +45,10 @@ def _downloader_class():
             super().__init__(remote_dir, cache_dir, chunks, client_settings(storage_options), **kwargs)
 
         def download_file(self, remote_filepath: str, local_filepath: str) -> None:
-            with in_flight().download():
-                super().download_file(remote_filepath, local_filepath)
-                if remote_filepath.endswith(_INDEX_FILENAME):
-                    self._wait_for_index(remote_filepath, local_filepath)
-                self._check_size(remote_filepath, local_filepath)
+            super().download_file(remote_filepath, local_filepath)
+            if remote_filepath.endswith(_INDEX_FILENAME):
+                self._wait_for_index(remote_filepath, local_filepath)
+            self._check_size(remote_filepath, local_filepath)
 
         async def adownload_file(self, remote_filepath: str, local_filepath: str) -> None:
             await asyncio.to_thread(self.download_file, remote_filepath, local_filepath)
