@@ -294,6 +294,21 @@ def test_full_cache_disk_is_one_paragraph(s3_pack, tmp_path):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
+def test_a_litdata_without_the_crash_report_we_wrap_is_refused(monkeypatch):
+    """prefetch.py wraps PrepareChunksThread._report_crash of litdata 0.2.76; another litdata fails loudly."""
+    from litdata.streaming import reader
+
+    from datamodules.shards.prefetch import quiet_explained_crashes
+
+    class ReportsElsewhere(reader.PrepareChunksThread):  # a litdata whose run() no longer calls _report_crash
+        def run(self) -> None:
+            self._run_loop()
+
+    monkeypatch.setattr(reader, "PrepareChunksThread", ReportsElsewhere)
+    with pytest.raises(DataError, match=r"written against litdata 0\.2\.76.*pip install litdata==0\.2\.76"):
+        quiet_explained_crashes()
+
+
 def test_a_worker_killed_is_one_paragraph(s3_pack, tmp_path, capfd):
     dm = _dm(s3_pack, cache_dir=str(tmp_path / "cache"), persistent_workers=True, batch_size=8)
     loader = dm.train_dataloader()
