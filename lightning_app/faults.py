@@ -14,6 +14,8 @@ from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from lightning_app import peers
+
 
 class CheckpointOnSigterm(pl.Callback):
     """On SIGTERM (what SLURM and Kubernetes send before preemption), save `last.ckpt` and exit 0.
@@ -90,9 +92,11 @@ def describe_distributed_failure(error: BaseException, timeout_s: float | None,
     rank, world = rank if rank else (os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?"))
     limit = f"{timeout_s:g} s"
     kind = "timed out" if ("timeout" in text or "timed out" in text) else "lost a peer"
+    lost = peers.describe_lost(rank, str(error))
     return (
-        f"Distributed run failed on rank {rank} of {world} processes: {kind} (collective timeout {limit}). "
-        "Another process (or node) died or stopped answering; its own log says why. "
+        f"Distributed run failed on rank {rank} of {world} processes: {kind} (collective timeout {limit}); "
+        f"it lost {lost}. That process (or its node, or the network to it) died or stopped answering; "
+        "its own log says why. "
         "Restart all processes with --ckpt_path last to resume. "
         "Set the timeout with --trainer.strategy.timeout_s or FIC_DDP_TIMEOUT_S. "
         f"Original error: {str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__}"

@@ -1,5 +1,5 @@
 """Strategy names for `--trainer.strategy`: `dp` (DataParallel, which Lightning 2 removed) and a `ddp`
-with a short collective timeout and its bucket options reachable from YAML.
+with a short collective timeout, its bucket options and gradient compression (comm_hook) reachable from YAML.
 
 Importing this module registers both names (lightning_app.cli imports it).
 """
@@ -15,6 +15,7 @@ from pytorch_lightning.strategies import SingleDeviceStrategy, StrategyRegistry
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_app import comm_hooks, peers
 from lightning_app.errors import UserError
 
 # Where ImageClassifier.forward looks for the DataParallel view of its backbone. It lives in the
@@ -158,7 +159,8 @@ class DataParallelStrategy(SingleDeviceStrategy):
 
 
 class DDPStrategy(_LightningDDP):
-    """Lightning's DDP with a short collective timeout and DDP's bucket options as plain init args.
+    """Lightning's DDP with a short collective timeout, DDP's bucket options and gradient compression as
+    plain init args.
 
     Args:
         timeout_s: seconds a collective waits for its peers before the run fails (a dead or hung
@@ -168,6 +170,11 @@ class DDPStrategy(_LightningDDP):
         gradient_as_bucket_view: gradients are views into the buckets (saves one copy of the grads).
         static_graph: the graph is the same every step (lets DDP skip per-step bookkeeping).
         find_unused_parameters: needed only when some parameters get no gradient in a step.
+        comm_hook: gradient compression on the wire: none, fp16 or bf16 (half the bytes), powersgd (a
+            low-rank approximation with error feedback; configs/comm/*.yaml). See lightning_app/comm_hooks.py.
+        powersgd_rank: rank of PowerSGD's approximation of each weight matrix (1, 2, 4: more is closer).
+        powersgd_start_iter: steps of plain all-reduce before PowerSGD starts (>= 2); null = the end of the
+            learning-rate warm-up (model.warmup_epochs).
     """
 
     last_timeout_s: float | None = None
@@ -180,12 +187,18 @@ class DDPStrategy(_LightningDDP):
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
+        comm_hook: comm_hooks.CommHook = "none",
+        powersgd_rank: int = 2,
+        powersgd_start_iter: int | None = None,
         **kwargs: Any,
     ) -> None:
         if timeout_s is None:
             timeout_s = float(os.environ.get("FIC_DDP_TIMEOUT_S", DEFAULT_DDP_TIMEOUT_S))
         if timeout_s <= 0:
             raise UserError(f"DDPStrategy timeout_s must be > 0 seconds, got {timeout_s}.")
+        comm_hooks.check_settings(comm_hook, powersgd_rank, powersgd_start_iter, kwargs.get("process_group_backend"))
+        if comm_hook != "none" and kwargs.get("ddp_comm_hook") is not None:
+            raise UserError(f"DDPStrategy: comm_hook {comm_hook!r} and ddp_comm_hook both given; choose one.")
         ddp_kwargs: dict[str, Any] = {
             "gradient_as_bucket_view": gradient_as_bucket_view,
             "static_graph": static_graph,
@@ -196,11 +209,67 @@ class DDPStrategy(_LightningDDP):
         kwargs.setdefault("start_method", "popen")
         super().__init__(timeout=timedelta(seconds=timeout_s), **{**ddp_kwargs, **kwargs})
         self.timeout_s = timeout_s
+        self.comm_hook, self.powersgd_rank, self.powersgd_start_iter = comm_hook, powersgd_rank, powersgd_start_iter
+        self._powersgd: comm_hooks.PowerSGDHookState | None = None
+        self._saved_comm_state: dict | None = None
         DDPStrategy.last_timeout_s = timeout_s  # for the error message if a peer is lost
 
     def setup_distributed(self) -> None:
         DDPStrategy.last_rank = (self.global_rank, self.world_size)
         super().setup_distributed()
+        peers.exchange(self.global_rank, self.world_size)  # who is where, for the message if one is lost
+
+    # -- gradient compression ------------------------------------------------------------------
+    def _register_ddp_hooks(self) -> None:
+        if self.comm_hook == "none":
+            super()._register_ddp_hooks()
+            return
+        # Lightning registers hooks only on CUDA (pytorch_lightning/strategies/ddp.py, _register_ddp_hooks: a
+        # limit of torch 1.8); torch 2 runs them on gloo too, so ours are registered on every device.
+        comm_hooks.check_settings(self.comm_hook, self.powersgd_rank, self.powersgd_start_iter,
+                                  self._process_group_backend)
+        hook, state = comm_hooks.build(self.comm_hook, self.powersgd_rank, self.powersgd_start_iter)
+        if isinstance(state, comm_hooks.PowerSGDHookState):
+            state.name_parameters(self.model.module)
+            self._powersgd = state
+            self._restore_powersgd()
+        self.model.register_comm_hook(state, hook)
+        what = (f"PowerSGD rank {self.powersgd_rank}" if self.comm_hook == "powersgd"
+                else f"{self.comm_hook} compression")
+        rank_zero_info(f"DDP gradients: {what} ({self._process_group_backend}).")
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        if self._powersgd is not None and self.powersgd_start_iter is None:
+            # the module knows its warm-up once its optimizers exist (ImageClassifier.configure_optimizers)
+            warmup = getattr(self.lightning_module, "warmup_steps", None)
+            self._powersgd.set_start_iter(max(2, int(warmup or 0)))
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        # Lightning calls this on every rank (Trainer.save_checkpoint), so each rank's error feedback can be
+        # gathered here; rank 0 writes the file. A weights-only checkpoint has no optimizer state and no hook state.
+        if self._powersgd is not None and "optimizer_states" in checkpoint:
+            saved = comm_hooks.gather_state(self._powersgd, self.root_device, self.global_rank, self.world_size)
+            if saved is not None:
+                checkpoint[comm_hooks.CHECKPOINT_KEY] = saved
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._saved_comm_state = checkpoint.get(comm_hooks.CHECKPOINT_KEY)
+        if self._saved_comm_state is not None and self.comm_hook != "powersgd":
+            rank_zero_info(f"The checkpoint holds PowerSGD state; comm_hook {self.comm_hook} does not use it.")
+        self._restore_powersgd()  # the checkpoint is read before DDP is set up; in case it is not
+        return checkpoint
+
+    def _restore_powersgd(self) -> None:
+        saved, state = self._saved_comm_state, self._powersgd
+        if saved is None or state is None:
+            return
+        self._saved_comm_state = None
+        lost = comm_hooks.restore_state(state, saved, self.global_rank, self.world_size)
+        rank_zero_info(f"PowerSGD state restored at its step {state.torch_state.iter}"
+                       + (f"; not restored: {', '.join(lost)}." if lost else " (error feedback, warm start)."))
 
 
 def register() -> None:

@@ -1,0 +1,55 @@
+"""Who is where in a distributed run: each rank's host and address, exchanged once at start-up, so a
+lost peer can be named by its rank and address when a collective fails."""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch.distributed as dist
+
+# rank -> (host name, address); filled on every rank by exchange()
+PEERS: dict[int, tuple[str, str]] = {}
+
+
+def own_address() -> str:
+    """The address this process reaches MASTER_ADDR from (the routing table's choice; a UDP connect sends
+    nothing). MASTER_ADDR itself on the master's node."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "29500") or 29500)
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(master, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(sockaddr)
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
+def exchange(rank: int, world: int) -> None:
+    """Every rank's (host, address) into PEERS; a collective, called once after the process group is up."""
+    PEERS.clear()
+    mine = (socket.gethostname(), own_address())
+    if world < 2 or not dist.is_initialized():
+        PEERS[rank] = mine
+        return
+    found: list = [None] * world
+    dist.all_gather_object(found, mine)
+    PEERS.update({r: tuple(v) for r, v in enumerate(found) if v})
+
+
+def describe_lost(rank: int | str, error_text: str) -> str:
+    """'rank 1 at 10.0.0.2 (host b)': the peer named in the error by its address, else the ranks on other
+    addresses than this rank's, else MASTER_ADDR."""
+    mine = PEERS.get(rank) if isinstance(rank, int) else None
+    others = {r: v for r, v in PEERS.items() if r != rank and (mine is None or v[1] != mine[1])}
+    named = {r: v for r, v in others.items() if v[1] in error_text}
+    chosen = named or others
+    if not chosen:
+        master = os.environ.get("MASTER_ADDR")
+        return f"the master at {master}" if master else "a peer"
+    by_address: dict[tuple[str, str], list[int]] = {}
+    for r, v in sorted(chosen.items()):
+        by_address.setdefault(v, []).append(r)
+    parts = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} at {addr} (host {host})"
+             for (host, addr), rs in by_address.items()]
+    return (" or ".join(parts)) if not named and len(parts) > 1 else "; ".join(parts)
