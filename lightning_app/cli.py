@@ -133,6 +133,11 @@ class ClassifierCLI(LightningCLI):
         check_settings(model, self._get(self.config, "data"), self._get(self.config, "trainer"))
         if self.subcommand not in (None, "fit"):
             require_trained_weights(self.subcommand, self._get(self.config, "ckpt_path"), model.get("weights"))
+        # jsonargparse reports an error raised inside a strategy's __init__ as "Does not validate against any
+        # of the Union subtypes" chained to the str subtype's error, not ours: check our settings first
+        strategy = (self._get(self.config, "trainer") or {}).get("strategy")
+        if getattr(strategy, "class_path", None) == f"{DDPStrategy.__module__}.{DDPStrategy.__name__}":
+            DDPStrategy.check_settings(**dict(strategy.get("init_args") or {}))
 
     def instantiate_trainer(self, **kwargs):
         config = self._get(self.config, "trainer")

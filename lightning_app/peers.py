@@ -38,12 +38,13 @@ def exchange(rank: int, world: int) -> None:
 
 
 def describe_lost(rank: int | str, error_text: str) -> str:
-    """'rank 1 at 10.0.0.2 (host b)': the peer named in the error by its address, else the ranks on other
-    addresses than this rank's, else MASTER_ADDR."""
+    """'rank 1 at 10.0.0.2 (host b)': the peer the error names by its address, else the ranks on other
+    addresses than this rank's (other nodes), else every other rank, else MASTER_ADDR."""
     mine = PEERS.get(rank) if isinstance(rank, int) else None
-    others = {r: v for r, v in PEERS.items() if r != rank and (mine is None or v[1] != mine[1])}
-    named = {r: v for r, v in others.items() if v[1] in error_text}
-    chosen = named or others
+    others = {r: v for r, v in PEERS.items() if r != rank}
+    elsewhere = {r: v for r, v in others.items() if mine is None or v[1] != mine[1]}
+    named = {r: v for r, v in elsewhere.items() if v[1] in error_text}
+    chosen = named or elsewhere or others
     if not chosen:
         master = os.environ.get("MASTER_ADDR")
         return f"the master at {master}" if master else "a peer"
@@ -52,4 +53,4 @@ def describe_lost(rank: int | str, error_text: str) -> str:
         by_address.setdefault(v, []).append(r)
     parts = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} at {addr} (host {host})"
              for (host, addr), rs in by_address.items()]
-    return (" or ".join(parts)) if not named and len(parts) > 1 else "; ".join(parts)
+    return parts[0] if len(parts) == 1 else "one of " + ", ".join(parts)

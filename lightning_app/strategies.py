@@ -194,11 +194,8 @@ class DDPStrategy(_LightningDDP):
     ) -> None:
         if timeout_s is None:
             timeout_s = float(os.environ.get("FIC_DDP_TIMEOUT_S", DEFAULT_DDP_TIMEOUT_S))
-        if timeout_s <= 0:
-            raise UserError(f"DDPStrategy timeout_s must be > 0 seconds, got {timeout_s}.")
-        comm_hooks.check_settings(comm_hook, powersgd_rank, powersgd_start_iter, kwargs.get("process_group_backend"))
-        if comm_hook != "none" and kwargs.get("ddp_comm_hook") is not None:
-            raise UserError(f"DDPStrategy: comm_hook {comm_hook!r} and ddp_comm_hook both given; choose one.")
+        self.check_settings(timeout_s, comm_hook=comm_hook, powersgd_rank=powersgd_rank,
+                            powersgd_start_iter=powersgd_start_iter, **kwargs)
         ddp_kwargs: dict[str, Any] = {
             "gradient_as_bucket_view": gradient_as_bucket_view,
             "static_graph": static_graph,
@@ -213,6 +210,16 @@ class DDPStrategy(_LightningDDP):
         self._powersgd: comm_hooks.PowerSGDHookState | None = None
         self._saved_comm_state: dict | None = None
         DDPStrategy.last_timeout_s = timeout_s  # for the error message if a peer is lost
+
+    @staticmethod
+    def check_settings(timeout_s: float | None = None, comm_hook: str = "none", powersgd_rank: int = 2,
+                       powersgd_start_iter: int | None = None, **kwargs: Any) -> None:
+        """One paragraph (UserError) for a setting that cannot work; the CLI calls it before instantiating."""
+        if timeout_s is not None and timeout_s <= 0:
+            raise UserError(f"DDPStrategy timeout_s must be > 0 seconds, got {timeout_s}.")
+        comm_hooks.check_settings(comm_hook, powersgd_rank, powersgd_start_iter, kwargs.get("process_group_backend"))
+        if comm_hook != "none" and kwargs.get("ddp_comm_hook") is not None:
+            raise UserError(f"DDPStrategy: comm_hook {comm_hook!r} and ddp_comm_hook both given; choose one.")
 
     def setup_distributed(self) -> None:
         DDPStrategy.last_rank = (self.global_rank, self.world_size)

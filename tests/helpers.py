@@ -114,3 +114,32 @@ class WhatRan(pl.Callback):
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(record, f)
+
+
+class GradientProbe(pl.Callback):
+    """Writes, per rank, what the all-reduced gradients of the first `steps` steps look like: the DDP comm hook
+    torch registered, whether every gradient is exactly representable in float16 / bfloat16 (what a 16-bit
+    all-reduce leaves), and the largest matrix rank of a weight gradient (what PowerSGD leaves)."""
+
+    def __init__(self, out_dir: str, steps: int = 1000) -> None:
+        self.out_dir, self.steps, self.seen = out_dir, steps, []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if len(self.seen) >= self.steps:
+            return
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        matrices = [g.reshape(g.shape[0], -1) for g in grads if g.dim() > 1 and min(g.shape[0], g[0].numel()) > 4]
+        self.seen.append({
+            "step": trainer.global_step,
+            "fp16_exact": all(torch.equal(g, g.half().float()) for g in grads),
+            "bf16_exact": all(torch.equal(g, g.bfloat16().float()) for g in grads),
+            # rtol: a float32 product P Q^T carries rounding noise far below 1e-4 of its largest singular value
+            "max_matrix_rank": max(int(torch.linalg.matrix_rank(m, rtol=1e-4)) for m in matrices) if matrices else 0,
+        })
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        ddp = trainer.strategy.model
+        hook = ddp._get_ddp_logging_data().get("comm_hook") if hasattr(ddp, "_get_ddp_logging_data") else None
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"grads_rank{trainer.global_rank}.json"), "w") as f:
+            json.dump({"comm_hook": hook, "steps": self.seen, "world_size": trainer.world_size}, f)

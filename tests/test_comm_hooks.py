@@ -1,0 +1,183 @@
+"""Gradient compression (comm_hook) on gloo: each hook changes what the all-reduce delivers, PowerSGD's state
+survives a checkpoint and a change of DDP's bucket layout, and settings a backend cannot do are refused."""
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_app import comm_hooks
+from lightning_app.errors import UserError
+from tests.conftest import quick_args, run_main
+
+
+def _fit(data: Path, root: Path, hook: str, epochs: int, extra: list[str] = ()) -> list[str]:
+    return ["fit", "--config", "configs/ddp.yaml", "--config", f"configs/comm/{hook}.yaml",
+            *quick_args(data, root, epochs=epochs, batch=40), "--trainer.devices", "2",
+            "--trainer.num_sanity_val_steps", "0", "--trainer.deterministic", "true", *extra]
+
+
+def _probe(out: Path) -> list[str]:
+    return ["--trainer.callbacks+=tests.helpers.GradientProbe", f"--trainer.callbacks.out_dir={out}"]
+
+
+def _probed(out: Path, rank: int = 0) -> dict:
+    return json.loads((out / f"grads_rank{rank}.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hook", ["fp16", "bf16"])
+def test_16_bit_hooks_deliver_16_bit_gradients(hook, tiny_data, tmp_path):
+    if hook == "bf16" and not comm_hooks._bf16_hook_allowed():
+        pytest.skip("this torch has no NCCL >= 2.10: DDP refuses the bf16 hook (tested below)")
+    out = tmp_path / "probe"
+    proc = run_main(_fit(tiny_data, tmp_path, hook, epochs=1, extra=[*_probe(out), "--trainer.limit_train_batches",
+                                                                    "3", "--trainer.limit_val_batches", "0"]))
+    assert f"DDP gradients: {hook} compression (gloo)" in proc.stdout
+    for rank in (0, 1):
+        seen = _probed(out, rank)
+        assert seen["comm_hook"] == f"{hook}_compress_hook" and seen["world_size"] == 2
+        assert len(seen["steps"]) == 3
+        # what arrives went through a 16-bit all-reduce: every value survives a round trip through that type
+        assert all(s[f"{hook}_exact"] for s in seen["steps"]), seen["steps"]
+        other = "bf16" if hook == "fp16" else "fp16"
+        assert not any(s[f"{other}_exact"] for s in seen["steps"])
+
+
+@pytest.mark.slow
+def test_powersgd_resumes_with_its_state_to_the_weights_of_an_uninterrupted_run(tiny_data, tmp_path):
+    # 240 train images, global batch 40: 6 steps an epoch; PowerSGD (rank 2) from step 3
+    every_epoch = ["--trainer.strategy.powersgd_start_iter", "3", "--checkpoint.save_top_k", "-1",
+                   "--checkpoint.filename", "e{epoch}"]
+    out = tmp_path / "probe"
+    whole = run_main(_fit(tiny_data, tmp_path / "whole", "powersgd", epochs=3, extra=[*every_epoch, *_probe(out)]))
+    assert "DDP gradients: PowerSGD rank 2 (gloo)" in whole.stdout
+    steps = _probed(out)["steps"]
+    assert _probed(out)["comm_hook"] == "resumable_powersgd_hook"
+    assert all(s["max_matrix_rank"] > 2 for s in steps[:3])  # plain all-reduce before the start
+    assert all(s["max_matrix_rank"] <= 2 for s in steps[3:])  # then every weight gradient is rank 2 at most
+
+    checkpoints = tmp_path / "whole" / "version_0" / "checkpoints"
+    at_epoch_1 = torch.load(checkpoints / "e1.ckpt", map_location="cpu", weights_only=True)
+    saved = at_epoch_1[comm_hooks.CHECKPOINT_KEY]
+    assert at_epoch_1["global_step"] == 12 and saved["iter"] == 12
+    assert len(saved["errors"]) == 2 and not torch.equal(saved["errors"][0], saved["errors"][1])  # one per process
+    assert saved["q"] and all(q.abs().sum() > 0 for q in saved["q"].values())
+
+    resume_from = tmp_path / "copy" / "e1.ckpt"  # outside any run folder: the resumed run gets its own
+    resume_from.parent.mkdir()
+    shutil.copy(checkpoints / "e1.ckpt", resume_from)
+    resumed = run_main(_fit(tiny_data, tmp_path / "resumed", "powersgd", epochs=3,
+                            extra=[*every_epoch, "--ckpt_path", str(resume_from)]))
+    assert "PowerSGD state restored at its step 12 (error feedback, warm start)" in resumed.stdout
+    a = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)
+    b = torch.load(tmp_path / "resumed" / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu",
+                   weights_only=True)
+    assert a["global_step"] == b["global_step"] == 18
+    for k in a["state_dict"]:
+        torch.testing.assert_close(b["state_dict"][k], a["state_dict"][k], rtol=0, atol=1e-7, msg=f"{k} differs")
+    sa, sb = a[comm_hooks.CHECKPOINT_KEY], b[comm_hooks.CHECKPOINT_KEY]
+    for x, y in zip(sa["errors"], sb["errors"]):
+        torch.testing.assert_close(y, x, rtol=0, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------ one process, in this one
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Conv2d(16, 32, 3), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(32 * 4 * 4, 24), nn.ReLU(), nn.Linear(24, 10))
+
+
+def _steps(ddp: nn.Module, opt: torch.optim.Optimizer, first: int, count: int) -> None:
+    for step in range(first, first + count):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+
+
+def _powersgd_ddp(net: nn.Module, bucket_cap_mb: float, state: comm_hooks.PowerSGDHookState):
+    ddp = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb)
+    state.name_parameters(net)
+    ddp.register_comm_hook(state, comm_hooks.resumable_powersgd_hook)
+    return ddp, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_powersgd_state_moves_to_another_bucket_layout_unchanged(one_process_group):
+    """A state exported under one bucket layout and loaded under another gives the steps it would have given."""
+    net = _net()
+    state = comm_hooks.PowerSGDHookState(rank=2, start_iter=2)
+    ddp, opt = _powersgd_ddp(net, 25, state)  # one bucket (after DDP's rebuild)
+    _steps(ddp, opt, 0, 5)
+    saved, weights, momentum = state.export(), copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict())
+    assert saved["iter"] == 5 and saved["error"] and saved["q"]
+    _steps(ddp, opt, 5, 3)
+    expected = net.state_dict()
+
+    other = _net()
+    other.load_state_dict(weights)
+    state2 = comm_hooks.PowerSGDHookState(rank=2, start_iter=2)
+    assert state2.load(saved, saved["error"]) == []
+    ddp2, opt2 = _powersgd_ddp(other, 0.001, state2)  # a bucket per parameter or so: another layout
+    opt2.load_state_dict(momentum)
+    _steps(ddp2, opt2, 5, 3)
+    assert len(state2._keys) > 2  # it did meet other layouts
+    for k, v in other.state_dict().items():
+        torch.testing.assert_close(v, expected[k], rtol=0, atol=1e-6, msg=f"{k} differs")
+
+
+def test_pq_layout_matches_the_memory_torch_allocates(one_process_group):
+    net = _net()
+    state = comm_hooks.PowerSGDHookState(rank=2, start_iter=2)
+    ddp, opt = _powersgd_ddp(net, 25, state)
+    _steps(ddp, opt, 0, 4)
+    compressed = set()
+    for key, slots in state._slots.items():
+        if key in state.torch_state.q_memory_dict:
+            layout = comm_hooks.pq_layout(slots, 2)
+            assert sum(v[1] for v in layout.values()) == state.torch_state.p_memory_dict[key].numel()
+            assert sum(v[3] for v in layout.values()) == state.torch_state.q_memory_dict[key].numel()
+            compressed |= set(layout)
+    assert compressed == {"0.weight", "2.weight", "5.weight", "7.weight"}  # the biases go uncompressed
+
+
+# ------------------------------------------------------------------------------ refusals
+
+@pytest.mark.parametrize(("args", "names"), [
+    (("powersgd", 0, None, "gloo"), "powersgd_rank must be >= 1"),
+    (("powersgd", 2, 1, "gloo"), "powersgd_start_iter must be >= 2"),
+    (("fp16", 2, None, "mpi"), "comm_hook fp16 cannot run on the MPI backend"),
+    (("bf16", 2, None, "mpi"), "comm_hook bf16 cannot run on the MPI backend"),
+    (("int8", 2, None, "gloo"), "'int8' is not a hook"),
+])
+def test_settings_a_backend_cannot_do_are_refused_in_one_paragraph(args, names):
+    with pytest.raises(UserError, match=names):
+        comm_hooks.check_settings(*args)
+
+
+def test_bf16_without_nccl_is_refused_naming_the_torch_check(monkeypatch):
+    monkeypatch.setattr(comm_hooks, "_bf16_hook_allowed", lambda: False)
+    with pytest.raises(UserError, match=r"NCCL >= 2.10.*_check_comm_hook.*Use comm_hook fp16"):
+        comm_hooks.check_settings("bf16", 2, None, "gloo")
+
+
+def test_a_bad_hook_setting_stops_the_cli_with_exit_2(tiny_data, tmp_path):
+    proc = run_main(["fit", "--config", "configs/ddp.yaml", "--config", "configs/comm/powersgd.yaml",
+                     *quick_args(tiny_data, tmp_path), "--trainer.strategy.powersgd_start_iter", "1"], check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "powersgd_start_iter must be >= 2" in proc.stderr and "Traceback" not in proc.stderr
