@@ -1,4 +1,13 @@
 """The training core: the LightningModule, the CLI, callbacks, strategies, runs, predict and export."""
-from lightning_app.module import ImageClassifier
+from __future__ import annotations
 
 __all__ = ["ImageClassifier"]
+
+
+def __getattr__(name: str):
+    # imported on first use: `python -m lightning_app.netsim down` needs no torch
+    if name == "ImageClassifier":
+        from lightning_app.module import ImageClassifier
+
+        return ImageClassifier
+    raise AttributeError(f"module 'lightning_app' has no attribute {name!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -32,22 +33,64 @@ def _probed(out: Path, rank: int = 0) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hook", ["fp16", "bf16"])
-def test_16_bit_hooks_deliver_16_bit_gradients(hook, tiny_data, tmp_path):
-    if hook == "bf16" and not comm_hooks._bf16_hook_allowed():
-        pytest.skip("this torch has no NCCL >= 2.10: DDP refuses the bf16 hook (tested below)")
+def test_fp16_from_its_config_delivers_16_bit_gradients_to_both_processes(tiny_data, tmp_path):
     out = tmp_path / "probe"
-    proc = run_main(_fit(tiny_data, tmp_path, hook, epochs=1, extra=[*_probe(out), "--trainer.limit_train_batches",
-                                                                    "3", "--trainer.limit_val_batches", "0"]))
-    assert f"DDP gradients: {hook} compression (gloo)" in proc.stdout
+    proc = run_main(_fit(tiny_data, tmp_path, "fp16", epochs=1, extra=[*_probe(out), "--trainer.limit_train_batches",
+                                                                      "3", "--trainer.limit_val_batches", "0"]))
+    assert "DDP gradients: fp16 compression (gloo)" in proc.stdout
     for rank in (0, 1):
         seen = _probed(out, rank)
-        assert seen["comm_hook"] == f"{hook}_compress_hook" and seen["world_size"] == 2
+        assert seen["comm_hook"] == "fp16_compress_hook" and seen["world_size"] == 2
         assert len(seen["steps"]) == 3
-        # what arrives went through a 16-bit all-reduce: every value survives a round trip through that type
-        assert all(s[f"{hook}_exact"] for s in seen["steps"]), seen["steps"]
-        other = "bf16" if hook == "fp16" else "fp16"
-        assert not any(s[f"{other}_exact"] for s in seen["steps"])
+        # what arrives went through a 16-bit all-reduce: every value survives a round trip through float16
+        assert all(s["fp16_exact"] for s in seen["steps"]) and not any(s["bf16_exact"] for s in seen["steps"])
+
+
+def _two_gloo_processes(rank: int, store_path: str, out_dir: str) -> None:
+    """One of two real gloo processes: a few DDP steps with each hook built by comm_hooks.build."""
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    report = {}
+    for hook in ("fp16", "bf16", "powersgd"):
+        net = _net()
+        ddp = nn.parallel.DistributedDataParallel(net)
+        fn, state = comm_hooks.build(hook, rank=1, start_iter=2)
+        if state is not None:
+            state.name_parameters(net)
+        ddp.register_comm_hook(state, fn)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        grads = []
+        for step in range(4):
+            g = torch.Generator().manual_seed(100 * rank + step)  # each process its own data
+            x, y = torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            grads.append([p.grad.clone() for p in net.parameters()])
+            opt.step()
+        last = grads[-1]
+        flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        both = [torch.empty_like(flat) for _ in range(2)]
+        dist.all_gather(both, flat)
+        report[hook] = {
+            "same_weights": torch.equal(both[0], both[1]),
+            "fp16_exact": all(torch.equal(t, t.half().float()) for t in last),
+            "bf16_exact": all(torch.equal(t, t.bfloat16().float()) for t in last),
+            "rank_of_linear": int(torch.linalg.matrix_rank(last[4], rtol=1e-4)),  # 5.weight, 24 x 512
+        }
+    torch.save(report, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_every_hook_trains_two_real_gloo_processes(tmp_path):
+    if not comm_hooks._bf16_hook_allowed():
+        pytest.skip("this torch has no NCCL >= 2.10: DDP refuses the bf16 hook (the refusal is tested below)")
+    torch.multiprocessing.spawn(_two_gloo_processes, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        report = torch.load(tmp_path / f"rank{rank}.pt")
+        assert all(r["same_weights"] for r in report.values()), report
+        assert report["fp16"]["fp16_exact"] and not report["fp16"]["bf16_exact"]
+        assert report["bf16"]["bf16_exact"]
+        assert report["powersgd"]["rank_of_linear"] == 1  # rank-1 PowerSGD from step 2 on
 
 
 @pytest.mark.slow
