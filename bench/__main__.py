@@ -1,4 +1,4 @@
-"""`python -m bench {loaders,train,gpu,memory}`: tables (Markdown), JSON and a PNG chart for this machine."""
+"""`python -m bench {loaders,train,gpu,memory,nodes}`: tables (Markdown), JSON and a PNG chart for this machine."""
 from __future__ import annotations
 
 import argparse
@@ -109,7 +109,44 @@ def build_parser() -> argparse.ArgumentParser:
 
     gpu.add_parser(sub, _common)
     memory.add_parser(sub, _common)
+    _nodes_parser(sub)
     return ap
+
+
+def _nodes_parser(sub) -> None:
+    from bench.nodes import DEFAULT_HOOKS, DEFAULT_RATES
+    from bench.nodes_report import COLUMNS as NODES_COLUMNS
+
+    no = sub.add_parser(
+        "nodes", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="two simulated hosts on a rate-limited link: step time, communication share and bytes per step for "
+             "each DDP comm hook (needs root or CAP_NET_ADMIN)",
+        description="Makes two network namespaces joined by a veth pair (scripts/netsim.sh), shapes the link to each "
+                    "--rate and runs a real 2-node `python main.py fit` per comm hook, one process per namespace on "
+                    "half the CPUs; a verdict per link says whether it is bandwidth-bound and what PowerSGD rank 2 "
+                    "buys. --accuracy instead trains each hook against none at the quickstart budget with several "
+                    "seeds and tabulates val/acc1.",
+        epilog=_columns(NODES_COLUMNS))
+    no.add_argument("--rate", default=None, help=f"tc rates of the links, comma-separated (default: {DEFAULT_RATES}; "
+                    "with --accuracy: unshaped, or the first rate given)")
+    no.add_argument("--hooks", default=DEFAULT_HOOKS, help=f"rows: none, fp16, bf16, powersgd:RANK (default: "
+                    f"{DEFAULT_HOOKS})")
+    no.add_argument("--steps", type=int, default=10, help="timed steps per row (default: 10)")
+    no.add_argument("--warmup", type=int, default=3, help="steps left out before timing; >= 3 so that PowerSGD "
+                    "(started after 2 plain steps) is on in every timed step (default: 3)")
+    no.add_argument("--arch", default="resnet50", help="model (default: resnet50, ~94 MB of float32 gradients)")
+    no.add_argument("--image-size", type=int, default=32, help="train crop (default: 32)")
+    no.add_argument("--batch-size", type=int, default=256, help="GLOBAL batch, half per node (default: 256)")
+    no.add_argument("--precision", default="32-true", help="trainer precision (default: 32-true)")
+    no.add_argument("--builtin", default="small", help="built-in preset when no --data-dir (default: small)")
+    no.add_argument("--data-dir", default=None, help="ImageFolder tree instead of the built-in data")
+    no.add_argument("--timeout", type=int, default=900, help="seconds before a run is stopped and marked failed")
+    no.add_argument("--accuracy", action="store_true", help="the accuracy experiment instead of step times")
+    no.add_argument("--seeds", default="1,2", help="--accuracy: seeds (default: 1,2)")
+    no.add_argument("--epochs", type=int, default=15, help="--accuracy: epochs per run (default: 15, the quickstart)")
+    no.add_argument("--config", default="configs/ddp_amp.yaml", help="--accuracy: the config every run starts from "
+                    "(default: configs/ddp_amp.yaml)")
+    _common(no)
 
 
 @contextlib.contextmanager
@@ -179,6 +216,35 @@ def _run(args: argparse.Namespace) -> int:
                              ceiling_images=args.ceiling_images)
         md = loader_report.to_markdown(result)
         paths = report.write_results(args.out, "loaders", md, result, loader_report.chart(result), args.machine, args.note)
+    elif args.command == "nodes":
+        from lightning_app.netsim import link as netlink
+
+        why = netlink.unavailable()
+        if why:
+            print(f"bench nodes: {why}.", file=sys.stderr)
+            return 2
+        import signal
+
+        def _stop(signum, _frame):  # SIGTERM/SIGHUP as Ctrl-C: the nodes are stopped, the namespaces removed
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _stop)
+        try:
+            if args.accuracy:
+                from bench import nodes_accuracy as job
+                kind = "nodes-accuracy"
+            else:
+                from bench import nodes as job
+                from bench import nodes_report
+                kind = "nodes"
+            result = job.run(args)
+        except (ValueError, netlink.NetsimError) as error:
+            print(f"bench nodes: {error}", file=sys.stderr)
+            return 2
+        shown = job if args.accuracy else nodes_report
+        md = shown.to_markdown(result)
+        paths = report.write_results(args.out, kind, md, result, shown.chart(result), args.machine, args.note)
     elif args.command == "gpu":
         from bench import gpu
 

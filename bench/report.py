@@ -129,7 +129,7 @@ def bar_chart(path: Path, title: str, labels: Sequence[str], series: dict[str, S
             ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + text, va="center", fontsize=8)
     for k, (name, value) in enumerate((lines or {}).items()):
         ax.axvline(value, color=f"C{len(series) + k}", linestyle="--" if "warm" in name else ":", linewidth=1.2,
-                   label=f"{name}: {value:,.0f}")
+                   label=f"{name}: {value:,.0f}" if abs(value) >= 100 else f"{name}: {value:.3g}")
     ax.set_yticks([i + height * (len(series) - 1) / 2 for i in range(len(labels))])
     ax.set_yticklabels(labels, fontsize=8)
     ax.invert_yaxis()
@@ -186,9 +186,9 @@ def write_results(out_dir: str | os.PathLike, kind: str, markdown: str, data: di
 
 
 def combine(out_dir: Path, name: str, info: dict[str, Any]) -> Path:
-    """OUT/<name>.md: the machine, then the loaders and train sections (whichever exist)."""
+    """OUT/<name>.md: the machine, then the loaders, train and nodes sections (whichever exist)."""
     parts = [f"# Benchmarks on {name}\n", describe_machine(info), ""]
-    for kind in ("loaders", "train"):
+    for kind in ("loaders", "train", "nodes", "nodes-accuracy"):
         p = out_dir / f"{name}.{kind}.md"
         if p.exists():
             parts.append(p.read_text())

@@ -97,9 +97,21 @@ class _NamedBucket:
 
 
 def resumable_powersgd_hook(state, bucket):  # no annotations: DDP compares them to the classes, and here they are strings
-    """torch's powerSGD_hook on a bucket named by its layout (PowerSGDHookState, dist.GradBucket -> Future)."""
+    """torch's powerSGD_hook on a bucket named by its layout (PowerSGDHookState, dist.GradBucket -> Future).
+
+    With `state.one_bucket_at_a_time` (every backend but NCCL), a bucket starts only when the previous one's
+    chain has finished. torch's hook issues its P and Q all-reduces from future callbacks; gloo runs those on
+    its own threads when the previous all-reduce completes, so two processes can issue "this bucket's P" and
+    "the next bucket's first all-reduce" in different orders: a collective mismatch (gloo: "Received data size
+    doesn't match expected size"), seen on a 1 Gbit/s link with ResNet-50. NCCL completes a future when the
+    collective is enqueued, so its callbacks run in order in the calling thread.
+    """
+    if state.one_bucket_at_a_time and state.in_flight is not None:
+        state.in_flight.wait()
     key = state.prepare(bucket)
-    return powersgd.powerSGD_hook(state.torch_state, _NamedBucket(bucket, key))
+    future = powersgd.powerSGD_hook(state.torch_state, _NamedBucket(bucket, key))
+    state.in_flight = future if state.one_bucket_at_a_time else None
+    return future
 
 
 class PowerSGDHookState:
@@ -110,6 +122,8 @@ class PowerSGDHookState:
         self.torch_state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                                   start_powerSGD_iter=start_iter or 2)
         self.rank = rank
+        self.one_bucket_at_a_time = True  # the strategy turns it off on NCCL (resumable_powersgd_hook)
+        self.in_flight: torch.futures.Future | None = None
         self.names: dict[int, str] = {}          # id(parameter) -> its name in the module
         self.numels: dict[str, int] = {}
         self._keys: dict[Slots, int] = {}        # bucket layout -> the index torch's state uses for it

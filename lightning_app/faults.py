@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import time
 
 import numpy as np
@@ -93,13 +94,15 @@ def describe_distributed_failure(error: BaseException, timeout_s: float | None,
     limit = f"{timeout_s:g} s"
     kind = "timed out" if ("timeout" in text or "timed out" in text) else "lost a peer"
     lost = peers.describe_lost(rank, str(error))
+    # a comm hook's chained futures wrap the error once per link of the chain
+    original = re.sub(r"(Got the following error when running the callback: \w+: )+", "", str(error).strip())
     return (
         f"Distributed run failed on rank {rank} of {world} processes: {kind} (collective timeout {limit}); "
         f"it lost {lost}. That process (or its node, or the network to it) died or stopped answering; "
         "its own log says why. "
         "Restart all processes with --ckpt_path last to resume. "
         "Set the timeout with --trainer.strategy.timeout_s or FIC_DDP_TIMEOUT_S. "
-        f"Original error: {str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__}"
+        f"Original error: {original.splitlines()[0][:300] if original else type(error).__name__}"
     )
 
 

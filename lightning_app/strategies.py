@@ -238,6 +238,7 @@ class DDPStrategy(_LightningDDP):
         hook, state = comm_hooks.build(self.comm_hook, self.powersgd_rank, self.powersgd_start_iter)
         if isinstance(state, comm_hooks.PowerSGDHookState):
             state.name_parameters(self.model.module)
+            state.one_bucket_at_a_time = self._process_group_backend != "nccl"
             self._powersgd = state
             self._restore_powersgd()
         self.model.register_comm_hook(state, hook)

@@ -3,7 +3,8 @@
 Each node gets MASTER_ADDR = node 0's address, NODE_RANK, GLOO_SOCKET_IFNAME = its end of the veth (gloo
 otherwise picks the address of the host name, which is no route to the peer), half of this machine's CPUs
 (taskset, and OMP_NUM_THREADS to match), and the layout flags after the user's arguments (jsonargparse
-applies them left to right): --trainer.num_nodes 2 --trainer.devices 1 --trainer.accelerator cpu.
+applies them left to right): --trainer.num_nodes 2 --trainer.devices 1 --trainer.accelerator cpu. The
+nodes are CPU processes: two namespaces on a GPU machine would share its GPUs.
 """
 from __future__ import annotations
 
@@ -41,9 +42,11 @@ def node_env(link: Link, node: int, extra: dict[str, str] | None = None) -> dict
 
 def node_command(link: Link, node: int, main_args: Sequence[str], layout: Sequence[str] = LAYOUT,
                  python: str | None = None) -> list[str]:
-    """The argv that runs `python main.py ARGS` as `node` inside its namespace, pinned to its CPUs."""
+    """The argv that runs `python main.py ARGS` as `node` inside its namespace, pinned to its CPUs, and killed
+    if the process that started it dies (setpriv --pdeathsig: no node outlives a killed `run` or benchmark)."""
     pin = ["taskset", "-c", ",".join(map(str, cpu_halves()[node]))] if shutil.which("taskset") else []
-    return [*link.in_namespace(node), *pin, python or sys.executable, "main.py", *main_args, *layout]
+    orphan = ["setpriv", "--pdeathsig", "KILL"] if shutil.which("setpriv") else []
+    return [*link.in_namespace(node), *orphan, *pin, python or sys.executable, "main.py", *main_args, *layout]
 
 
 def shell_line(link: Link, node: int, main_args: Sequence[str]) -> str:
