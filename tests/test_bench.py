@@ -222,3 +222,52 @@ def test_dali_loader_built_before_the_clock_and_not_rebuilt_with_max_batches(tmp
         images, _ = time_epoch(p.datamodule, loader, torch.device("cpu"), s.max_batches, "dali")
         assert images == 8
     assert loader.rebuilds == 0
+
+
+# ------------------------------------------------------------------------------ bench nodes (no namespaces needed)
+
+def _nodes_result(none_step: float, psgd_step: float, local_step: float = 2.0) -> dict:
+    from bench.nodes import Row
+
+    rows = []
+    for hook, step, sent in (("no compression", none_step, 94.0), ("PowerSGD rank 2", psgd_step, 0.9)):
+        r = Row("200mbit", hook, step_s=step, images_s=256 / step, sent_mb_per_step=sent, vs_none=step / none_step,
+                comm_share=1 - local_step / step)
+        rows.append(r.__dict__)
+    local = Row("none", "no all-reduce", step_s=local_step, images_s=128.0).__dict__
+    return {"rows": rows, "local": local, "settings": {"rates": ["200mbit"], "hooks": ["no compression",
+            "PowerSGD rank 2"], "arch": "resnet50", "image_size": 32, "batch_size": 256, "precision": "32-true",
+            "steps": 10, "warmup": 3, "data_dir": "data/builtin/small"}}
+
+
+def test_nodes_verdict_names_the_bound_and_what_powersgd_does():
+    from bench.nodes_report import chart, to_markdown, verdicts
+
+    assert verdicts(_nodes_result(6.0, 2.4)) == [
+        "200mbit: bandwidth-bound: all-reduce is 67% of the step; PowerSGD rank 2 cuts the step by 60% (6.00 s -> 2.40 s)"]
+    assert verdicts(_nodes_result(2.5, 2.6)) == [
+        ("200mbit: compute-bound: all-reduce is 20% of the step; PowerSGD rank 2 makes the step 4% slower "
+        "(2.50 s -> 2.60 s)")]
+    md = to_markdown(_nodes_result(6.0, 2.4))
+    assert "| 200mbit | PowerSGD rank 2 | 2.40 | 0.40x | 107 | 17% | 0.9 |" in md
+    assert chart(_nodes_result(6.0, 2.4))["series"] == {"link 200mbit": [6.0, 2.4]}
+
+
+def test_nodes_hooks_and_step_marks_are_read_as_written():
+    from bench.nodes import _measure, parse_hooks
+
+    assert [h.label for h in parse_hooks("none,fp16,powersgd:4")] == ["no compression", "fp16 compression",
+                                                                        "PowerSGD rank 4"]
+    for bad in ("int8", "powersgd", "fp16:2"):
+        with pytest.raises(ValueError, match="--hooks"):
+            parse_hooks(bad)
+    # (seconds, tx bytes, rx bytes): the start, then the end of each step; the first 2 steps are warm-up
+    marks = [[0.0, 0, 0], [5.0, 100e6, 0], [7.0, 200e6, 0], [9.5, 300e6, 0], [12.5, 500e6, 0]]
+    times, sent = _measure(marks, warmup=2)
+    assert times == [2.5, 3.0] and sent == pytest.approx(150.0)
+
+
+def test_help_explains_every_column_of_the_nodes_table(capsys):
+    from bench.nodes_report import to_markdown
+
+    assert _unexplained(to_markdown(_nodes_result(6.0, 2.4)), _help("nodes", capsys)) == []

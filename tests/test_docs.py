@@ -9,7 +9,8 @@ later command finds what an earlier one made (`logs/version_0/...`, the packed L
 - run: for real, as a user types it (plus SHORT_* flags for main.py);
 - parse: `main.py ... --print_config` in-process, or a benchmark's argparse: every flag and config
   file must exist; for what cannot run here (ResNet-50 at 224 px, ImageNet weights, a second node);
-- dry-run: the launch scripts with DRY_RUN=1; the main.py command they print is parsed as above.
+- dry-run: the launch scripts with DRY_RUN=1; the main.py command they print (netsim: node 0's) is parsed as above;
+- script: a shell script run as written (netsim's `down`, which finds nothing to remove here).
 
 A command no rule matches fails the test: a new command in the docs needs a rule saying how it runs.
 """
@@ -51,6 +52,8 @@ RULES = [
     (r"python main\.py (fit|validate|test|predict) .*", "run", ""),
     (r"(\w+=\S+ )+python main\.py .*", "parse", "a second node at another address cannot start here"),
     (r"(\w+=\S+ )*scripts/torchrun\.sh .*", "dry-run", "torchrun across machines"),
+    (r"scripts/netsim\.sh run .*", "dry-run", "two network namespaces need root: each node's command is parsed"),
+    (r"scripts/netsim\.sh down", "script", "removes only pairs whose run is gone: none here"),
     (r"sbatch scripts/slurm/train\.sbatch .*", "dry-run", "no SLURM here"),
     (r"python -m bench(\.progressive)? .*", "parse", "benchmarks time the machine (tests/test_bench.py runs them small)"),
     (r"python -m (datamodules\.\w+|bench\.scanbench|lightning_app\.export)( .*)?", "run", ""),
@@ -159,7 +162,9 @@ def test_every_doc_command_runs_as_written_in_short_form(clone, monkeypatch, cap
             slurm = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "8",
                      "SLURM_SUBMIT_DIR": str(work)}
             printed = _run(["bash", script, *args], work, {**env, **slurm, "DRY_RUN": "1"}).stdout
-            _parse_main(_main_args(printed.strip()), work, monkeypatch)
+            _parse_main(_main_args(printed.strip().splitlines()[0]), work, monkeypatch)  # netsim: a line per node
+        elif mode == "script":
+            _run(["bash", *words], work, {"PYTHON": sys.executable})
         elif mode == "tensorboard":
             logdir = work / re.fullmatch(pattern, command).group(1)
             tensorboard = shutil.which("tensorboard") or str(Path(sys.executable).with_name("tensorboard"))
