@@ -30,6 +30,7 @@ def run(args) -> dict[str, Any]:
     data = Path(args.data_dir) if args.data_dir else ensure_builtin(args.builtin)
     rate = args.rate.split(",")[0].strip() if args.rate else None
     settings = {"config": args.config, "epochs": args.epochs, "seeds": seeds, "data_dir": str(data),
+                "batch_size": args.batch_size,
                 "rate": rate or "unshaped", "hooks": [h.label for h in hooks]}
     runs = []
     tmp = Path(tempfile.mkdtemp(prefix="bench-nodes-accuracy-"))
@@ -47,6 +48,8 @@ def _one(pair: netlink.Link, hook, seed: int, settings: dict[str, Any], root: Pa
     args = ["fit", "--config", settings["config"], *hook.config_args(), "--seed_everything", str(seed),
             "--data.data_dir", settings["data_dir"], "--trainer.max_epochs", str(settings["epochs"]),
             "--trainer.default_root_dir", str(root)]
+    if settings["batch_size"]:
+        args += ["--data.batch_size", str(settings["batch_size"])]
     if hook.name == "powersgd":
         args += ["--trainer.strategy.powersgd_rank", str(hook.rank)]  # starts at the end of the warm-up
     t0 = time.perf_counter()

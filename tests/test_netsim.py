@@ -71,14 +71,40 @@ def test_dry_run_prints_both_nodes_with_the_layout_after_the_users_arguments():
 
 # ------------------------------------------------------------------------------ across the link
 
+def _netem_missing() -> str | None:
+    """Why this kernel cannot simulate loss (netlink's one line), or None when it can."""
+    try:
+        with netlink.simulated_link(loss="10%"):
+            return None
+    except netlink.NetsimError as error:
+        return str(error)
+
+
 @needs_namespaces
 def test_netem_settings_are_refused_in_one_line_where_the_kernel_lacks_netem():
-    try:
-        with netlink.simulated_link(rate="200mbit", loss="10%"):
-            pytest.skip("this kernel has netem: loss is simulated (the fault test below uses it)")
-    except netlink.NetsimError as error:
-        assert str(error).startswith("netem is not available in this kernel")
-        assert "--rate works (tbf)" in str(error)
+    why = _netem_missing()
+    if why is None:
+        pytest.skip("this kernel has netem: loss is simulated (test_ten_percent_loss_... uses it)")
+    assert why.startswith("netem is not available in this kernel") and "--rate works (tbf)" in why
+
+
+@needs_namespaces
+@pytest.mark.slow
+def test_ten_percent_loss_never_hangs_a_fit(tiny_data, tmp_path):
+    why = _netem_missing()
+    if why is not None:
+        pytest.skip(f"netsim: {why}")
+    timeout_s = 20
+    with netlink.simulated_link(rate="100mbit", loss="10%") as link:
+        nodes = Nodes(link, _node_args(tiny_data, tmp_path, epochs=1), env={"FIC_DDP_TIMEOUT_S": str(timeout_s)})
+        try:
+            codes = nodes.wait(240)
+        finally:
+            nodes.stop(grace_s=0)
+    assert None not in codes, "a node still ran after 240 s on a lossy link"
+    if codes != [0, 0]:  # TCP retransmits; if a collective still timed out, both say so in one paragraph
+        for node in (0, 1):
+            assert f"Distributed run failed on rank {node} of 2 processes" in nodes.output(node)
 
 
 @needs_namespaces
