@@ -161,7 +161,7 @@ def test_every_doc_command_runs_as_written_in_short_form(clone, monkeypatch, cap
             args = words[words.index(script) + 1:]
             slurm = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "8",
                      "SLURM_SUBMIT_DIR": str(work)}
-            printed = _run(["bash", script, *args], work, {**env, **slurm, "DRY_RUN": "1"}).stdout
+            printed = _run(["bash", script, *args], work, {**env, **slurm, "DRY_RUN": "1", "PYTHON": sys.executable}).stdout
             _parse_main(_main_args(printed.strip().splitlines()[0]), work, monkeypatch)  # netsim: a line per node
         elif mode == "script":
             _run(["bash", *words], work, {"PYTHON": sys.executable})
