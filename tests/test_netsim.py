@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from lightning_app.netsim import link as netlink
+from lightning_app.netsim.link import _has_net_admin
 from lightning_app.netsim.nodes import Nodes
 from tests.conftest import REPO, quick_args, run_main
 from tests.test_cli import _recorded, event_file_scalars
@@ -67,6 +69,21 @@ def test_dry_run_prints_both_nodes_with_the_layout_after_the_users_arguments():
         assert re.search(rf"GLOO_SOCKET_IFNAME=fic\d+x0v{node} ", line)
         assert line.endswith("main.py fit --config configs/ddp.yaml --trainer.num_nodes 2 --trainer.devices 1 "
                              "--trainer.accelerator cpu")
+
+
+def test_without_cap_net_admin_the_script_refuses_in_one_line():
+    prefix = []
+    if _has_net_admin():  # take it away: a root process whose bounding set lacks it loses it at exec
+        if shutil.which("setpriv") is None:
+            pytest.skip("this process has CAP_NET_ADMIN and setpriv is missing to drop it")
+        prefix = ["setpriv", "--bounding-set", "-net_admin", "--inh-caps", "-net_admin"]
+    proc = subprocess.run([*prefix, "bash", "scripts/netsim.sh", "run", "--rate", "1gbit", "--", "--config",
+                           "configs/ddp.yaml"], cwd=REPO, env={**os.environ, "PYTHON": sys.executable},
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"netsim: network namespaces need root or CAP_NET_ADMIN; this process (uid "
+                                   f"{os.geteuid()}) does not have CAP_NET_ADMIN.")
+    assert proc.stdout == ""
 
 
 # ------------------------------------------------------------------------------ across the link
