@@ -107,15 +107,15 @@ def test_powersgd_resumes_with_its_state_to_the_weights_of_an_uninterrupted_run(
     assert all(s["max_matrix_rank"] <= 2 for s in steps[3:])  # then every weight gradient is rank 2 at most
 
     checkpoints = tmp_path / "whole" / "version_0" / "checkpoints"
-    at_epoch_1 = torch.load(checkpoints / "e1.ckpt", map_location="cpu", weights_only=True)
-    saved = at_epoch_1[comm_hooks.CHECKPOINT_KEY]
-    assert at_epoch_1["global_step"] == 12 and saved["iter"] == 12
+    after_2 = torch.load(checkpoints / "e2.ckpt", map_location="cpu", weights_only=True)  # names count from 1
+    saved = after_2[comm_hooks.CHECKPOINT_KEY]
+    assert after_2["global_step"] == 12 and saved["iter"] == 12
     assert len(saved["errors"]) == 2 and not torch.equal(saved["errors"][0], saved["errors"][1])  # one per process
     assert saved["q"] and all(q.abs().sum() > 0 for q in saved["q"].values())
 
-    resume_from = tmp_path / "copy" / "e1.ckpt"  # outside any run folder: the resumed run gets its own
+    resume_from = tmp_path / "copy" / "e2.ckpt"  # outside any run folder: the resumed run gets its own
     resume_from.parent.mkdir()
-    shutil.copy(checkpoints / "e1.ckpt", resume_from)
+    shutil.copy(checkpoints / "e2.ckpt", resume_from)
     resumed = run_main(_fit(tiny_data, tmp_path / "resumed", "powersgd", epochs=3,
                             extra=[*every_epoch, "--ckpt_path", str(resume_from)]))
     assert "PowerSGD state restored at its step 12 (error feedback, warm start)" in resumed.stdout
