@@ -17,6 +17,10 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+# the commands under test call `python`, `torchrun` and `tensorboard` by name, as a user with the venv active does
+_VENV_BIN = str(Path(sys.executable).parent)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
+    os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")
 
 from datamodules.builtin.tree import generate
 

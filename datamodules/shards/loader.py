@@ -140,7 +140,10 @@ class ShardLoader(StreamingDataLoader):
         except DataError:
             raise
         except Exception as e:  # a worker that died, an error in this process
-            dead = self._dead_workers()
+            try:
+                dead = self._dead_workers()
+            except RuntimeError as died:  # torch's SIGCHLD handler, fired before _dead_workers' own guard
+                dead = str(died).strip().rstrip(".")
             if dead:  # its pipe may break before torch has noticed the death: say what happened, not how it showed
                 raise DataError(worker_died(self.dataset.url, dead)) from e
             known = self.dataset.explain(e)

@@ -95,8 +95,11 @@ class RunGuard(pl.Callback):
 
 
 def _agrees(view: dict, first: dict) -> bool:
-    if view["checkpoint"] is None and view["run_dir"] is None:
-        return first["checkpoint"] is None  # it starts fresh and follows rank 0's folder
+    if view["run_dir"] is None:  # no run folder of its own: it follows the one rank 0 uses
+        if view["checkpoint"] is None:
+            return first["checkpoint"] is None  # both start from scratch
+        # a checkpoint outside any run: rank 0 made a fresh folder for it
+        return first["made_here"] and view["fingerprint"] == first["fingerprint"]
     return (view["fingerprint"], view["run_id"]) == (first["fingerprint"], first["run_id"])
 
 
