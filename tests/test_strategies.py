@@ -96,9 +96,10 @@ def comparison_data(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_1_process_2_processes_and_2_nodes_reach_the_same_accuracy(comparison_data, tmp_path):
-    """The same config and epochs on 1 process, 2 DDP processes and 2 simulated nodes: within 2 points. The
-    nodes are two simulated hosts (lightning_app/netsim) where network namespaces can be made, else 127.0.0.1.
+def test_1_process_and_2_nodes_reach_the_same_accuracy(comparison_data, tmp_path):
+    """The same config and epochs on 1 process and on 2 DDP nodes: within 2 points. The nodes are two simulated
+    hosts (lightning_app/netsim) where network namespaces can be made, else two processes on 127.0.0.1 (2 DDP
+    processes on one host are the same collective path; tests/test_cli.py checks their batches exactly).
 
     The budget (25 epochs, 75,000 images) is where this small net levels off (about 0.89-0.91
     top-1); earlier in training one seed to the next moves the result by 3-4 points, which would
@@ -112,8 +113,6 @@ def test_1_process_2_processes_and_2_nodes_reach_the_same_accuracy(comparison_da
                 "--trainer.check_val_every_n_epoch", "5"]
 
     one = _done((p := run_main([*args("one"), "--trainer.devices", "1"], timeout=900)).stdout + p.stderr)
-    two = _done((p := run_main([*args("two"), "--trainer.strategy", "ddp", "--trainer.devices", "2"],
-                               timeout=900)).stdout + p.stderr)
     node_args = [*args("nodes"), "--trainer.strategy", "ddp", "--trainer.devices", "1", "--trainer.num_nodes", "2"]
     if netlink.unavailable() is None:  # two simulated hosts: network namespaces joined by a 1 Gbit/s link
         with netlink.simulated_link(rate="1gbit") as link:
@@ -132,11 +131,10 @@ def test_1_process_2_processes_and_2_nodes_reach_the_same_accuracy(comparison_da
         codes = [p.returncode for p in procs]
     assert codes == [0, 0], outs[0][-3000:]
     nodes = _done(outs[0])
-    print(f"\nval/acc1 and images/s: 1 process {one}, 2 processes {two}, 2 nodes {nodes}")
+    print(f"\nval/acc1 and images/s: 1 process {one}, 2 nodes {nodes}")
     assert one[0] > 0.8, f"1 process reached only val/acc1 {one[0]:.4f}: the budget no longer trains this net"
-    for name, got in (("2 processes", two), ("2 nodes", nodes)):
-        assert abs(got[0] - one[0]) <= 0.02, (
-            f"{name} reached val/acc1 {got[0]:.4f}, 1 process {one[0]:.4f}: more than 2 points apart")
+    assert abs(nodes[0] - one[0]) <= 0.02, (
+        f"2 nodes reached val/acc1 {nodes[0]:.4f}, 1 process {one[0]:.4f}: more than 2 points apart")
 
 
 # -- GPU paths: these skip with the reason on a machine without CUDA ------------------------------
