@@ -64,15 +64,6 @@ def show_traceback() -> bool:
     return os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
 
 
-def error_line_first(text: str) -> str:
-    """jsonargparse's parse error (usage, tip, then `error: ...` last) with the error first."""
-    lines = text.rstrip("\n").split("\n")
-    at = next((i for i, line in enumerate(lines) if line.startswith("error:")), None)
-    if at is None or at == 0:
-        return text
-    return "\n".join(lines[at:] + lines[:at]) + "\n"
-
-
 # Exact messages (regular expressions anchored at the start) of warnings that every run printed
 # and that no user can act on. Each names the source it comes from.
 KNOWN_NOISE_WARNINGS = (

@@ -10,7 +10,7 @@ import pytest
 
 from lightning_app import runs
 from lightning_app.cli import ClassifierCLI, main
-from lightning_app.errors import UserError, error_line_first
+from lightning_app.errors import UserError
 from tests.conftest import REPO, make_tree, quick_args, run_main
 
 
@@ -132,11 +132,6 @@ def test_val_image_size_follows_image_size(tiny_data, tmp_path):
     cli = ClassifierCLI(args=[*quick_args(tiny_data, tmp_path), "--data.image_size", "48",
                               "--data.val_image_size", "56"], run=False)
     assert cli.datamodule.val_image_size == 56
-
-
-def test_parse_errors_put_the_error_line_first():
-    text = "usage: main.py fit [-h]\n   [--x X]\ntip: run --help\nerror: unrecognized arguments: --y\n"
-    assert error_line_first(text).splitlines()[0] == "error: unrecognized arguments: --y"
 
 
 @pytest.mark.slow
