@@ -23,7 +23,8 @@ from lightning_app.runs.folders import write_atomically
 RUN_JSON = "run.json"
 
 # Settings that never change the weights a run ends with (speed, logging, layout, where files go).
-# The global batch is data.batch_size whatever the layout, so devices, nodes and the strategy are here.
+# The global batch is data.batch_size whatever the layout, so devices, nodes and the strategy are here;
+# the strategy's gradient compression is not (COMPRESSION).
 IGNORED: dict[str, tuple[str, ...]] = {
     "model": ("pictures", "compile", "channels_last", "matmul_precision"),
     "data": ("num_workers", "pin_memory", "persistent_workers", "predict_dir", "decode_threads", "pack_workers",
@@ -39,6 +40,18 @@ IGNORED: dict[str, tuple[str, ...]] = {
     "trainer.callbacks": ("ProgressBar", "LearningRateMonitor", "DeviceStatsMonitor", "ModelSummary", "Timer",
                           "ModelCheckpoint", "OnExceptionCheckpoint", "BasePredictionWriter", "ThroughputMonitor"),
 }
+
+
+# DDPStrategy's settings that change what is learned: a compressed all-reduce changes each step's gradient
+# (lightning_app/comm_hooks.py). Compared only when a hook is on, so runs without one record nothing.
+COMPRESSION = {"fp16": ("comm_hook",), "bf16": ("comm_hook",),
+               "powersgd": ("comm_hook", "powersgd_rank", "powersgd_start_iter")}
+
+
+def _compression(strategy: Any) -> dict:
+    args = strategy.get("init_args") if isinstance(strategy, dict) else None
+    hook = (args or {}).get("comm_hook")
+    return {k: args.get(k) for k in COMPRESSION[hook]} if hook in COMPRESSION else {}
 
 
 def comparable(training: dict, subcommand: str) -> dict:
@@ -62,7 +75,10 @@ def training_settings(model_hparams: dict, data_class: str, data_hparams: dict, 
     data = keep("data", data_hparams)
     if isinstance(data.get("data_dir"), str) and "://" not in data["data_dir"]:
         data["data_dir"] = os.path.abspath(os.path.expanduser(data["data_dir"]))
+    compression = _compression(trainer.get("strategy"))
     trainer = keep("trainer", trainer)
+    if compression:
+        trainer["gradient_compression"] = compression
     callbacks = trainer.get("callbacks") or []
     trainer["callbacks"] = [c for c in (callbacks if isinstance(callbacks, list) else [callbacks]) if _changes_training(c)]
     return _plain({"seed": seed, "model": keep("model", model_hparams), "data": {"class_path": data_class, **data},
