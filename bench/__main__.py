@@ -136,7 +136,7 @@ def _nodes_parser(sub) -> None:
                     "(started after 2 plain steps) is on in every timed step (default: 3)")
     no.add_argument("--arch", default="resnet50", help="model (default: resnet50, ~94 MB of float32 gradients)")
     no.add_argument("--image-size", type=int, default=32, help="train crop (default: 32)")
-    no.add_argument("--batch-size", type=int, default=None, help="GLOBAL batch, half per node (default: 256; with "
+    no.add_argument("--batch-size", type=int, default=None, help="GLOBAL batch, half per node (default: 64; with "
                     "--accuracy: the config's)")
     no.add_argument("--precision", default="32-true", help="trainer precision (default: 32-true)")
     no.add_argument("--builtin", default="small", help="built-in preset when no --data-dir (default: small)")

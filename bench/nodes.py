@@ -24,8 +24,11 @@ from lightning_app.netsim import link as netlink
 from lightning_app.netsim.nodes import LAYOUT, Nodes
 
 DEFAULT_HOOKS = "none,fp16,bf16,powersgd:1,powersgd:2,powersgd:4"
-DEFAULT_RATES = "1gbit,200mbit"
-DEFAULT_BATCH = 256  # 128 per node: about 2 s of ResNet-50 compute per step on one core, against 94 MB of gradients
+DEFAULT_RATES = "1gbit,100mbit"
+# The gradients are 94 MB per step whatever the batch; the compute grows with it. 32 images per node keep a
+# one-core step (a few seconds) near what 94 MB takes at 100-200 Mbit/s, the balance a GPU node meets on
+# 1-10 Gbit/s Ethernet; at 128 per node this CPU's step hides the all-reduce even at 200 Mbit/s.
+DEFAULT_BATCH = 64
 # the compute-alone reference: each node a single-process fit (strategy auto: no process group at all)
 LOCAL_LAYOUT = ["--trainer.num_nodes", "1", "--trainer.devices", "1", "--trainer.accelerator", "cpu",
                 "--trainer.strategy", "auto"]

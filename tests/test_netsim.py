@@ -189,8 +189,10 @@ def test_a_cut_link_ends_both_nodes_within_the_timeout_naming_the_peer_and_its_a
     outputs = [nodes.output(0), nodes.output(1)]
     assert all(c not in (0, None) for c in codes), (codes, outputs[0][-2000:], outputs[1][-2000:])
     assert waited < timeout_s + 45
+    print(f"\nlink cut: node exit codes {codes}, {waited:.1f} s after the cut")
     for node, other in ((0, 1), (1, 0)):
         paragraph = next(line for line in outputs[node].splitlines() if line.startswith("Distributed run failed"))
+        print(f"[node {node}] {paragraph}")
         assert paragraph.startswith(f"Distributed run failed on rank {node} of 2 processes: timed out (collective "
                                     f"timeout {timeout_s} s); it lost rank {other} at {link.addresses[other]}")
         assert "Traceback" not in outputs[node]
