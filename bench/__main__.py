@@ -218,7 +218,7 @@ def _run(args: argparse.Namespace) -> int:
         md = loader_report.to_markdown(result)
         paths = report.write_results(args.out, "loaders", md, result, loader_report.chart(result), args.machine, args.note)
     elif args.command == "nodes":
-        from lightning_app.netsim import link as netlink
+        from netsim import link as netlink
 
         why = netlink.unavailable()
         if why:

@@ -1,5 +1,5 @@
 """`bench nodes`: step time, images/s, the share of the step spent communicating and the bytes sent per
-step, for each DDP comm hook, on two simulated hosts joined by a link of each --rate (lightning_app/netsim).
+step, for each DDP comm hook, on two simulated hosts joined by a link of each --rate (netsim).
 
 Every row is a real 2-node `python main.py fit` (one process per namespace, half the CPUs each) of
 ResNet-50 at 32 px on the built-in data, timed per step by bench/nodes_probe.py inside the nodes. A
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.nodes_probe import OUT_ENV
-from lightning_app.netsim import link as netlink
-from lightning_app.netsim.nodes import LAYOUT, Nodes
+from netsim import link as netlink
+from netsim.nodes import LAYOUT, Nodes
 
 DEFAULT_HOOKS = "none,fp16,bf16,powersgd:1,powersgd:2,powersgd:4"
 DEFAULT_RATES = "1gbit,100mbit"

@@ -15,8 +15,8 @@ from typing import Any
 
 from bench.nodes import parse_hooks
 from bench.report import markdown_table, repo_relative
-from lightning_app.netsim import link as netlink
-from lightning_app.netsim.nodes import Nodes
+from netsim import link as netlink
+from netsim.nodes import Nodes
 
 _BEST = re.compile(r"Done: best val/acc1 ([0-9.]+)")
 _EPOCH = re.compile(r"^epoch (\d+)/\d+: .*val/acc1 ([0-9.]+)")

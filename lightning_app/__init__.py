@@ -5,7 +5,7 @@ __all__ = ["ImageClassifier"]
 
 
 def __getattr__(name: str):
-    # imported on first use: `python -m lightning_app.netsim down` needs no torch
+    # imported on first use: `python -m netsim down` needs no torch
     if name == "ImageClassifier":
         from lightning_app.module import ImageClassifier
 

@@ -5,6 +5,6 @@
 #   scripts/netsim.sh up --rate 1gbit        # a pair for your own commands; scripts/netsim.sh down TAG removes it
 #   scripts/netsim.sh down                   # pairs left by a run that was killed with SIGKILL
 # `run` removes its namespaces on success, failure, Ctrl-C and SIGTERM, and exits with the nodes' status.
-# DRY_RUN=1 (or --dry-run) prints each node's command instead. The code: lightning_app/netsim/.
+# DRY_RUN=1 (or --dry-run) prints each node's command instead. The code: netsim/.
 cd "$(dirname "$0")/.." || exit 2
-exec "${PYTHON:-python}" -m lightning_app.netsim "$@"
+exec "${PYTHON:-python}" -m netsim "$@"

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_app.netsim import link as netlink
-from lightning_app.netsim.link import _has_net_admin
-from lightning_app.netsim.nodes import Nodes
+from netsim import link as netlink
+from netsim.link import _has_net_admin
+from netsim.nodes import Nodes
 from tests.conftest import REPO, quick_args, run_main
 from tests.test_cli import _recorded, event_file_scalars
 

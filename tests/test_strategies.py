@@ -14,8 +14,8 @@ import torch
 
 from lightning_app import ImageClassifier
 from lightning_app.cli import ClassifierCLI
-from lightning_app.netsim import link as netlink
-from lightning_app.netsim.nodes import Nodes
+from netsim import link as netlink
+from netsim.nodes import Nodes
 from lightning_app.strategies import DataParallelStrategy, DDPStrategy
 from tests.conftest import REPO, free_port, quick_args, run_main
 
@@ -98,7 +98,7 @@ def comparison_data(tmp_path_factory):
 @pytest.mark.slow
 def test_1_process_and_2_nodes_reach_the_same_accuracy(comparison_data, tmp_path):
     """The same config and epochs on 1 process and on 2 DDP nodes: within 2 points. The nodes are two simulated
-    hosts (lightning_app/netsim) where network namespaces can be made, else two processes on 127.0.0.1 (2 DDP
+    hosts (netsim) where network namespaces can be made, else two processes on 127.0.0.1 (2 DDP
     processes on one host are the same collective path; tests/test_cli.py checks their batches exactly).
 
     The budget (25 epochs, 75,000 images) is where this small net levels off (about 0.89-0.91

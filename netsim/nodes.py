@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from lightning_app.netsim.link import Link
+from netsim.link import Link
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 MASTER_PORT = 29500  # any port is free: each namespace has its own
 LAYOUT = ["--trainer.num_nodes", "2", "--trainer.devices", "1", "--trainer.accelerator", "cpu"]
 

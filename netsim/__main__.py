@@ -17,8 +17,8 @@ import signal
 import sys
 import threading
 
-from lightning_app.netsim import link as netlink
-from lightning_app.netsim import nodes as netnodes
+from netsim import link as netlink
+from netsim import nodes as netnodes
 
 EXIT_REFUSED = 2
 
