@@ -50,7 +50,7 @@ def parse_config(configs: list[str], extra: list[str]) -> dict[str, Any]:
 
 
 def train_sizes(config: dict[str, Any]) -> list[int]:
-    from lightning_app.schedules import ProgressiveResizing
+    from lightning_app.callbacks.progressive_resizing import ProgressiveResizing
 
     sizes: list[int] = []
     for cb in config["trainer"].get("callbacks") or []:

@@ -26,7 +26,7 @@ def plain_loop(spec: dict) -> dict:
     from datamodules import ImageFolderDataModule
     from datamodules.sample.batches import SampleLoader, built_batch
     from datamodules.sample.transforms import normalize
-    from lightning_app.module import warmup_cosine
+    from lightning_app.lr_schedule import warmup_cosine
     from models import create_model
 
     seed = spec["seed"]

@@ -5,7 +5,7 @@
 
 Both runs train the same model on the built-in `medium` preset (96 px) with the same settings and
 epochs, each capped by the same wall-clock budget; the progressive run's train crop follows
-64 -> 96 px (lightning_app.schedules.ProgressiveResizing). Each run records val/acc1 against the
+64 -> 96 px (lightning_app.callbacks.progressive_resizing.ProgressiveResizing). Each run records val/acc1 against the
 seconds since training started (validation included). The report says whether, and when, the
 progressive run reached the plain run's final val/acc1, and writes OUT/<machine>.progressive.<arch>.md,
 .json and .png (both curves). Run it on an otherwise idle machine: timings are its whole point.
@@ -62,7 +62,7 @@ def run_config(args: argparse.Namespace, progressive: bool) -> dict[str, Any]:
     if progressive:
         start = round(args.ramp[0] * args.epochs)
         end = max(start + 1, round(args.ramp[1] * args.epochs))
-        callbacks.insert(0, {"class_path": "lightning_app.schedules.ProgressiveResizing", "init_args": {
+        callbacks.insert(0, {"class_path": "lightning_app.callbacks.progressive_resizing.ProgressiveResizing", "init_args": {
             "start_size": args.start_size, "end_size": args.image_size, "start_epoch": start, "end_epoch": end,
             "step": args.step}})
     return {"trainer": {"max_epochs": args.epochs, "max_time": {"seconds": args.budget}, "callbacks": callbacks,

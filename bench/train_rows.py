@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-INPUT_BOUND_FRAC = 0.3  # as lightning_app.callbacks: a row waiting this much measures the loader, not the row
+INPUT_BOUND_FRAC = 0.3  # as lightning_app/callbacks/throughput.py: a row waiting this much measures the loader, not the row
 
 # The workload when no flag says otherwise. On a CPU, the seed's small net at 32 px. On CUDA, that
 # workload is input-bound on any GPU (AMP, cudnn.benchmark, channels_last and compile would all read

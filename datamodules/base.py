@@ -248,7 +248,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         return self._loader("train", train=True)
 
     def train_batches(self) -> int:
-        """Batches per epoch on this process (lightning_app/steps.py counts the LR schedule from it): the
+        """Batches per epoch on this process (lightning_app/lr_schedule.py counts the LR schedule from it): the
         DistributedSampler's drop_last share, then whole batches (DALI's train loader counts the same)."""
         return (len(self.indexes["train"]) // self.world_size) // self.per_process_batch_size
 

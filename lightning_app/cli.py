@@ -22,7 +22,12 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 
 from lightning_app import runs
-from lightning_app.callbacks import ThroughputMonitor, progress_callback
+from lightning_app.callbacks.checkpoints import CheckpointOnSigterm, ResumableCheckpoint
+from lightning_app.callbacks.memory_probe import MemoryProbe
+from lightning_app.callbacks.progress import progress_callback
+from lightning_app.callbacks.reseed import ReseedEveryEpoch
+from lightning_app.callbacks.saved_config import RedactedSaveConfigCallback
+from lightning_app.callbacks.throughput import ThroughputMonitor
 from lightning_app.cli_parser import ClassifierArgumentParser
 from lightning_app.errors import (
     EXIT_USER_ERROR,
@@ -32,20 +37,13 @@ from lightning_app.errors import (
     show_traceback,
     silence_known_noise,
 )
-from lightning_app.faults import (
-    CheckpointOnSigterm,
-    ReseedEveryEpoch,
-    ResumableCheckpoint,
-    describe_distributed_failure,
-)
-from lightning_app.memory_probe import MemoryProbe
 from lightning_app.module import ImageClassifier
+from lightning_app.runs.flags_over_checkpoint import network_settings
 from lightning_app.runs.guard import use_atomic_checkpoints
 from lightning_app.runs.identity import training_settings
-from lightning_app.runs.network import network_settings
-from lightning_app.saved_config import RedactedSaveConfigCallback
 from lightning_app.settings import check_settings, require_trained_weights
 from lightning_app.strategies import DDPStrategy  # importing registers --trainer.strategy dp and our ddp
+from lightning_app.strategies.peers import describe_distributed_failure
 from lightning_app.weights import refuse_plain_state_dict, safe_load
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -108,7 +106,7 @@ class ClassifierCLI(LightningCLI):
 
     def _parse_ckpt_path(self) -> None:
         # Not LightningCLI's: it merges the checkpoint's hyperparameters over the command line (see
-        # lightning_app/runs/network.py); here only what builds the network comes from the checkpoint.
+        # lightning_app/runs/flags_over_checkpoint.py); here only what builds the network comes from the checkpoint.
         # safe_load reads it with weights_only=True, so a file needing pickle gets a message saying what to do.
         sub = self.config.get("subcommand")
         ckpt_path = self.config[sub].get("ckpt_path") if sub else None

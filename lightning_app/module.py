@@ -1,8 +1,6 @@
 """ImageClassifier: the one LightningModule. A backbone from `models`, SGD, warm-up + cosine."""
 from __future__ import annotations
 
-import math
-
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
@@ -12,9 +10,9 @@ from torchvision.transforms import v2
 
 from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
 from lightning_app import weights as weights_lib
-from lightning_app.callbacks import logs_this_step
 from lightning_app.errors import UserError
-from lightning_app.steps import total_steps
+from lightning_app.log_steps import logs_this_step
+from lightning_app.lr_schedule import total_steps, warmup_cosine
 from models import create_model
 
 
@@ -41,7 +39,7 @@ class ImageClassifier(pl.LightningModule):
             --ckpt_path is given; validate, test and predict need weights for every layer, the head included.
         freeze_backbone_epochs: train only the head for this many epochs first (BatchNorm statistics frozen too).
         backbone_lr_scale: the backbone's learning rate as a fraction of the head's (e.g. 0.1 when fine-tuning).
-        pictures: TensorBoard images (lightning_app.pictures): confusion_matrix, mistakes, train_batch; [] for none.
+        pictures: TensorBoard images (lightning_app.callbacks.pictures): confusion_matrix, mistakes, train_batch; [] for none.
         mixup_alpha, cutmix_alpha: Beta(alpha, alpha) of MixUp / CutMix on the device batch
             (torchvision v2.MixUp / v2.CutMix; 0 = off). Soft targets go to the loss; train/acc1
             is measured against each mixed sample's dominant label.
@@ -107,7 +105,7 @@ class ImageClassifier(pl.LightningModule):
             if self._trainer is not None:
                 from lightning_app.strategies import check_compile
 
-                check_compile(self._trainer.strategy)  # dp: refused; ddp: warned (why: in strategies.py)
+                check_compile(self._trainer.strategy)  # dp: refused; ddp: warned (why: lightning_app/strategies/ddp.py)
             compile_static(self.backbone, self._trainer)
             self._compiled = True
 
@@ -197,7 +195,7 @@ class ImageClassifier(pl.LightningModule):
             nesterov=self.hparams.nesterov,
             fused=self.fused_step(),
         )
-        total = total_steps(self.trainer)  # not estimated_stepping_batches: lightning_app/steps.py says why
+        total = total_steps(self.trainer)  # not estimated_stepping_batches: lightning_app/lr_schedule.py says why
         epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
         warmup = min(total - 1, int(self.hparams.warmup_epochs * total / epochs))
         self.warmup_steps = warmup  # PowerSGD starts after it by default (DDPStrategy.powersgd_start_iter)
@@ -246,10 +244,10 @@ class ImageClassifier(pl.LightningModule):
         callbacks = []
         if self.hparams.get("freeze_backbone_epochs"):
             callbacks.append(weights_lib.BackboneFreeze.make(self.hparams.freeze_backbone_epochs))
-        from lightning_app.pictures import picture_callbacks  # TensorBoard images (switchable)
+        from lightning_app.callbacks.pictures import picture_callbacks  # TensorBoard images (switchable)
 
         callbacks += picture_callbacks(self.hparams)
-        from lightning_app.predict import PredictionsCSV  # predict writes predictions.csv
+        from lightning_app.callbacks.predictions import PredictionsCSV  # predict writes predictions.csv
 
         callbacks.append(PredictionsCSV())
         return callbacks
@@ -280,7 +278,7 @@ class ImageClassifier(pl.LightningModule):
 
     # -- TensorBoard HPARAMS tab ----------------------------------------------------------
     def on_fit_start(self) -> None:
-        from lightning_app.hparams import log_hparams_with_metric
+        from lightning_app.callbacks.hparams import log_hparams_with_metric
 
         log_hparams_with_metric(self.trainer, metric="val/acc1")
 
@@ -325,15 +323,3 @@ def batch_mix(num_classes: int, mixup_alpha: float, cutmix_alpha: float,
     if len(mixes) < 2:
         return mixes[0][0] if mixes else None
     return v2.RandomChoice([m for m, _ in mixes], p=[p for _, p in mixes])
-
-
-def warmup_cosine(warmup_steps: int, total_steps: int):
-    """LR multiplier: linear from 1/(warmup+1) to 1 over warm-up, then cosine to 0."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor

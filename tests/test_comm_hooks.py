@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_app import comm_hooks
 from lightning_app.errors import UserError
+from lightning_app.strategies import comm_hooks
 from tests.conftest import quick_args, run_main
 
 

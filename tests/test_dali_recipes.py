@@ -7,8 +7,8 @@ import pytorch_lightning as pl
 
 from datamodules import DALIDataModule
 from datamodules.index import DataError
+from lightning_app.callbacks.progressive_resizing import ProgressiveResizing
 from lightning_app.module import ImageClassifier
-from lightning_app.schedules import ProgressiveResizing
 from tests.test_schedules import SizeRecorder
 
 

@@ -7,7 +7,7 @@ import pytorch_lightning as pl
 import torch
 
 from datamodules import ImageFolderDataModule
-from lightning_app.ema import EMAWeightAveraging
+from lightning_app.callbacks.ema import EMAWeightAveraging
 from lightning_app.module import ImageClassifier
 
 KEY = "backbone.features.0.weight"

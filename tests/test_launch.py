@@ -30,7 +30,7 @@ def test_dry_run_keeps_the_configs_ddp_strategy(script, env, tiny_data, tmp_path
     trainer = yaml.safe_load(capsys.readouterr().out)["trainer"]
     strategy = trainer["strategy"]
     assert isinstance(strategy, dict), f"the config's DDPStrategy block was replaced by {strategy!r}"
-    assert strategy["class_path"] == "lightning_app.strategies.DDPStrategy"
+    assert strategy["class_path"] == "lightning_app.strategies.ddp.DDPStrategy"
     init = strategy["init_args"]
     assert (init["timeout_s"], init["bucket_cap_mb"], init["gradient_as_bucket_view"]) == (60.0, 25.0, True)
     assert (trainer["num_nodes"], str(trainer["devices"])) == (2, "4")

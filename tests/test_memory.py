@@ -13,8 +13,8 @@ from datamodules import ImageFolderDataModule
 from datamodules.memory import GIB
 from datamodules.sample.batches import ring_buffer_bytes
 from datamodules.sizing import Layout
+from lightning_app.callbacks.progressive_resizing import ProgressiveResizing
 from lightning_app.module import ImageClassifier
-from lightning_app.schedules import ProgressiveResizing
 from tests.conftest import REPO
 
 RECIPES = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs" / "recipes").glob("*.yaml"))

@@ -1,4 +1,4 @@
-"""Before the first step of a fit, a probe estimates one step's memory (lightning_app/memory_probe.py)."""
+"""Before the first step of a fit, a probe estimates one step's memory (lightning_app/callbacks/memory_probe.py)."""
 from __future__ import annotations
 
 import math
@@ -8,8 +8,8 @@ import shlex
 import pytorch_lightning as pl
 import torch
 
+from lightning_app.callbacks.memory_probe import StepEstimate, fitting_batch, host_memory_available, probe, verdict
 from lightning_app.cli import ClassifierCLI
-from lightning_app.memory_probe import StepEstimate, fitting_batch, host_memory_available, probe, verdict
 from lightning_app.module import ImageClassifier
 from tests.conftest import REPO, quick_args, run_main
 

@@ -1,5 +1,5 @@
 """Step-interval saves refresh last.ckpt only; each best checkpoint holds the weights its score was measured
-on and is named with the epoch counted from 1 (lightning_app.faults.ResumableCheckpoint)."""
+on and is named with the epoch counted from 1 (lightning_app.callbacks.checkpoints.ResumableCheckpoint)."""
 from __future__ import annotations
 
 import logging
@@ -11,8 +11,8 @@ import torch
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from datamodules import ImageFolderDataModule
+from lightning_app.callbacks.checkpoints import CheckpointOnSigterm
 from lightning_app.cli import ClassifierCLI
-from lightning_app.faults import CheckpointOnSigterm
 from lightning_app.module import ImageClassifier
 from tests.conftest import quick_args
 

@@ -45,7 +45,7 @@ def test_compile_with_ddp_warns_only_when_there_is_an_all_reduce():
 
 def test_progressive_resizing_counts_epochs_from_1(tiny_data, caplog):
     from datamodules import ImageFolderDataModule
-    from lightning_app.schedules import ProgressiveResizing
+    from lightning_app.callbacks.progressive_resizing import ProgressiveResizing
 
     class Trainer:  # what _apply reads: the datamodule
         datamodule = ImageFolderDataModule(data_dir=str(tiny_data), image_size=16, num_workers=0)

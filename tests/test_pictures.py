@@ -6,9 +6,9 @@ import pytorch_lightning as pl
 from pytorch_lightning.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_app.hparams import public
+from lightning_app.callbacks.hparams import public
+from lightning_app.callbacks.pictures import picture_callbacks
 from lightning_app.module import ImageClassifier
-from lightning_app.pictures import picture_callbacks
 
 TAGS = {"images/confusion_matrix", "images/mistakes", "images/train_batch"}
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from datamodules.predict import PredictDataset
-from lightning_app.predict import PredictionsCSV, columns
+from lightning_app.callbacks.predictions import PredictionsCSV, columns
 from tests.conftest import free_port, run_main, train_checkpoint
 
 JPEG = b"\xff\xd8\xff\xe0" + b"\x00" * 64 + b"\xff\xd9"

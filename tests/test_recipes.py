@@ -16,9 +16,9 @@ from pytorch_lightning.callbacks import EMAWeightAveraging
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from datamodules import ImageFolderDataModule
+from lightning_app.callbacks.progressive_resizing import ProgressiveResizing
 from lightning_app.cli import ClassifierCLI
 from lightning_app.module import ImageClassifier, batch_mix
-from lightning_app.schedules import ProgressiveResizing
 from models import create_model
 from models.blurpool import BlurConv2d
 from tests.conftest import REPO, quick_args, run_main
@@ -46,12 +46,12 @@ def test_recipe_parses_to_published_settings(recipe, tiny_data, tmp_path):
         assert round(data.val_image_size / data.val_crop_ratio) == 232
         assert (model.mixup_alpha, model.cutmix_alpha) == (0.2, 1.0)
         assert (data.auto_augment, data.random_erasing) == ("trivialaugment", 0.1)
-        assert callbacks == ["lightning_app.ema.EMAWeightAveraging"]
+        assert callbacks == ["lightning_app.callbacks.ema.EMAWeightAveraging"]
         assert model.lr * 1024 / 256 == pytest.approx(0.5) and epochs == 600
     else:
         assert epochs in (16, 88) and model.test_time_flip and model.arch_kwargs == {"blurpool": True}
         assert (data.val_image_size, data.val_crop_ratio) == (256, 0.875)
-        assert callbacks == ["lightning_app.schedules.ProgressiveResizing"]
+        assert callbacks == ["lightning_app.callbacks.progressive_resizing.ProgressiveResizing"]
         ramp = config["trainer"]["callbacks"][0]["init_args"]
         schedule = ProgressiveResizing(ramp["start_size"], ramp["end_size"], ramp["start_epoch"], ramp["end_epoch"])
         sizes = [schedule.size_at(e) for e in range(epochs)]

@@ -9,8 +9,8 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from datamodules import ImageFolderDataModule
+from lightning_app.callbacks.progressive_resizing import ProgressiveResizing, scheduled_size
 from lightning_app.module import ImageClassifier
-from lightning_app.schedules import ProgressiveResizing, scheduled_size
 from tests.conftest import free_port, quick_args, run_main
 
 
@@ -147,7 +147,7 @@ def test_progressive_resizing_under_ddp_from_the_cli(tiny_data, tmp_path):
     out = tmp_path / "seen"
     config = tmp_path / "progressive.yaml"
     config.write_text(json.dumps({"trainer": {"callbacks": [
-        {"class_path": "lightning_app.schedules.ProgressiveResizing",
+        {"class_path": "lightning_app.callbacks.progressive_resizing.ProgressiveResizing",
          "init_args": {"start_size": 16, "end_size": 32, "start_epoch": 0, "end_epoch": 2, "step": 8}},
         {"class_path": "tests.test_schedules.RankSizeRecorder", "init_args": {"out_dir": str(out)}}]}}))
     args = ["fit", *quick_args(tiny_data, tmp_path, epochs=3, batch=32), "--config", str(config),

@@ -14,9 +14,9 @@ import torch
 
 from lightning_app import ImageClassifier
 from lightning_app.cli import ClassifierCLI
+from lightning_app.strategies import DataParallelStrategy, DDPStrategy
 from netsim import link as netlink
 from netsim.nodes import Nodes
-from lightning_app.strategies import DataParallelStrategy, DDPStrategy
 from tests.conftest import REPO, free_port, quick_args, run_main
 
 pytestmark = pytest.mark.timeout(900)

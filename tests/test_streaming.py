@@ -330,7 +330,7 @@ def test_a_worker_killed_is_one_paragraph(s3_pack, tmp_path, capfd):
 @pytest.mark.slow
 def test_mid_epoch_resume_restores_the_loader_position(tiny_data, tmp_path):
     """Lightning #20550: reading trainer.estimated_stepping_batches in configure_optimizers keeps the fit loop
-    from restoring a stateful loader, and the resumed epoch replays from its start (lightning_app/steps.py)."""
+    from restoring a stateful loader, and the resumed epoch replays from its start (lightning_app/lr_schedule.py)."""
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import ModelCheckpoint
 

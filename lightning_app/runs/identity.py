@@ -43,7 +43,7 @@ IGNORED: dict[str, tuple[str, ...]] = {
 
 
 # DDPStrategy's settings that change what is learned: a compressed all-reduce changes each step's gradient
-# (lightning_app/comm_hooks.py). Compared only when a hook is on, so runs without one record nothing.
+# (lightning_app/strategies/comm_hooks.py). Compared only when a hook is on, so runs without one record nothing.
 COMPRESSION = {"fp16": ("comm_hook",), "bf16": ("comm_hook",),
                "powersgd": ("comm_hook", "powersgd_rank", "powersgd_start_iter")}
 

@@ -46,7 +46,7 @@ def plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict,
         if not zero:
             return RunPlan(resolved.checkpoint, parent, None, resolved.run_dir)
         folder = new_subfolder(parent, subcommand)
-        if subcommand != "predict":  # predict's line names its images too (lightning_app/predict.py)
+        if subcommand != "predict":  # predict's line names its images too (lightning_app/callbacks/predictions.py)
             lines.append(f"{subcommand}: {_what(resolved.checkpoint)}; results in {folder}")
         return RunPlan(resolved.checkpoint, parent, folder.name, resolved.run_dir, lines=lines)
 

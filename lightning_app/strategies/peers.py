@@ -1,8 +1,9 @@
-"""Who is where in a distributed run: each rank's host and address, exchanged once at start-up, so a
-lost peer can be named by its rank and address when a collective fails."""
+"""Who is where in a distributed run (each rank's host and address, exchanged once at start-up), and the
+paragraph that names a lost peer by its rank and address when a collective fails."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 
 import torch.distributed as dist
@@ -54,3 +55,31 @@ def describe_lost(rank: int | str, error_text: str) -> str:
     parts = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} at {addr} (host {host})"
              for (host, addr), rs in by_address.items()]
     return parts[0] if len(parts) == 1 else "one of " + ", ".join(parts)
+
+
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "recv", "send",
+              "timed out", "timeout", "nccl", "gloo", "socket", "store", "distbackenderror", "watchdog")
+
+
+def describe_distributed_failure(error: BaseException, timeout_s: float | None,
+                                 rank: tuple[int, int] | None = None) -> str | None:
+    """A one-paragraph explanation when `error` is a lost peer or a collective timeout, else None."""
+    if timeout_s is None:  # no DDP run was set up in this process
+        return None
+    text = f"{type(error).__name__}: {error}".lower()
+    if not any(k in text for k in _PEER_LOST):
+        return None
+    rank, world = rank if rank else (os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?"))
+    limit = f"{timeout_s:g} s"
+    kind = "timed out" if ("timeout" in text or "timed out" in text) else "lost a peer"
+    lost = describe_lost(rank, str(error))
+    # a comm hook's chained futures wrap the error once per link of the chain
+    original = re.sub(r"(Got the following error when running the callback: \w+: )+", "", str(error).strip())
+    return (
+        f"Distributed run failed on rank {rank} of {world} processes: {kind} (collective timeout {limit}); "
+        f"it lost {lost}. That process (or its node, or the network to it) died or stopped answering; "
+        "its own log says why. "
+        "Restart all processes with --ckpt_path last to resume. "
+        "Set the timeout with --trainer.strategy.timeout_s or FIC_DDP_TIMEOUT_S. "
+        f"Original error: {original.splitlines()[0][:300] if original else type(error).__name__}"
+    )

@@ -1,21 +1,15 @@
-"""Surviving faults: a checkpoint on SIGTERM, exact resumes at epoch boundaries, clear errors
-when a peer process is lost."""
+"""Checkpoints a run can resume from: last.ckpt on SIGTERM, and a best checkpoint that holds its weights."""
 from __future__ import annotations
 
 import os
-import random
-import re
 import time
 
-import numpy as np
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.exceptions import SIGTERMException
-
-from lightning_app import peers
 
 
 class CheckpointOnSigterm(pl.Callback):
@@ -44,66 +38,6 @@ class CheckpointOnSigterm(pl.Callback):
             f"SIGTERM: saved {path} in epoch {trainer.current_epoch + 1}, step {trainer.global_step}; "
             "resume with --ckpt_path last."
         )
-
-
-class ReseedEveryEpoch(pl.Callback):
-    """Makes each epoch's randomness (shuffle, augmentation) a function of (seed, epoch, rank) alone.
-
-    Checkpoints do not hold the RNG states, so without this a run resumed at an epoch boundary
-    shuffles and augments differently from an uninterrupted one. The reseed happens at the start
-    of every epoch, before its DataLoader iterator is created. For the first epoch of a run (fresh
-    or resumed) Lightning has already created that iterator, so it is created again after the
-    reseed. Inactive unless seed_everything was given. Persistent DataLoader workers keep their
-    own RNG across epochs: exact resumes need num_workers 0 or non-persistent workers.
-    """
-
-    def __init__(self) -> None:
-        self._first_epoch_of_run = True
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._first_epoch_of_run = True
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        base = os.environ.get("PL_GLOBAL_SEED")
-        if base is None:
-            return
-        seed = (int(base) * 1_000_003 + trainer.current_epoch * 7919 + trainer.global_rank) % (2**32)
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.manual_seed(seed)
-        if self._first_epoch_of_run:
-            self._first_epoch_of_run = False
-            fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
-            if fetcher is not None:
-                iter(fetcher)  # Lightning made this epoch's iterator before the hook: make it again
-
-
-_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "recv", "send",
-              "timed out", "timeout", "nccl", "gloo", "socket", "store", "distbackenderror", "watchdog")
-
-
-def describe_distributed_failure(error: BaseException, timeout_s: float | None,
-                                 rank: tuple[int, int] | None = None) -> str | None:
-    """A one-paragraph explanation when `error` is a lost peer or a collective timeout, else None."""
-    if timeout_s is None:  # no DDP run was set up in this process
-        return None
-    text = f"{type(error).__name__}: {error}".lower()
-    if not any(k in text for k in _PEER_LOST):
-        return None
-    rank, world = rank if rank else (os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?"))
-    limit = f"{timeout_s:g} s"
-    kind = "timed out" if ("timeout" in text or "timed out" in text) else "lost a peer"
-    lost = peers.describe_lost(rank, str(error))
-    # a comm hook's chained futures wrap the error once per link of the chain
-    original = re.sub(r"(Got the following error when running the callback: \w+: )+", "", str(error).strip())
-    return (
-        f"Distributed run failed on rank {rank} of {world} processes: {kind} (collective timeout {limit}); "
-        f"it lost {lost}. That process (or its node, or the network to it) died or stopped answering; "
-        "its own log says why. "
-        "Restart all processes with --ckpt_path last to resume. "
-        "Set the timeout with --trainer.strategy.timeout_s or FIC_DDP_TIMEOUT_S. "
-        f"Original error: {original.splitlines()[0][:300] if original else type(error).__name__}"
-    )
 
 
 class ResumableCheckpoint(ModelCheckpoint):

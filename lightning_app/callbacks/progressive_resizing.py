@@ -2,7 +2,7 @@
 
     trainer:
       callbacks:
-        - class_path: lightning_app.schedules.ProgressiveResizing
+        - class_path: lightning_app.callbacks.progressive_resizing.ProgressiveResizing
           init_args: {start_size: 160, end_size: 192, start_epoch: 11, end_epoch: 13}
 
 The size of epoch e is in force for ALL of epoch e's batches, on every rank, after a resume too:

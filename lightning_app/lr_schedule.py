@@ -1,4 +1,5 @@
-"""The number of optimizer steps of a fit, for the LR schedule, counted from the dataset's length.
+"""The learning-rate schedule: linear warm-up then cosine decay (`warmup_cosine`), over the optimizer steps of the
+whole fit (`total_steps`), counted from the dataset's length.
 
 Lightning's `trainer.estimated_stepping_batches` would give the same number, but reading it before
 the fit loop has restored its state loads the train dataloader early (pytorch_lightning/trainer/
@@ -35,3 +36,15 @@ def total_steps(trainer: pl.Trainer) -> int:
     if trainer.max_steps != -1:
         steps = min(steps, trainer.max_steps)
     return max(1, steps)
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int):
+    """LR multiplier: linear from 1/(warmup+1) to 1 over warm-up, then cosine to 0."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor

@@ -197,7 +197,7 @@ class MemoryProbe(pl.Callback):
         decision = verdict(estimate.total, free)
         if decision == "stop":
             raise UserError(f"{said}: the step would not fit and the run would be killed. {advice}{hint}. "
-                            f"(Estimated before the first step by lightning_app/memory_probe.py.)")
+                            f"(Estimated before the first step by lightning_app/callbacks/memory_probe.py.)")
         if decision == "warn":
             return f"{said}: the step may not fit. If the run is killed, {advice}{hint}."
         return None

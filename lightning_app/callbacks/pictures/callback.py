@@ -2,7 +2,7 @@
 
 After each validation epoch (rank 0 logs; not during the sanity check):
   images/confusion_matrix   the confusion matrix of the whole validation set (summed over all ranks):
-                            labelled up to 30 classes, a compact heatmap above (lightning_app/drawing.py)
+                            labelled up to 30 classes, a compact heatmap above (lightning_app/callbacks/pictures/drawing.py)
   images/most_confused      the (true, predicted) pairs confused most often, as a table (TEXT tab)
   images/mistakes           the most confidently misclassified val images, each titled true / predicted
 Once per fit:
@@ -20,7 +20,7 @@ import torch
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
-from lightning_app.drawing import Drawer, confusion_picture, most_confused, titled_grid
+from lightning_app.callbacks.pictures.drawing import Drawer, confusion_picture, most_confused, titled_grid
 from lightning_app.errors import UserError
 
 KINDS = ("confusion_matrix", "mistakes", "train_batch")
