@@ -27,7 +27,7 @@ from lightning_app.callbacks.memory_probe import MemoryProbe
 from lightning_app.callbacks.progress import progress_callback
 from lightning_app.callbacks.reseed import ReseedEveryEpoch
 from lightning_app.callbacks.saved_config import RedactedSaveConfigCallback
-from lightning_app.callbacks.throughput import ThroughputMonitor
+from lightning_app.callbacks.throughput import TrainSpeedMonitor
 from lightning_app.cli_parser import ClassifierArgumentParser
 from lightning_app.errors import (
     EXIT_USER_ERROR,
@@ -42,7 +42,7 @@ from lightning_app.runs.flags_over_checkpoint import network_settings
 from lightning_app.runs.guard import use_atomic_checkpoints
 from lightning_app.runs.identity import training_settings
 from lightning_app.settings import check_settings, require_trained_weights
-from lightning_app.strategies import DDPStrategy  # importing registers --trainer.strategy dp and our ddp
+from lightning_app.strategies import ClusterDDPStrategy  # importing registers --trainer.strategy dp and our ddp
 from lightning_app.strategies.peers import describe_distributed_failure
 from lightning_app.weights import refuse_plain_state_dict, safe_load
 
@@ -63,7 +63,7 @@ class ClassifierCLI(LightningCLI):
             parser_kwargs=default_config_kwargs(run),
             save_config_callback=RedactedSaveConfigCallback,  # no credentials in config.yaml
             save_config_kwargs={"overwrite": True},
-            trainer_defaults={"callbacks": [ThroughputMonitor(), CheckpointOnSigterm(), ReseedEveryEpoch(),
+            trainer_defaults={"callbacks": [TrainSpeedMonitor(), CheckpointOnSigterm(), ReseedEveryEpoch(),
                                             MemoryProbe()]},
             parser_class=ClassifierArgumentParser,
             args=args,
@@ -134,8 +134,8 @@ class ClassifierCLI(LightningCLI):
         # jsonargparse reports an error raised inside a strategy's __init__ as "Does not validate against any
         # of the Union subtypes" chained to the str subtype's error, not ours: check our settings first
         strategy = (self._get(self.config, "trainer") or {}).get("strategy")
-        if getattr(strategy, "class_path", None) == f"{DDPStrategy.__module__}.{DDPStrategy.__name__}":
-            DDPStrategy.check_settings(**dict(strategy.get("init_args") or {}))
+        if getattr(strategy, "class_path", None) == f"{ClusterDDPStrategy.__module__}.{ClusterDDPStrategy.__name__}":
+            ClusterDDPStrategy.check_settings(**dict(strategy.get("init_args") or {}))
 
     def instantiate_trainer(self, **kwargs):
         config = self._get(self.config, "trainer")
@@ -225,7 +225,7 @@ class ClassifierCLI(LightningCLI):
         if trainer.global_rank != 0:
             return
         best = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
-        monitor = next((c for c in trainer.callbacks if isinstance(c, ThroughputMonitor)), None)
+        monitor = next((c for c in trainer.callbacks if isinstance(c, TrainSpeedMonitor)), None)
         img_s = monitor.summary.get("train_img_s") if monitor else None
         parts = [
             f"best val/acc1 {float(best):.4f}" if best is not None else "best val/acc1 n/a",
@@ -266,7 +266,7 @@ def main(args=None) -> ClassifierCLI:
             if rank_zero_only.rank == 0 or getattr(user_error, "every_rank", False):
                 print(paragraph(user_error), file=sys.stderr, flush=True)
             raise SystemExit(EXIT_USER_ERROR) from None
-        message = describe_distributed_failure(error, DDPStrategy.last_timeout_s, DDPStrategy.last_rank)
+        message = describe_distributed_failure(error, ClusterDDPStrategy.last_timeout_s, ClusterDDPStrategy.last_rank)
         if message is None:
             raise
         print(message, file=sys.stderr, flush=True)

@@ -6,7 +6,7 @@
 # Your arguments come FIRST and this script's --trainer.* flags LAST: jsonargparse applies them left
 # to right, so a --config of yours (devices: auto) cannot override the node layout torchrun starts.
 # The script sets only the layout (nodes, devices per node), never the strategy: a --trainer.strategy
-# flag would replace your config's DDPStrategy block (timeout_s, gradient_as_bucket_view, ...) with
+# flag would replace your config's ClusterDDPStrategy block (timeout_s, gradient_as_bucket_view, ...) with
 # defaults. With strategy auto, Lightning picks ddp for several devices or nodes.
 # DRY_RUN=1 prints the command instead of running it.
 set -euo pipefail

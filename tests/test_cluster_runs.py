@@ -148,7 +148,7 @@ def test_last_compares_training_settings_and_a_requeued_job_takes_only_its_own_r
                                       {"max_epochs": 2, "devices": 1}, seed=1)
     assert resolve("last", tmp_path, same, "fit").run_dir == other  # the newest with equal settings
     # the strategy is ignored, its gradient compression is not: PowerSGD learns another network
-    ddp = {"class_path": "lightning_app.strategies.ddp.DDPStrategy", "init_args": {"timeout_s": 60, "comm_hook": "none"}}
+    ddp = {"class_path": "lightning_app.strategies.ddp.ClusterDDPStrategy", "init_args": {"timeout_s": 60, "comm_hook": "none"}}
     compressed = {**ddp, "init_args": {**ddp["init_args"], "comm_hook": "powersgd", "powersgd_rank": 2}}
     layout = ("datamodules.ImageFolderDataModule", {"data_dir": "/d"})
     on_ddp = identity.training_settings({"arch": "conv11", "num_classes": 10, "lr": 0.1}, *layout,

@@ -7,7 +7,7 @@ import pytorch_lightning as pl
 import torch
 
 from datamodules import ImageFolderDataModule
-from lightning_app.callbacks.ema import EMAWeightAveraging
+from lightning_app.callbacks.ema import DelayedStartEMA
 from lightning_app.module import ImageClassifier
 
 KEY = "backbone.features.0.weight"
@@ -39,7 +39,7 @@ def test_ema_before_its_start_validates_and_saves_the_weights_being_trained(tiny
     torch.manual_seed(0)
     model = _model(weights=str(tmp_path / "start.pt"))
     random_init = model.state_dict()[KEY].clone()
-    ema, probe = EMAWeightAveraging(decay=0.5, update_starting_at_step=1000), Probe()
+    ema, probe = DelayedStartEMA(decay=0.5, update_starting_at_step=1000), Probe()
     dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=16, num_workers=0, image_size=32)
     trainer = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0,
                          accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False,
@@ -69,7 +69,7 @@ def test_ema_once_started_averages_from_the_weights_being_trained(tiny_data, tmp
             if batch_idx >= 1:  # update_starting_at_step=1: updated after the second step and on
                 updates.append(pl_module.state_dict()[KEY].detach().clone())
 
-    ema, probe = EMAWeightAveraging(decay=0.5, update_starting_at_step=1), Probe()
+    ema, probe = DelayedStartEMA(decay=0.5, update_starting_at_step=1), Probe()
     dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=16, num_workers=0, image_size=32)
     trainer = pl.Trainer(max_epochs=1, limit_train_batches=3, limit_val_batches=1, num_sanity_val_steps=0,
                          accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False,

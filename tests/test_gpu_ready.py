@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from lightning_app.cli import ClassifierCLI
-from lightning_app.strategies import DP_COMPILE_MESSAGE, DDPStrategy, check_compile
+from lightning_app.strategies import DP_COMPILE_MESSAGE, ClusterDDPStrategy, check_compile
 from tests.conftest import REPO, quick_args
 
 
@@ -28,9 +28,9 @@ def test_compile_with_ddp_warns_and_names_syncbatchnorm():
     two = LightningEnvironment()
     two.set_world_size(2)  # one process has no all-reduce to overlap: no warning (tests/test_newcomer_small.py)
     with pytest.warns(UserWarning, match="inside the DDP wrapper") as record:
-        check_compile(DDPStrategy(cluster_environment=two))
+        check_compile(ClusterDDPStrategy(cluster_environment=two))
     assert "SyncBatchNorm" not in str(record[0].message)
-    strategy = DDPStrategy(cluster_environment=two)
+    strategy = ClusterDDPStrategy(cluster_environment=two)
     from pytorch_lightning.plugins import TorchSyncBatchNorm
 
     strategy._layer_sync = TorchSyncBatchNorm()
@@ -67,7 +67,7 @@ def test_launch_scripts_apply_their_layout_after_the_users_config(script, env, t
     cli = ClassifierCLI(args=args[1:], run=False)
     assert str(cli.config["trainer"]["devices"]) == "4" and cli.config["trainer"]["num_nodes"] == 2
     assert cli.trainer.num_devices == 4 and cli.trainer.num_nodes == 2
-    assert cli.config["trainer"]["strategy"]["class_path"] == "lightning_app.strategies.ddp.DDPStrategy"  # the config's
+    assert cli.config["trainer"]["strategy"]["class_path"] == "lightning_app.strategies.ddp.ClusterDDPStrategy"  # the config's
 
 
 # ---------------------------------------------------------------------------- bench gpu on a CPU

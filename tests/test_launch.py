@@ -1,4 +1,4 @@
-"""The launch scripts set the layout only: the config's DDPStrategy settings survive (DRY_RUN=1, --print_config)."""
+"""The launch scripts set the layout only: the config's ClusterDDPStrategy settings survive (DRY_RUN=1, --print_config)."""
 from __future__ import annotations
 
 import os
@@ -29,8 +29,8 @@ def test_dry_run_keeps_the_configs_ddp_strategy(script, env, tiny_data, tmp_path
         ClassifierCLI(args=[*args, "--print_config"], run=False)
     trainer = yaml.safe_load(capsys.readouterr().out)["trainer"]
     strategy = trainer["strategy"]
-    assert isinstance(strategy, dict), f"the config's DDPStrategy block was replaced by {strategy!r}"
-    assert strategy["class_path"] == "lightning_app.strategies.ddp.DDPStrategy"
+    assert isinstance(strategy, dict), f"the config's ClusterDDPStrategy block was replaced by {strategy!r}"
+    assert strategy["class_path"] == "lightning_app.strategies.ddp.ClusterDDPStrategy"
     init = strategy["init_args"]
     assert (init["timeout_s"], init["bucket_cap_mb"], init["gradient_as_bucket_view"]) == (60.0, 25.0, True)
     assert (trainer["num_nodes"], str(trainer["devices"])) == (2, "4")

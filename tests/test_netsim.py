@@ -175,7 +175,7 @@ def test_a_cut_link_ends_both_nodes_within_the_timeout_naming_the_peer_and_its_a
     powersgd = ["--config", "configs/comm/powersgd.yaml", "--trainer.strategy.powersgd_start_iter", "2",
                 "--trainer.strategy.bucket_cap_mb", "0.02"]
     args = _node_args(tiny_data, tmp_path, epochs=50, extra=powersgd)
-    del args[1:3]  # --trainer.strategy ddp: the config's DDPStrategy, its timeout from FIC_DDP_TIMEOUT_S
+    del args[1:3]  # --trainer.strategy ddp: the config's ClusterDDPStrategy, its timeout from FIC_DDP_TIMEOUT_S
     with netlink.simulated_link(rate="10mbit") as link:
         nodes = Nodes(link, args, env={"FIC_DDP_TIMEOUT_S": str(timeout_s)})
         try:

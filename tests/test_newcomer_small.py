@@ -31,14 +31,14 @@ def test_predict_names_a_bad_image_once(tiny_data, tmp_path):
 
 
 def test_compile_with_ddp_warns_only_when_there_is_an_all_reduce():
-    from lightning_app.strategies import DDPStrategy, check_compile
+    from lightning_app.strategies import ClusterDDPStrategy, check_compile
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")  # every call's warning, not once per location
         for processes in (1, 2):
             environment = LightningEnvironment()
             environment.set_world_size(processes)
-            check_compile(DDPStrategy(cluster_environment=environment))
+            check_compile(ClusterDDPStrategy(cluster_environment=environment))
     said = [str(w.message) for w in seen if "model.compile with DDP" in str(w.message)]
     assert len(said) == 1  # the 2-process strategy only
 

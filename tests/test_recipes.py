@@ -46,7 +46,7 @@ def test_recipe_parses_to_published_settings(recipe, tiny_data, tmp_path):
         assert round(data.val_image_size / data.val_crop_ratio) == 232
         assert (model.mixup_alpha, model.cutmix_alpha) == (0.2, 1.0)
         assert (data.auto_augment, data.random_erasing) == ("trivialaugment", 0.1)
-        assert callbacks == ["lightning_app.callbacks.ema.EMAWeightAveraging"]
+        assert callbacks == ["lightning_app.callbacks.ema.DelayedStartEMA"]
         assert model.lr * 1024 / 256 == pytest.approx(0.5) and epochs == 600
     else:
         assert epochs in (16, 88) and model.test_time_flip and model.arch_kwargs == {"blurpool": True}

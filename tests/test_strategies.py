@@ -14,7 +14,7 @@ import torch
 
 from lightning_app import ImageClassifier
 from lightning_app.cli import ClassifierCLI
-from lightning_app.strategies import DataParallelStrategy, DDPStrategy
+from lightning_app.strategies import ClusterDDPStrategy, DataParallelStrategy
 from netsim import link as netlink
 from netsim.nodes import Nodes
 from tests.conftest import REPO, free_port, quick_args, run_main
@@ -49,16 +49,16 @@ def test_ddp_options_and_timeout_reach_the_strategy(tiny_data, tmp_path, monkeyp
     cli = ClassifierCLI(args=["--config", "configs/ddp.yaml", *quick_args(tiny_data, tmp_path),
                               "--trainer.sync_batchnorm", "true"], run=False)
     strategy = cli.trainer.strategy
-    assert isinstance(strategy, DDPStrategy)
+    assert isinstance(strategy, ClusterDDPStrategy)
     assert strategy._timeout == timedelta(seconds=300)
     assert strategy._ddp_kwargs["bucket_cap_mb"] == 25 and strategy._ddp_kwargs["gradient_as_bucket_view"] is True
     assert strategy._layer_sync is not None  # trainer.sync_batchnorm: SyncBatchNorm in setup
     # the plain name gets our short default too, and the env knob moves it
     monkeypatch.setenv("FIC_DDP_TIMEOUT_S", "42")
     cli = ClassifierCLI(args=["--trainer.strategy", "ddp", *quick_args(tiny_data, tmp_path)], run=False)
-    assert isinstance(cli.trainer.strategy, DDPStrategy) and cli.trainer.strategy._timeout == timedelta(seconds=42)
+    assert isinstance(cli.trainer.strategy, ClusterDDPStrategy) and cli.trainer.strategy._timeout == timedelta(seconds=42)
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
-        DDPStrategy(timeout_s=0)
+        ClusterDDPStrategy(timeout_s=0)
 
 
 def test_speed_flags_compose_from_yaml(tiny_data, tmp_path):

@@ -22,10 +22,14 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import EMAWeightAveraging as _LightningEMA
 
 
-class EMAWeightAveraging(_LightningEMA):
+class DelayedStartEMA(_LightningEMA):
     """Lightning's EMAWeightAveraging (same arguments) that validates and saves the live weights until it starts."""
 
     _swapped = False
+
+    @property
+    def state_key(self) -> str:
+        return "EMAWeightAveraging"  # the key of checkpoints saved before the class was renamed: their average loads
 
     def started(self) -> bool:
         """True once the average holds at least one update (read at validation and checkpoint time only)."""

@@ -12,7 +12,7 @@ from lightning_app.log_steps import logs_this_step
 INPUT_BOUND_FRAC = 0.3
 
 
-class ThroughputMonitor(pl.Callback):
+class TrainSpeedMonitor(pl.Callback):
     """Logs `perf/train_img_s` (all processes) and `perf/data_wait_frac` (time waiting for data).
 
     Data wait is the time between the end of one training step and the start of the next:

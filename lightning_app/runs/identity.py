@@ -38,11 +38,11 @@ IGNORED: dict[str, tuple[str, ...]] = {
     # callbacks that only watch or save: matched by class name, subclasses included. Any other callback
     # class is compared unless it says `changes_training = False` (as tests/fault_helpers.py's do).
     "trainer.callbacks": ("ProgressBar", "LearningRateMonitor", "DeviceStatsMonitor", "ModelSummary", "Timer",
-                          "ModelCheckpoint", "OnExceptionCheckpoint", "BasePredictionWriter", "ThroughputMonitor"),
+                          "ModelCheckpoint", "OnExceptionCheckpoint", "BasePredictionWriter", "TrainSpeedMonitor"),
 }
 
 
-# DDPStrategy's settings that change what is learned: a compressed all-reduce changes each step's gradient
+# ClusterDDPStrategy's settings that change what is learned: a compressed all-reduce changes each step's gradient
 # (lightning_app/strategies/comm_hooks.py). Compared only when a hook is on, so runs without one record nothing.
 COMPRESSION = {"fp16": ("comm_hook",), "bf16": ("comm_hook",),
                "powersgd": ("comm_hook", "powersgd_rank", "powersgd_start_iter")}

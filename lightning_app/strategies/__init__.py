@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from pytorch_lightning.strategies import StrategyRegistry
 
-from lightning_app.strategies.ddp import DDPStrategy, check_compile
+from lightning_app.strategies.ddp import ClusterDDPStrategy, check_compile
 from lightning_app.strategies.dp import DP_COMPILE_MESSAGE, DataParallelStrategy, DataParallelView
 
-__all__ = ["DP_COMPILE_MESSAGE", "DDPStrategy", "DataParallelStrategy", "DataParallelView", "check_compile",
+__all__ = ["DP_COMPILE_MESSAGE", "ClusterDDPStrategy", "DataParallelStrategy", "DataParallelView", "check_compile",
            "register"]
 
 
@@ -21,7 +21,7 @@ def register() -> None:
     )
     # Our `ddp` name: Lightning's DDP, plus the short timeout and options above.
     StrategyRegistry.register(
-        "ddp", DDPStrategy, description="DDP with a short collective timeout (FIC_DDP_TIMEOUT_S)", override=True,
+        "ddp", ClusterDDPStrategy, description="DDP with a short collective timeout (FIC_DDP_TIMEOUT_S)", override=True,
     )
 
 

@@ -39,7 +39,7 @@ def check_compile(strategy: Any) -> None:
         )
 
 
-class DDPStrategy(_LightningDDP):
+class ClusterDDPStrategy(_LightningDDP):
     """Lightning's DDP with a short collective timeout, DDP's bucket options and gradient compression as
     plain init args.
 
@@ -90,20 +90,20 @@ class DDPStrategy(_LightningDDP):
         self.comm_hook, self.powersgd_rank, self.powersgd_start_iter = comm_hook, powersgd_rank, powersgd_start_iter
         self._powersgd: comm_hooks.PowerSGDHookState | None = None
         self._saved_comm_state: dict | None = None
-        DDPStrategy.last_timeout_s = timeout_s  # for the error message if a peer is lost
+        ClusterDDPStrategy.last_timeout_s = timeout_s  # for the error message if a peer is lost
 
     @staticmethod
     def check_settings(timeout_s: float | None = None, comm_hook: str = "none", powersgd_rank: int = 2,
                        powersgd_start_iter: int | None = None, **kwargs: Any) -> None:
         """One paragraph (UserError) for a setting that cannot work; the CLI calls it before instantiating."""
         if timeout_s is not None and timeout_s <= 0:
-            raise UserError(f"DDPStrategy timeout_s must be > 0 seconds, got {timeout_s}.")
+            raise UserError(f"ClusterDDPStrategy timeout_s must be > 0 seconds, got {timeout_s}.")
         comm_hooks.check_settings(comm_hook, powersgd_rank, powersgd_start_iter, kwargs.get("process_group_backend"))
         if comm_hook != "none" and kwargs.get("ddp_comm_hook") is not None:
-            raise UserError(f"DDPStrategy: comm_hook {comm_hook!r} and ddp_comm_hook both given; choose one.")
+            raise UserError(f"ClusterDDPStrategy: comm_hook {comm_hook!r} and ddp_comm_hook both given; choose one.")
 
     def setup_distributed(self) -> None:
-        DDPStrategy.last_rank = (self.global_rank, self.world_size)
+        ClusterDDPStrategy.last_rank = (self.global_rank, self.world_size)
         super().setup_distributed()
         peers.exchange(self.global_rank, self.world_size)  # who is where, for the message if one is lost
 
