@@ -10,6 +10,10 @@ from torchvision.transforms import v2
 
 from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
 from lightning_app import weights as weights_lib
+from lightning_app.callbacks.freeze import FreezeBackboneEpochs
+from lightning_app.callbacks.hparams import HparamsWithMetric
+from lightning_app.callbacks.pictures import picture_callbacks
+from lightning_app.callbacks.predictions import PredictionsCSV
 from lightning_app.errors import UserError
 from lightning_app.log_steps import logs_this_step
 from lightning_app.lr_schedule import total_steps, warmup_cosine
@@ -240,16 +244,13 @@ class ImageClassifier(pl.LightningModule):
         return [m for n, m in self.backbone.named_modules()
                 if (m._parameters or not list(m.children())) and n != head and not n.startswith(head + ".")]
 
-    def configure_callbacks(self) -> list:
-        callbacks = []
+    def configure_callbacks(self) -> list[pl.Callback]:
+        """What this model's settings ask for: fine-tuning, TensorBoard pictures, predictions.csv, the HPARAMS tab."""
+        callbacks: list[pl.Callback] = []
         if self.hparams.get("freeze_backbone_epochs"):
-            callbacks.append(weights_lib.BackboneFreeze.make(self.hparams.freeze_backbone_epochs))
-        from lightning_app.callbacks.pictures import picture_callbacks  # TensorBoard images (switchable)
-
+            callbacks.append(FreezeBackboneEpochs(self.hparams.freeze_backbone_epochs))
         callbacks += picture_callbacks(self.hparams)
-        from lightning_app.callbacks.predictions import PredictionsCSV  # predict writes predictions.csv
-
-        callbacks.append(PredictionsCSV())
+        callbacks += [PredictionsCSV(), HparamsWithMetric(metric="val/acc1")]
         return callbacks
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -275,12 +276,6 @@ class ImageClassifier(pl.LightningModule):
 
     def backbone_num_classes(self) -> int:
         return dict(self.backbone.named_modules())[weights_lib.head_name(self.backbone)].out_features
-
-    # -- TensorBoard HPARAMS tab ----------------------------------------------------------
-    def on_fit_start(self) -> None:
-        from lightning_app.callbacks.hparams import log_hparams_with_metric
-
-        log_hparams_with_metric(self.trainer, metric="val/acc1")
 
 
 def inference_settings(datamodule) -> dict:

@@ -1,17 +1,20 @@
 """Hyperparameters in TensorBoard's HPARAMS tab, with a metric attached.
 
-The tab stays empty unless the hparams summary names a metric. Lightning's own call logs a
-placeholder value for it; here the summary names `val/acc1` without writing a fake point
-into that curve, so the tab reads the real values as validation logs them.
+The tab stays empty unless the hparams summary names a metric. Lightning's own call
+(TensorBoardLogger.log_hyperparams with metrics) also logs a placeholder value for it; here the summary
+names `val/acc1` without writing a fake point into that curve, so the tab reads the real values as
+validation logs them.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytorch_lightning as pl
-from lightning_fabric.utilities.logger import _convert_params, _flatten_dict, _sanitize_params
 from pytorch_lightning.loggers import TensorBoardLogger
 
 # Keys LightningCLI adds to a model's hparams for reloading it (cli.py, _InstantiatorFn): not settings a person changes.
 INTERNAL_KEYS = ("_class_path", "_instantiator")
+Scalar = int | float | str | bool
 
 
 def public(hparams) -> dict:
@@ -35,15 +38,31 @@ def run_hparams(trainer: pl.Trainer) -> dict:
     return params
 
 
-def log_hparams_with_metric(trainer: pl.Trainer, metric: str) -> None:
-    from torch.utils.tensorboard.summary import hparams
+def flat(params: Mapping, prefix: str = "") -> dict[str, Scalar]:
+    """{"model": {"lr": 0.1}} -> {"model/lr": 0.1}; what TensorBoard cannot show (lists, None) as text."""
+    out: dict[str, Scalar] = {}
+    for key, value in params.items():
+        name = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, Mapping) and value:
+            out.update(flat(value, name))
+        else:
+            out[name] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return out
 
-    if trainer.global_rank != 0:
-        return
-    for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger):
-            params = _sanitize_params(_flatten_dict(_convert_params(run_hparams(trainer))))
-            params = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in params.items()}
-            writer = logger.experiment._get_file_writer()
-            for summary in hparams(params, {metric: 0.0}):
-                writer.add_summary(summary)
+
+class HparamsWithMetric(pl.Callback):
+    """At the start of a fit, rank 0 writes the run's hyperparameters with `metric` attached (see the module doc)."""
+
+    def __init__(self, metric: str = "val/acc1") -> None:
+        self.metric = metric
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from torch.utils.tensorboard.summary import hparams
+
+        if trainer.global_rank != 0:
+            return
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                writer = logger.experiment._get_file_writer()  # reopened if closed
+                for summary in hparams(flat(run_hparams(trainer)), {self.metric: 0.0}):
+                    writer.add_summary(summary)
