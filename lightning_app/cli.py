@@ -8,6 +8,7 @@ of their checkpoint's run (ROOT/version_N/validate/), or ROOT/<subcommand>/ for 
 from __future__ import annotations
 
 import atexit
+import importlib
 import logging
 import os
 import shutil
@@ -134,7 +135,8 @@ class ClassifierCLI(LightningCLI):
         # jsonargparse reports an error raised inside a strategy's __init__ as "Does not validate against any
         # of the Union subtypes" chained to the str subtype's error, not ours: check our settings first
         strategy = (self._get(self.config, "trainer") or {}).get("strategy")
-        if getattr(strategy, "class_path", None) == f"{ClusterDDPStrategy.__module__}.{ClusterDDPStrategy.__name__}":
+        strategy_class = resolve_class(getattr(strategy, "class_path", None))
+        if isinstance(strategy_class, type) and issubclass(strategy_class, ClusterDDPStrategy):
             ClusterDDPStrategy.check_settings(**dict(strategy.get("init_args") or {}))
 
     def instantiate_trainer(self, **kwargs):
@@ -236,6 +238,15 @@ class ClassifierCLI(LightningCLI):
         if trainer.checkpoint_callback and trainer.checkpoint_callback.best_model_path:
             parts.append(f"best checkpoint {trainer.checkpoint_callback.best_model_path}")
         rank_zero_info("Done: " + "; ".join(parts))
+
+
+def resolve_class(class_path: str | None) -> object | None:
+    """The object a config's `class_path` names (any import path to it), or None when it names none."""
+    module, _, name = (class_path or "").rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name) if module else None
+    except (ImportError, AttributeError):
+        return None
 
 
 def info_to_stdout() -> None:

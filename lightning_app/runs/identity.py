@@ -42,6 +42,32 @@ IGNORED: dict[str, tuple[str, ...]] = {
 }
 
 
+# Where classes a run.json may name moved (the training core's rooms, 2026-11): a run made before names them by
+# the old path, and `last` must not take a moved class for a changed setting.
+MOVED_CLASSES = {
+    "lightning_app.schedules.ProgressiveResizing": "lightning_app.callbacks.progressive_resizing.ProgressiveResizing",
+    "lightning_app.ema.EMAWeightAveraging": "lightning_app.callbacks.ema.DelayedStartEMA",
+    "lightning_app.callbacks.ThroughputMonitor": "lightning_app.callbacks.throughput.TrainSpeedMonitor",
+    "lightning_app.faults.CheckpointOnSigterm": "lightning_app.callbacks.checkpoints.CheckpointOnSigterm",
+    "lightning_app.faults.ResumableCheckpoint": "lightning_app.callbacks.checkpoints.ResumableCheckpoint",
+    "lightning_app.faults.ReseedEveryEpoch": "lightning_app.callbacks.reseed.ReseedEveryEpoch",
+    "lightning_app.memory_probe.MemoryProbe": "lightning_app.callbacks.memory_probe.MemoryProbe",
+    "lightning_app.pictures.TensorBoardPictures": "lightning_app.callbacks.pictures.callback.TensorBoardPictures",
+    "lightning_app.predict.PredictionsCSV": "lightning_app.callbacks.predictions.PredictionsCSV",
+    "lightning_app.strategies.DDPStrategy": "lightning_app.strategies.ddp.ClusterDDPStrategy",
+    "lightning_app.strategies.DataParallelStrategy": "lightning_app.strategies.dp.DataParallelStrategy",
+}
+
+
+def current_class_paths(value: Any) -> Any:
+    """`value` with every class path of MOVED_CLASSES replaced by where the class lives now."""
+    if isinstance(value, dict):
+        return {k: current_class_paths(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [current_class_paths(v) for v in value]
+    return MOVED_CLASSES.get(value, value) if isinstance(value, str) else value
+
+
 # ClusterDDPStrategy's settings that change what is learned: a compressed all-reduce changes each step's gradient
 # (lightning_app/strategies/comm_hooks.py). Compared only when a hook is on, so runs without one record nothing.
 COMPRESSION = {"fp16": ("comm_hook",), "bf16": ("comm_hook",),
@@ -89,6 +115,7 @@ def _changes_training(callback: Any) -> bool:
     class_path = callback.get("class_path") if isinstance(callback, dict) else None
     if not class_path:
         return True
+    class_path = MOVED_CLASSES.get(class_path, class_path)
     module, _, name = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), name)
@@ -185,7 +212,9 @@ def read_run(run_dir: str | os.PathLike) -> dict | None:
         record = json.loads((Path(run_dir) / RUN_JSON).read_text())
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) and isinstance(record.get("training"), dict) else None
+    if not (isinstance(record, dict) and isinstance(record.get("training"), dict)):
+        return None
+    return {**record, "training": current_class_paths(record["training"])}
 
 
 def _attempt(checkpoint: str | None, changed: list | None = None) -> dict:

@@ -1,0 +1,56 @@
+"""The training core's rooms (lightning_app/callbacks, strategies, runs): what moved still resolves, what a config
+names is checked by the class it resolves to, not by the string that names it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_app.cli import ClassifierCLI, main
+from lightning_app.strategies import ClusterDDPStrategy
+
+RESIZING_NOW = "lightning_app.callbacks.progressive_resizing.ProgressiveResizing"
+RESIZING_BEFORE = "lightning_app.schedules.ProgressiveResizing"
+
+
+class CheckedDDP(ClusterDDPStrategy):
+    """A user's own subclass: its class path names neither our module nor our class."""
+
+
+def _args(data: Path, root: Path, epochs: int) -> list[str]:
+    return ["--data.data_dir", str(data), "--data.batch_size", "40", "--data.num_workers", "0",
+            "--trainer.max_epochs", str(epochs), "--trainer.default_root_dir", str(root),
+            "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+            "--model.arch_kwargs", "{width: 8}", "--model.pictures", "[]"]
+
+
+def test_a_run_json_naming_a_moved_callback_is_resumed_by_last(tiny_data, tmp_path):
+    resizing = ["--trainer.callbacks+=" + RESIZING_NOW, "--trainer.callbacks.start_size=24",
+                "--trainer.callbacks.end_size=32", "--trainer.callbacks.end_epoch=2"]
+    first = ClassifierCLI(args=["fit", *_args(tiny_data, tmp_path, 1), *resizing])
+    assert first.trainer.current_epoch == 1
+    run_json = tmp_path / "version_0" / "run.json"
+    record = json.loads(run_json.read_text())
+    assert [c["class_path"] for c in record["training"]["trainer"]["callbacks"]] == [RESIZING_NOW]
+    # a run made before the move names the callback by its old module
+    run_json.write_text(run_json.read_text().replace(RESIZING_NOW, RESIZING_BEFORE))
+
+    again = ClassifierCLI(args=["fit", *_args(tiny_data, tmp_path, 1), *resizing, "--ckpt_path", "last"])
+    assert Path(again.trainer.log_dir) == tmp_path / "version_0"  # resumed that run: no setting changed
+    assert not (tmp_path / "version_1").exists()
+    assert again.trainer.ckpt_path == str((tmp_path / "version_0" / "checkpoints" / "last.ckpt").resolve())
+
+
+@pytest.mark.parametrize("class_path", ["lightning_app.strategies.ClusterDDPStrategy",  # the package's re-export
+                                        "tests.test_training_core.CheckedDDP"])           # a subclass
+def test_the_strategy_check_runs_on_the_resolved_class(class_path, tiny_data, tmp_path, capsys):
+    config = tmp_path / "ddp.yaml"
+    config.write_text(f"trainer:\n  strategy:\n    class_path: {class_path}\n    init_args:\n      timeout_s: -5\n")
+    with pytest.raises(SystemExit) as stopped:
+        main(["fit", "--config", str(config), *_args(tiny_data, tmp_path, 1)])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    # our paragraph, not jsonargparse's "Does not validate against any of the Union subtypes"
+    assert "timeout_s must be > 0 seconds, got -5" in err
+    assert "Union" not in err
