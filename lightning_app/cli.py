@@ -43,7 +43,7 @@ from lightning_app.runs.flags_over_checkpoint import network_settings
 from lightning_app.runs.guard import use_atomic_checkpoints
 from lightning_app.runs.identity import training_settings
 from lightning_app.settings import check_settings, require_trained_weights
-from lightning_app.strategies import ClusterDDPStrategy  # importing registers --trainer.strategy dp and our ddp
+from lightning_app.strategies import STRATEGY_HELP, ClusterDDPStrategy  # registers --trainer.strategy dp, ddp
 from lightning_app.strategies.peers import describe_distributed_failure
 from lightning_app.weights import refuse_plain_state_dict, safe_load
 
@@ -76,6 +76,8 @@ class ClassifierCLI(LightningCLI):
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
         parser.link_arguments("data.image_size", "model.image_size", apply_on="instantiate")
         parser.link_arguments("data.batch_size", "model.global_batch_size", apply_on="instantiate")
+        strategy = next(a for a in parser._actions if a.dest == "trainer.strategy")
+        strategy.help = STRATEGY_HELP + (strategy.help or "")
         parser.add_lightning_class_args(ResumableCheckpoint, "checkpoint")
         parser.set_defaults({
             "checkpoint.monitor": "val/acc1",

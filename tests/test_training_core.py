@@ -54,3 +54,12 @@ def test_the_strategy_check_runs_on_the_resolved_class(class_path, tiny_data, tm
     # our paragraph, not jsonargparse's "Does not validate against any of the Union subtypes"
     assert "timeout_s must be > 0 seconds, got -5" in err
     assert "Union" not in err
+
+
+def test_help_says_whose_ddp_the_name_means(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["fit", "--help"])
+    assert stopped.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert "`ddp` is lightning_app.strategies.ddp.ClusterDDPStrategy" in text
+    assert "Lightning's plain DDP: class_path pytorch_lightning.strategies.DDPStrategy" in text
