@@ -1,4 +1,4 @@
 """Benchmarks: `python -m bench loaders` (data backends) and `... train` (strategies, precision)."""
-from bench.loader_report import classify
+from bench.loaders.report import classify
 
 __all__ = ["classify"]

@@ -28,10 +28,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench.loader_report import COLUMNS as LOADER_COLUMNS
-    from bench.loaders import BACKENDS
-    from bench.train_rows import COLUMNS as TRAIN_COLUMNS
-    from bench.train_rows import ROW_NAMES
+    from bench.loaders.report import COLUMNS as LOADER_COLUMNS
+    from bench.loaders.timing import BACKENDS
+    from bench.train.rows import COLUMNS as TRAIN_COLUMNS
+    from bench.train.rows import ROW_NAMES
 
     ap = argparse.ArgumentParser(prog="python -m bench",
                                  description="Benchmarks of this template on this machine. Results go to "
@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--timeout", type=int, default=900, help="seconds before a row is stopped and marked failed")
     _common(tr)
 
-    from bench import gpu, memory
+    from bench.gpu import command as gpu
+    from bench.memory import command as memory
 
     gpu.add_parser(sub, _common)
     memory.add_parser(sub, _common)
@@ -114,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _nodes_parser(sub) -> None:
-    from bench.nodes import DEFAULT_HOOKS, DEFAULT_RATES
-    from bench.nodes_report import COLUMNS as NODES_COLUMNS
+    from bench.nodes.report import COLUMNS as NODES_COLUMNS
+    from bench.nodes.steps import DEFAULT_HOOKS, DEFAULT_RATES
 
     no = sub.add_parser(
         "nodes", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -164,7 +165,7 @@ def _no_bars_in_a_log_file() -> Iterator[None]:
         return
     import tqdm as tqdm_module
 
-    from bench import loaders
+    from bench.loaders import timing as loaders
 
     class QuietTqdm(tqdm_module.tqdm):
         def __init__(self, *args, **kwargs) -> None:
@@ -174,7 +175,7 @@ def _no_bars_in_a_log_file() -> Iterator[None]:
     saved = (tqdm_module.tqdm, loaders.tqdm, os.environ.get("TQDM_DISABLE"))
     os.environ["TQDM_DISABLE"] = "1"
     loaders.tqdm = QuietTqdm  # imported at module level there
-    tqdm_module.tqdm = QuietTqdm  # bench/train.py imports it inside run()
+    tqdm_module.tqdm = QuietTqdm  # bench/train/timing.py imports it inside run()
     try:
         yield
     finally:
@@ -197,7 +198,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "loaders":
         import torch
 
-        from bench import loader_backends, loader_report, loaders
+        from bench.loaders import backends as loader_backends
+        from bench.loaders import report as loader_report
+        from bench.loaders import timing as loaders
 
         root = Path(args.data_dir) if args.data_dir else loader_backends.default_root(
             args.builtin, args.train_per_class, args.val_per_class)
@@ -233,11 +236,11 @@ def _run(args: argparse.Namespace) -> int:
             signal.signal(sig, _stop)
         try:
             if args.accuracy:
-                from bench import nodes_accuracy as job
+                from bench.nodes import accuracy as job
                 kind = "nodes-accuracy"
             else:
-                from bench import nodes as job
-                from bench import nodes_report
+                from bench.nodes import report as nodes_report
+                from bench.nodes import steps as job
                 kind = "nodes"
             result = job.run(args)
         except (ValueError, netlink.NetsimError) as error:
@@ -247,15 +250,17 @@ def _run(args: argparse.Namespace) -> int:
         md = shown.to_markdown(result)
         paths = report.write_results(args.out, kind, md, result, shown.chart(result), args.machine, args.note)
     elif args.command == "gpu":
-        from bench import gpu
+        from bench.gpu import command as gpu
 
         md, paths = gpu.main(args)
     elif args.command == "memory":
-        from bench import memory
+        from bench.memory import command as memory
 
         md, paths = memory.main(args)
     else:
-        from bench import train, train_report, train_rows
+        from bench.train import report as train_report
+        from bench.train import rows as train_rows
+        from bench.train import timing as train
 
         rows = [r.strip() for r in args.rows.split(",")] if args.rows else None
         unknown = sorted(set(rows or ()) - set(train_rows.ROW_NAMES))

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from bench.__main__ import main
-from bench.loader_backends import BACKENDS
-from bench.loader_report import classify
-from bench.train_rows import RowSpec, row_specs, skip_reason
+from bench.loaders.backends import BACKENDS
+from bench.loaders.report import classify
+from bench.train.rows import RowSpec, row_specs, skip_reason
 from datamodules.builtin.tree import generate
 
 
@@ -76,7 +76,7 @@ def _unexplained(md: str, help_text: str) -> list[str]:
 
 
 def test_help_explains_every_column_of_the_train_table(capsys):
-    from bench.train_report import to_markdown
+    from bench.train.report import to_markdown
 
     settings = {"arch": "conv11", "width": 8, "image_size": 32, "batch_size": 8, "epochs": 1, "num_workers": 0,
                 "root": "/data"}
@@ -170,8 +170,8 @@ def _row(name: str, wait: float | None) -> dict:
 
 
 def test_train_table_flags_input_bound_rows():
-    from bench.train_report import to_markdown
-    from bench.train_rows import INPUT_BOUND_FRAC
+    from bench.train.report import to_markdown
+    from bench.train.rows import INPUT_BOUND_FRAC
 
     rows = [_row("baseline", 0.05), _row("16-mixed", INPUT_BOUND_FRAC), _row("compile", 0.29), _row("bf16", None)]
     settings = {"arch": "resnet50", "width": 32, "image_size": 96, "batch_size": 256, "epochs": 3,
@@ -186,7 +186,7 @@ def test_train_table_flags_input_bound_rows():
 def test_train_workload_is_gpu_sized_on_cuda_and_flags_win():
     import argparse
 
-    from bench.train_rows import apply_workload
+    from bench.train.rows import apply_workload
     from datamodules.builtin.draw import CLASSES, PRESETS
 
     unset = dict.fromkeys(["builtin", "train_per_class", "arch", "width", "image_size", "batch_size", "num_workers"])
@@ -209,8 +209,8 @@ def test_train_workload_is_gpu_sized_on_cuda_and_flags_win():
 
 
 def test_dali_loader_built_before_the_clock_and_not_rebuilt_with_max_batches(tmp_path, photo_data):
-    from bench.loader_backends import Settings, _dali
-    from bench.loaders import _prepare, time_epoch
+    from bench.loaders.backends import Settings, _dali
+    from bench.loaders.timing import _prepare, time_epoch
 
     s = Settings(root=photo_data, work=tmp_path, batch_size=4, num_workers=1, image_size=32, max_batches=2)
     p = _dali(s, gpu=False)
@@ -227,7 +227,7 @@ def test_dali_loader_built_before_the_clock_and_not_rebuilt_with_max_batches(tmp
 # ------------------------------------------------------------------------------ bench nodes (no namespaces needed)
 
 def _nodes_result(none_step: float, psgd_step: float, local_step: float = 2.0) -> dict:
-    from bench.nodes import Row
+    from bench.nodes.steps import Row
 
     rows = []
     for hook, step, sent in (("no compression", none_step, 94.0), ("PowerSGD rank 2", psgd_step, 0.9)):
@@ -241,7 +241,7 @@ def _nodes_result(none_step: float, psgd_step: float, local_step: float = 2.0) -
 
 
 def test_nodes_verdict_names_the_bound_and_what_powersgd_does():
-    from bench.nodes_report import chart, to_markdown, verdicts
+    from bench.nodes.report import chart, to_markdown, verdicts
 
     assert verdicts(_nodes_result(6.0, 2.4)) == [
         "200mbit: bandwidth-bound: all-reduce is 67% of the step; PowerSGD rank 2 cuts the step by 60% (6.00 s -> 2.40 s)"]
@@ -254,7 +254,7 @@ def test_nodes_verdict_names_the_bound_and_what_powersgd_does():
 
 
 def test_nodes_hooks_and_step_marks_are_read_as_written():
-    from bench.nodes import _measure, parse_hooks
+    from bench.nodes.steps import _measure, parse_hooks
 
     assert [h.label for h in parse_hooks("none,fp16,powersgd:4")] == ["no compression", "fp16 compression",
                                                                         "PowerSGD rank 4"]
@@ -268,6 +268,6 @@ def test_nodes_hooks_and_step_marks_are_read_as_written():
 
 
 def test_help_explains_every_column_of_the_nodes_table(capsys):
-    from bench.nodes_report import to_markdown
+    from bench.nodes.report import to_markdown
 
     assert _unexplained(to_markdown(_nodes_result(6.0, 2.4)), _help("nodes", capsys)) == []

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from bench import gpu_checks as gc
-from bench import gpu_parallel as gp
-from bench.gpu_checks import Check, Workload
-from bench.gpu_data import NO_CUDA, backend_rows, dali_rows
+from bench.gpu import checks as gc
+from bench.gpu import parallel as gp
+from bench.gpu.checks import Check, Workload
+from bench.gpu.data import NO_CUDA, backend_rows, dali_rows
 
 GROUPS = ("ceiling", "backends", "dali", "precision", "flags", "dp", "ddp")
 # On a CPU the same code runs, small enough to finish in a minute or two.
@@ -88,8 +88,8 @@ def _root(args, w: Workload) -> Path:
     in one epoch (10 classes)."""
     if args.data_dir:
         return Path(args.data_dir)
-    from bench.gpu_data import batches_needed
-    from bench.loader_backends import default_root
+    from bench.gpu.data import batches_needed
+    from bench.loaders.backends import default_root
 
     per_class = args.train_per_class or max(100, -(-batches_needed(w) * w.batch_size // 10))
     return default_root(args.builtin, per_class, None)

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench import gpu_checks as gc
-from bench.gpu_checks import Check, Workload
+from bench.gpu import checks as gc
+from bench.gpu.checks import Check, Workload
 
 DALI_TOLERANCE = 2.0  # mean |mixed - cpu| in grey levels: nvJPEG's and libjpeg-turbo's IDCTs differ slightly, and
 # CPU decoding resizes on the host with torchvision's geometry where mixed resizes in DALI (1.5 on CPU, dali.py)
@@ -57,7 +57,7 @@ def timed_stream(batches: Iterator, step, w: Workload) -> tuple[int, float]:
 def train_through(dm, w: Workload) -> float:
     """Training images/s through a backend's train_dataloader(): to the device, on_after_batch_transfer,
     then the ceiling's training step (the fastest precision, channels_last)."""
-    from bench.loaders import _close, _prepare, _to_device
+    from bench.loaders.timing import _close, _prepare, _to_device
 
     device = torch.device(w.device)
     loader = dm.train_dataloader()
@@ -79,7 +79,7 @@ def train_through(dm, w: Workload) -> float:
 
 
 def backend_rows(args, w: Workload, root: Path, ceiling: float | None) -> list[Check]:
-    from bench import loaders
+    from bench.loaders import timing as loaders
 
     wanted = [b.strip() for b in (args.backends or ",".join(loaders.BACKENDS)).split(",") if b.strip()]
     work = Path("bench/out/work") / root.name

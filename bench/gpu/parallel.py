@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.gpu_checks import Check, TrainStep, Workload, _sync, cudnn_flags, make_model, rate, synthetic_batch
+from bench.gpu.checks import Check, TrainStep, Workload, _sync, cudnn_flags, make_model, rate, synthetic_batch
 
 # ------------------------------------------------------------------------------ dp
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from bench import ceilings
+from bench.loaders import ceilings
 from datamodules.base import BUILTIN_ROOT, REPO_ROOT
 
 BACKENDS = ("imagefolder", "lmdb", "downscaled", "dali-cpu", "dali-gpu", "streaming-local", "streaming-s3")
@@ -192,10 +192,10 @@ FACTORIES: dict[str, Callable[[Settings], Prepared]] = {
 
 def _streaming(s: Settings, name: str) -> Prepared:
     try:
-        from bench import streaming_rows
+        from bench.loaders import streaming
     except ImportError as e:
         raise Skip(f"streaming backend not importable ({e})") from None
-    return getattr(streaming_rows, name)(s)
+    return getattr(streaming, name)(s)
 
 
 def default_root(preset: str, train_per_class: int | None, val_per_class: int | None) -> Path:

@@ -24,8 +24,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench import ceilings
-from bench.loader_backends import Prepared, Settings, Skip, _kwargs
+from bench.loaders import ceilings
+from bench.loaders.backends import Prepared, Settings, Skip, _kwargs
 
 BUCKET = "fic-bench"
 MOTO_ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1",

@@ -5,7 +5,7 @@ Each backend is a row. A backend whose module is not importable, or that cannot 
 (DALI GPU without CUDA), stays in the table as skipped with the reason; one that fails is
 listed as failed with the error. Packing (LMDB) and downscaling happen before the clock.
 
-The backends are made ready in `loader_backends.py`; the table and chart are written by `loader_report.py`.
+The backends are made ready in `backends.py`; the table and chart are written by `report.py`.
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench import ceilings
-from bench.loader_backends import BACKENDS, FACTORIES, LABELS, Prepared, Settings, Skip
-from bench.loader_report import classify, fastest_decode
+from bench.loaders import ceilings
+from bench.loaders.backends import BACKENDS, FACTORIES, LABELS, Prepared, Settings, Skip
+from bench.loaders.report import classify, fastest_decode
 from datamodules.index import load_indexes
 
 # Decode-only ceilings are measured with every decoder the backends use, on every image set:
@@ -265,7 +265,7 @@ def _run(settings: Settings, backends: list[str], measure_ceilings: bool, ceilin
         ceil["stages_us"] = ceilings.stage_times(tree[:: max(1, len(tree) // 100)][:100], settings.image_size)
         ceil["normalize"] = normalize_cost(settings.batch_size, settings.image_size, device)
         if isinstance(outcome.get(LABELS["dali-cpu"]), Prepared):
-            from bench.dali_stages import dali_stage_rates
+            from bench.loaders.dali_stages import dali_stage_rates
 
             ceil["dali_stages"] = dali_stage_rates(tree, settings.image_size, batch_size=settings.batch_size)
     pil = ceil["decode"].get("original", {}).get("pil", {}).get("warm", {}).get("images_s")

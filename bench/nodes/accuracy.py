@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.nodes import parse_hooks
+from bench.nodes.steps import parse_hooks
 from bench.report import markdown_table, repo_relative
 from netsim import link as netlink
 from netsim.nodes import Nodes

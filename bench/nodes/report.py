@@ -1,4 +1,4 @@
-"""`bench nodes`' verdict, table and chart from the result `nodes.run` (or `nodes_accuracy.run`) returns."""
+"""`bench nodes`' verdict, table and chart from the result `steps.run` (or `accuracy.run`) returns."""
 from __future__ import annotations
 
 from typing import Any

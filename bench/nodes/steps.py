@@ -2,7 +2,7 @@
 step, for each DDP comm hook, on two simulated hosts joined by a link of each --rate (netsim).
 
 Every row is a real 2-node `python main.py fit` (one process per namespace, half the CPUs each) of
-ResNet-50 at 32 px on the built-in data, timed per step by bench/nodes_probe.py inside the nodes. A
+ResNet-50 at 32 px on the built-in data, timed per step by bench/nodes/probe.py inside the nodes. A
 reference row runs the same two processes as two independent single-process fits (half the global batch
 each, no all-reduce) at the same time: its step time is the compute alone, and a row's communication share
 is 1 - compute / step. Bytes are the kernel's counters of each node's end of the link.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.nodes_probe import OUT_ENV
+from bench.nodes.probe import OUT_ENV
 from netsim import link as netlink
 from netsim.nodes import LAYOUT, Nodes
 
@@ -92,7 +92,7 @@ def fit_args(settings: dict[str, Any], root: Path, batch: int) -> list[str]:
             "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
             "--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false",
             "--checkpoint.save_top_k", "0", "--checkpoint.save_last", "false",
-            "--trainer.callbacks+=bench.nodes_probe.StepProbe"]
+            "--trainer.callbacks+=bench.nodes.probe.StepProbe"]
 
 
 def _measure(marks: list[list[float]], warmup: int) -> tuple[list[float], float]:

@@ -1,6 +1,6 @@
 """The hand-written PyTorch loop `bench train` compares the template with: same model, data, batch and precision.
 
-Run by `bench train` as `python -m bench.plain_loop SPEC.json`; it writes its per-epoch
+Run by `bench train` as `python -m bench.train.plain_loop SPEC.json`; it writes its per-epoch
 times as JSON to the file named by $BENCH_EPOCH_TIMES.
 """
 from __future__ import annotations

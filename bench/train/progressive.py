@@ -58,7 +58,7 @@ class AccuracyClock(pl.Callback):
 
 
 def run_config(args: argparse.Namespace, progressive: bool) -> dict[str, Any]:
-    callbacks: list[dict[str, Any]] = [{"class_path": "bench.progressive.AccuracyClock"}]
+    callbacks: list[dict[str, Any]] = [{"class_path": "bench.train.progressive.AccuracyClock"}]
     if progressive:
         start = round(args.ramp[0] * args.epochs)
         end = max(start + 1, round(args.ramp[1] * args.epochs))

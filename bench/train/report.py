@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.report import markdown_table, repo_relative
-from bench.train_rows import COLUMNS, INPUT_BOUND_FRAC, is_input_bound
+from bench.train.rows import COLUMNS, INPUT_BOUND_FRAC, is_input_bound
 
 
 def to_markdown(result: dict[str, Any]) -> str:

@@ -3,10 +3,10 @@ and a minimal hand-written PyTorch loop on the same model, data, batch and preci
 
 Each Lightning row is a subprocess `python main.py fit ...` with validation off and the
 `EpochTimer` callback below writing per-epoch times; the hand-written loop is a subprocess
-of `plain_loop.py` (`python -m bench.plain_loop SPEC.json`). The first epoch
+of `plain_loop.py` (`python -m bench.train.plain_loop SPEC.json`). The first epoch
 (worker start, autotuning, compilation) is left out of images/s.
 
-The rows and their settings are in `train_rows.py`; the table and chart are written by `train_report.py`.
+The rows and their settings are in `rows.py`; the table and chart are written by `report.py`.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from bench.plain_loop import TIMES_ENV
-from bench.train_rows import RowSpec, is_input_bound, row_specs, skip_reason
+from bench.train.plain_loop import TIMES_ENV
+from bench.train.rows import RowSpec, is_input_bound, row_specs, skip_reason
 from datamodules.base import BUILTIN_ROOT, REPO_ROOT
 
 
@@ -115,7 +115,7 @@ def lightning_args(spec: RowSpec, cfg: dict, root_dir: Path) -> list[str]:
         "--trainer.strategy", strategy,
         "--trainer.precision", spec.precision,
         "--trainer.benchmark", str(spec.benchmark).lower(),
-        "--trainer.callbacks+=bench.train.EpochTimer",
+        "--trainer.callbacks+=bench.train.timing.EpochTimer",
     ]
     # configs/default.yaml's arch_kwargs ({width: 16}) belong to conv11: other archs get none
     args += ["--model.arch_kwargs", f"{{width: {cfg['width']}}}" if cfg["arch"] == "conv11" else "{}"]
@@ -194,7 +194,7 @@ def run(args, rows: list[str] | None = None) -> dict[str, Any]:
                      ("warmup_epochs", 1.0), ("label_smoothing", 0.1))}}
         spec_file = tmp / f"plain{k}.json"
         spec_file.write_text(json.dumps(plain))
-        return [sys.executable, "-m", "bench.plain_loop", str(spec_file)]
+        return [sys.executable, "-m", "bench.train.plain_loop", str(spec_file)]
 
     try:
         bar = tqdm(specs, desc="train rows", unit="row", dynamic_ncols=True)

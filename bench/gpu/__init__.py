@@ -1,0 +1,1 @@
+"""`python -m bench gpu`: every GPU path of the template, checked and timed."""

@@ -1,0 +1,1 @@
+"""`python -m bench loaders`: every data backend's train pipeline timed, cold and warm, against the machine's ceilings."""

@@ -1,0 +1,1 @@
+"""`python -m bench memory`: the pinned, shared and host memory each rank and node of a config holds."""
