@@ -85,28 +85,40 @@ KNOWN_NOISE_WARNINGS = (
     # pytorch_lightning/loops/prediction_loop.py (_get_batch_indices): a stream has no batch sampler; the
     # prediction writer takes each row's index from the batch (datamodules/shards/loader.py, PredictShardDataset)
     (r"Couldn't infer the batch indices fetched from your dataloader: `PredictShardLoader`", UserWarning),
+    # torch.frombuffer on an LMDB value's read-only memory map (datamodules/sample/decode.py): decode_jpeg only
+    # reads its input
+    (r"The given buffer is not writable", UserWarning),
 )
 
-# rank_zero_info lines (python logging, not warnings): lightning_utilities' rank_zero `log`,
-# which pytorch_lightning/utilities/rank_zero.py points at its own logger.
-KNOWN_NOISE_INFO = (
-    # pytorch_lightning/trainer/connectors/logger_connector/logger_connector.py (configure_logger)
+# Log lines (python logging, not warnings), by the logger that writes them.
+KNOWN_NOISE_LOGS: dict[str, tuple[re.Pattern, ...]] = {}
+_LIGHTNING_TIP = (
+    # pytorch_lightning/trainer/connectors/logger_connector/logger_connector.py (configure_logger), through
+    # lightning_utilities' rank_zero `log`, which pytorch_lightning/utilities/rank_zero.py points at its own logger
     re.compile(r"💡 Tip: For seamless cloud logging and experiment tracking, try installing \[litlogger\]"),
 )
-_RANK_ZERO_LOGGERS = ("pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero")
+KNOWN_NOISE_LOGS["pytorch_lightning.utilities.rank_zero"] = _LIGHTNING_TIP
+KNOWN_NOISE_LOGS["lightning_fabric.utilities.rank_zero"] = _LIGHTNING_TIP
+# litdata/streaming/dataset.py (__init__) advises against any max_cache_size under 25GB; the budgets here are
+# split per split and checked against what the readers hold (datamodules/shards/datamodule.py, cache budgets)
+KNOWN_NOISE_LOGS["litdata.streaming.dataset"] = (re.compile(r".*max_cache_size` is less than 25GB"),)
 
 
 class _DropKnownNoise(logging.Filter):
+    def __init__(self, patterns: tuple[re.Pattern, ...]) -> None:
+        super().__init__()
+        self.patterns = patterns
+
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not any(p.match(message) for p in KNOWN_NOISE_INFO)
+        return not any(p.match(message) for p in self.patterns)
 
 
 def silence_known_noise() -> None:
-    """Silence exactly the messages above; every other warning still shows."""
+    """Silence exactly the messages above; every other warning and log line still shows."""
     for pattern, category in KNOWN_NOISE_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=category)
-    for name in _RANK_ZERO_LOGGERS:
+    for name, patterns in KNOWN_NOISE_LOGS.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropKnownNoise) for f in logger.filters):
-            logger.addFilter(_DropKnownNoise())
+            logger.addFilter(_DropKnownNoise(patterns))

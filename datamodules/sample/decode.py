@@ -24,8 +24,6 @@ while a `torch.ops` operator runs (torch/csrc/jit/python/pybind_utils.h, invokeO
 """
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
@@ -34,8 +32,6 @@ from datamodules.sample.images import decode_rgb
 
 _SOF_FAST = (0xC0, 0xC1, 0xC2)  # baseline, extended sequential, progressive (Huffman)
 _XMP = b"http://ns.adobe.com/xap/1.0/"
-# decode_jpeg only reads its input, so a read-only buffer (an LMDB value in its memory map) is fine.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 def fast_jpeg(data: bytes | bytearray | memoryview) -> tuple[bool, bool]:

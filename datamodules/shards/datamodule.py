@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import warnings
 from pathlib import Path
@@ -31,17 +30,6 @@ from datamodules.shards.loader import (
 )
 from datamodules.shards.storage import endpoint_of, is_remote, redact
 from datamodules.shards.store import open_store
-
-
-class _NoSmallCacheAdvice(logging.Filter):
-    """LitData advises against any max_cache_size under 25GB (litdata/streaming/dataset.py, __init__); the
-    budgets here are split per split and checked against what the readers hold (_cache_budgets)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "max_cache_size` is less than 25GB" not in record.getMessage()
-
-
-logging.getLogger("litdata.streaming.dataset").addFilter(_NoSmallCacheAdvice())
 
 
 class StreamingDataModule(ImageDataModule):
@@ -159,10 +147,10 @@ class StreamingDataModule(ImageDataModule):
         size = self.max_cache_size
         if size is None or isinstance(size, float):  # LitData's own default, or a fraction of the free disk
             return {"train": size, "val": size}
-        from litdata.utilities.format import _human_readable_bytes, _parse_max_cache_size
+        from litdata.utilities import format as litdata_format  # sizes read and shown as LitData does
 
         try:
-            total = _parse_max_cache_size(size)
+            total = litdata_format._parse_max_cache_size(size)
         except ValueError as e:
             raise DataError(f"data.max_cache_size {size!r} is not a size such as 50GB or 500MB ({e}).") from None
         splits = self.meta["splits"]
@@ -177,8 +165,8 @@ class StreamingDataModule(ImageDataModule):
             need = held + in_flight + val + (0 if val < held else in_flight)
             raise DataError(
                 f"data.max_cache_size {size} is too small for {readers} reader(s) on this node (workers x processes), "
-                f"each holding up to {max(2, self.max_pre_download) + 1} chunks of up to {_human_readable_bytes(chunk)} "
-                f"of {self.url}: give it at least {_human_readable_bytes(need)}, or lower --data.num_workers or "
+                f"each holding up to {max(2, self.max_pre_download) + 1} chunks of up to {litdata_format._human_readable_bytes(chunk)} "
+                f"of {self.url}: give it at least {litdata_format._human_readable_bytes(need)}, or lower --data.num_workers or "
                 "--data.max_pre_download.")
         return {"train": int(train), "val": int(val)}
 
