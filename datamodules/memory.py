@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from datamodules.sample.batches import _pixels, ring_buffer_bytes
+from datamodules.sample.batches import batch_layout, ring_buffer_bytes
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -86,7 +86,7 @@ class LoaderPlan:
 
     @property
     def batch_bytes(self) -> int:
-        return _pixels(self.batch, self.size)[2]
+        return batch_layout(self.batch, self.size)[2]
 
     @property
     def ring_slots(self) -> int:
@@ -154,11 +154,6 @@ class MemoryPlan:
         over = self.over_budget()
         return ("Memory per rank: " + ", ".join(parts) + f" ({loaders}{per_batch})"
                 + (f". OVER BUDGET: {'; '.join(over)}" if over else "") + "".join(f". {n}" for n in self.notes))
-
-
-def plan_loader(split: str, batch: int, size: int, workers: int, pin: bool, budget: Budget) -> LoaderPlan:
-    """One loader alone (validate, test): the most batches in flight, then the most workers, that fit `budget`."""
-    return _plan([(split, size, workers)], batch, pin, budget)[0]
 
 
 def plan_memory(batch: int, train_size: int | None, val_size: int, workers: int, pin: bool, budget: Budget,

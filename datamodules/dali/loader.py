@@ -22,7 +22,7 @@ import torch
 from datamodules.cpus import cpus_per_process
 from datamodules.index import DataError
 from datamodules.memory import CONSUMER_BATCHES, Budget, MemoryPlan, pinned_block_bytes
-from datamodules.sample.batches import _pixels, fill_batch, new_batch
+from datamodules.sample.batches import batch_layout, fill_batch, new_batch
 from datamodules.sample.crop import ValCrop, resize
 
 # nvJPEG preallocates, PER DALI THREAD, one device buffer of device_memory_padding and two pinned host
@@ -81,7 +81,7 @@ class DALIPlan:
 
     @property
     def batch_bytes(self) -> int:
-        return _pixels(self.batch, self.size)[2]
+        return batch_layout(self.batch, self.size)[2]
 
     @property
     def pinned(self) -> int:

@@ -22,7 +22,6 @@ from datamodules.lmdb.format import (  # noqa: F401 - the public names of the LM
     MAGIC,
     META_KEY,
     VERSION,
-    _shared_env,
     close_env,
     pack_value,
     read_meta,

@@ -52,7 +52,7 @@ _ENVS: dict[str, tuple[int, lmdb.Environment]] = {}
 _ENVS_LOCK = threading.Lock()
 
 
-def _shared_env(path: str) -> lmdb.Environment:
+def shared_env(path: str) -> lmdb.Environment:
     with _ENVS_LOCK:  # sample threads may open it at once; a second open of a path raises
         return _open_shared(path)
 

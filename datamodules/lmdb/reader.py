@@ -14,7 +14,7 @@ import lmdb
 import numpy as np
 
 from datamodules.index import DataError
-from datamodules.lmdb.format import META_KEY, _shared_env, close_env, read_meta, sample_key, unpack_value
+from datamodules.lmdb.format import META_KEY, close_env, read_meta, sample_key, shared_env, unpack_value
 
 __all__ = ["LMDBReader", "MapPrefetch"]
 
@@ -46,7 +46,7 @@ class LMDBReader:
     def _transaction(self) -> lmdb.Transaction:
         if self._pid != os.getpid() or self._txn is None:
             # One long read transaction per process: the database never changes while it is read.
-            self._txn = _shared_env(self.path).begin(buffers=False)
+            self._txn = shared_env(self.path).begin(buffers=False)
             self._pid = os.getpid()
         return self._txn
 
@@ -82,7 +82,7 @@ class LMDBReader:
             tls = self._tls = (os.getpid(), threading.local())
         txn = getattr(tls[1], "txn", None)
         if txn is None:
-            txn = tls[1].txn = _shared_env(self.path).begin(buffers=True)
+            txn = tls[1].txn = shared_env(self.path).begin(buffers=True)
         return txn
 
     def source_path(self, split: str, i: int) -> str:

@@ -119,10 +119,3 @@ def make_train_augment(auto_augment: str | None = None, random_erasing: float = 
     if policy is None and random_erasing <= 0:
         return None
     return SeededAugment(policy, random_erasing)
-
-
-def check_uint8(image: torch.Tensor) -> torch.Tensor:
-    """What every augmentation must keep: a uint8 CHW tensor."""
-    if image.dtype != torch.uint8 or image.ndim != 3:
-        raise TypeError(f"augmentations take and return uint8 CHW tensors, got {image.dtype} {tuple(image.shape)}")
-    return image

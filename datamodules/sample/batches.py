@@ -40,14 +40,14 @@ _ALIGN = 64
 _ring: tuple[int, list[tuple[torch.UntypedStorage, int]]] | None = None  # (buffer, bytes of pixels)
 
 
-def _pixels(n: int, size: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+def batch_layout(n: int, size: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """Shape, channels-last stride (what the resize kernel writes) and byte count of a uint8 batch."""
     return (n, 3, size, size), (3 * size * size, 1, 3 * size, 3), n * 3 * size * size
 
 
 def ring_buffer_bytes(n: int, size: int) -> int:
     """Shared-memory bytes of one ring buffer for a batch of n images of size x size."""
-    return -(-_pixels(n, size)[2] // _ALIGN) * _ALIGN + _HEADER
+    return -(-batch_layout(n, size)[2] // _ALIGN) * _ALIGN + _HEADER
 
 
 def _header(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor | None:
@@ -70,11 +70,6 @@ def _worker_ring() -> list[tuple[torch.UntypedStorage, int]]:
     return _ring[1]
 
 
-def ring_nbytes() -> list[int]:
-    """The pixel bytes of each buffer in this process's ring (what a size change must leave behind)."""
-    return [nbytes for _, nbytes in _worker_ring()]
-
-
 def new_batch(n: int, size: int, pin: bool = False, slots: int = RING_SLOTS) -> torch.Tensor:
     """An uninitialised uint8 (n, 3, size, size) channels-last batch; in a worker, in shared memory.
 
@@ -82,7 +77,7 @@ def new_batch(n: int, size: int, pin: bool = False, slots: int = RING_SLOTS) -> 
     keeps at most `slots` buffers and drops free buffers of another size. Elsewhere private memory,
     pinned if `pin`.
     """
-    shape, stride, nbytes = _pixels(n, size)
+    shape, stride, nbytes = batch_layout(n, size)
     if get_worker_info() is None:
         return torch.empty_strided(shape, stride, dtype=torch.uint8, pin_memory=pin)
     ring = _worker_ring()
