@@ -1,9 +1,9 @@
-"""What every backend shares: the init args of DESIGN.md, the Index, the global batch size.
+"""What every backend shares: the init args users type (docs/design.md), the Index, the global batch size.
 
 A backend subclasses `ImageDataModule`, declares only its own init args (the rest pass through
 **kwargs; LightningCLI resolves them from this signature) and implements `make_dataset(split,
 index)`, usually as `self.sample_dataset(split, source, labels)`: the shared sample path of
-sample.py. DALI overrides the dataloader methods entirely.
+datamodules/sample/. DALI overrides the dataloader methods entirely.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def resolve_data_dir(data_dir: str | os.PathLike | None, builtin: str) -> Path:
 
 
 class ImageDataModule(LoaderSizing, pl.LightningDataModule):
-    """Shared init args (DESIGN.md).
+    """Shared init args (docs/design.md, "Names users type").
 
     Args:
         data_dir: root holding train/ and val/ (ImageFolder layout); None = the built-in dataset.

@@ -141,7 +141,7 @@ class ImageClassifier(pl.LightningModule):
             # only on the steps that are logged: the accuracy and a Python float (which Lightning copies to the
             # device, LightningModule.__to_tensor: a host-device sync) cost a sync each
             self.train_acc1(logits, labels.argmax(-1) if labels.ndim == 2 else labels)
-            self.log("train/acc1", self.train_acc1, on_step=True, on_epoch=False)  # tag train/acc1, as DESIGN.md
+            self.log("train/acc1", self.train_acc1, on_step=True, on_epoch=False)  # tag train/acc1 (docs/design.md)
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
         return loss
 

@@ -1,6 +1,6 @@
 """The built-in dataset's images: 10 shape classes drawn procedurally, and the named dataset sizes.
 
-`render` is a pure function of (preset, class, seed, split, index); builtin.py writes its images
+`render` is a pure function of (preset, class, seed, split, index); tree.py writes its images
 as JPEG trees.
 """
 from __future__ import annotations

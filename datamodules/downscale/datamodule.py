@@ -5,7 +5,7 @@ The copy is made on first use (`datamodules.downscale`) in a cache folder. With
 DataLoader worker reads in place (fork or spawn), so no worker holds its own copy.
 
 Only the source of the bytes differs from ImageFolder: decoding, crop and batching are the
-shared sample path (sample.py). Every file of a copy is a plain RGB JPEG written by the
+shared sample path (datamodules/sample/). Every file of a copy is a plain RGB JPEG written by the
 downscaler (orientation applied, no EXIF), so it always takes the libjpeg-turbo decoder.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Per-sample train augmentation on uint8 CHW tensors: auto-augment policies and random erasing.
 
-Applied after the random resized crop and flip (the `augment` hook of `train_transform`), so
+Applied after the random resized crop and flip (`TrainCrop(augment=...)` in datamodules/sample/crop.py), so
 every PIL/tensor backend gets the same policy. DALI has its own subset: datamodules/dali/augment.py.
 
 Every random choice comes from the sample's own `random.Random` (the one its crop draws from, seeded per
@@ -112,7 +112,7 @@ class SeededAugment:
 
 
 def make_train_augment(auto_augment: str | None = None, random_erasing: float = 0.0) -> SeededAugment | None:
-    """The per-sample augmentation for `train_transform(..., augment=...)`, or None when both are off."""
+    """The per-sample augmentation for `TrainCrop(augment=...)`, or None when both are off."""
     if not 0.0 <= random_erasing <= 1.0:
         raise DataError(f"data.random_erasing is a probability in [0, 1], got {random_erasing}.")
     policy = auto_augment_policy(str(auto_augment).lower()) if auto_augment else None
