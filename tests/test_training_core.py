@@ -63,3 +63,47 @@ def test_help_says_whose_ddp_the_name_means(capsys):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
     assert "`ddp` is lightning_app.strategies.ddp.ClusterDDPStrategy" in text
     assert "Lightning's plain DDP: class_path pytorch_lightning.strategies.DDPStrategy" in text
+
+
+REPO = Path(__file__).resolve().parents[1]
+OURS = ("models", "datamodules", "lightning_app", "netsim", "bench", "tests")
+# docs/design.md, "The folders and what each may import"
+NEVER = {"models": {"datamodules", "lightning_app", "netsim", "bench", "tests"},
+         "datamodules": {"models", "lightning_app", "netsim", "bench", "tests"},
+         "lightning_app": {"netsim", "bench", "tests"},
+         "netsim": {"models", "datamodules", "lightning_app", "bench", "tests", "torch"},
+         "bench": {"tests"}}
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names) of every import statement in a file, at any depth."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, [a.name for a in node.names]))
+    return found
+
+
+def test_each_folder_imports_only_what_the_design_page_allows():
+    broken = []
+    for folder, never in NEVER.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for module, _ in _imports(path):
+                if module.split(".")[0] in never:
+                    broken.append(f"{path.relative_to(REPO)} imports {module}")
+    assert not broken, "\n".join(broken)
+
+
+def test_no_private_name_crosses_a_file_of_ours():
+    crossing = []
+    for folder in ("lightning_app", "datamodules", "models", "bench", "netsim"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for module, names in _imports(path):
+                private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+                if module.split(".")[0] in OURS and private:
+                    crossing.append(f"{path.relative_to(REPO)}: from {module} import {', '.join(private)}")
+    assert not crossing, "\n".join(crossing)
