@@ -1,15 +1,7 @@
 """The learning-rate schedule: linear warm-up then cosine decay (`warmup_cosine`), over the optimizer steps of the
-whole fit (`total_steps`), counted from the dataset's length.
-
-Lightning's `trainer.estimated_stepping_batches` would give the same number, but reading it before
-the fit loop has restored its state loads the train dataloader early (pytorch_lightning/trainer/
-trainer.py, estimated_stepping_batches -> fit_loop.setup_data), and the fit loop then never hands
-the checkpoint's loader state to that loader (loops/fit_loop.py, setup_data returns early, so
-_load_combined_loader_states never runs): a stateful loader (LitData's StreamingDataLoader)
-replays its epoch from the start after a mid-epoch resume. Lightning issue #20550.
-
-So the count comes from the datamodule (`train_batches()`: batches per epoch on this process) and
-Lightning's own arithmetic for limit_train_batches, gradient accumulation, max_epochs and max_steps.
+whole fit (`total_steps`), counted from the datamodule's `train_batches()` with Lightning's arithmetic for limits,
+accumulation, max_epochs and max_steps; not from `trainer.estimated_stepping_batches`, which would make a stateful
+loader replay its epoch after a mid-epoch resume (Lightning issue #20550; docs/design.md, "LR schedule").
 """
 from __future__ import annotations
 

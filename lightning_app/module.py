@@ -207,14 +207,8 @@ class ImageClassifier(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def fused_step(self) -> bool:
-        """SGD's fused kernel on CUDA: one kernel per step, and under 16-mixed no host sync.
-
-        GradScaler.step reads found_inf with .item() every step, except for an optimizer with
-        `_step_supports_amp_scaling` (torch/amp/grad_scaler.py, GradScaler.step), which fused SGD sets
-        and which skips the step on the device. Lightning then leaves unscaling to the optimizer and
-        refuses gradient clipping (pytorch_lightning/plugins/precision/amp.py, clip_gradients), so
-        clipping keeps the plain kernel.
-        """
+        """SGD's fused kernel on CUDA: one kernel per step, and under 16-mixed no host sync; gradient clipping
+        keeps the plain kernel (docs/design.md, "No host sync per step")."""
         trainer = self._trainer
         clipping = trainer is not None and bool(trainer.gradient_clip_val)
         return self.device.type == "cuda" and not clipping
@@ -286,15 +280,9 @@ def inference_settings(datamodule) -> dict:
     ratio = float(getattr(datamodule, "val_crop_ratio", 1.0) or 1.0)
     return {"image_size": int(size), "resize": round(size / ratio), "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}
 def compile_static(backbone: torch.nn.Module, trainer: pl.Trainer | None) -> None:
-    """torch.compile the backbone in place (checkpoint keys do not gain "_orig_mod.") with static shapes.
-
-    torch.compile's default (dynamic=None) makes a dimension dynamic at its first recompile (torch/__init__.py,
-    `compile`, argument `dynamic`): the sanity check compiles at the val size first, so the train size would
-    run a dynamic-shape graph for the whole run. Static: one graph per input shape (each train size, the val
-    size and its last partial batch, in train and eval mode), each compiled once; the recompile limit
-    (torch/_dynamo/config.py, 8 by default; past it, dynamo silently runs the frame eagerly) is raised to
-    hold them, and rank 0 logs every recompile with its reason.
-    """
+    """torch.compile the backbone in place (checkpoint keys do not gain "_orig_mod.") with static shapes: one graph
+    per input shape (each train size, the val size and its last partial batch, in train and eval mode), the
+    recompile limit raised to hold them, every recompile logged by rank 0 (docs/design.md, "compile")."""
     import torch._dynamo
 
     sizes = getattr(getattr(trainer, "datamodule", None), "scheduled_train_sizes", None) or [None]

@@ -1,18 +1,10 @@
 """An exponential moving average of the weights that is used only once it has started.
 
-Lightning's `EMAWeightAveraging` (pytorch_lightning/callbacks/weight_averaging.py) builds its
-`AveragedModel` in `setup("fit")`, a copy of the model as it is then: the random initialisation,
-because callbacks' `setup` runs before the LightningModule's, where `--model.weights` loads (trainer
-call order in pytorch_lightning/trainer/call.py, `_call_setup_hook`). With a delayed start
-(`update_starting_at_step/epoch`) it nevertheless swaps that copy in for every validation, saves it as
-the checkpoint's `state_dict` and copies it over the model at the end of training: until the average
-starts (5 ImageNet epochs in the torchvision recipe), validation reports chance-level accuracy and every
-checkpoint holds random weights.
-
-Here, until the average has taken its first update (`AveragedModel.n_averaged`, torch/optim/swa_utils.py),
-validation, checkpoints and the end of training use the live weights. The first update copies the live
-weights into the average (`update_parameters` copies when n_averaged is 0), so the average starts from the
-weights being trained (those of `--model.weights` included), never from the initialisation.
+Lightning's `EMAWeightAveraging` swaps its copy of the model in for validation and checkpoints even before a
+delayed start (`update_starting_at_step/epoch`), and that copy is the random initialisation (docs/design.md,
+"EMA"). Here, until the average has taken its first update (`AveragedModel.n_averaged`), validation,
+checkpoints and the end of training use the live weights; the first update copies the live weights into the
+average, so it starts from the weights being trained (those of `--model.weights` included).
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """Flags win over a checkpoint, except what builds the network.
 
-LightningCLI merges an explicit --ckpt_path's saved hyperparameters OVER the command line
-(pytorch_lightning/cli.py, LightningCLI._parse_ckpt_path -> parser.parse_object(hparams, self.config)), so
-`validate --ckpt_path X --model.test_time_flip true` ran without flips and a resumed fit kept its old lr.
-Here only NETWORK_KEYS come from the checkpoint (the class count comes from the data and is checked against
-the checkpoint's weights in runs.signature). A configured value that differs from both the defaults and the
-checkpoint's contradicts it: that is an error naming both.
+LightningCLI would merge a checkpoint's saved hyperparameters over the command line (docs/design.md, "Flags
+over a checkpoint"). Here only NETWORK_KEYS come from the checkpoint (the class count comes from the data and is
+checked against the checkpoint's weights in runs.signature). A configured value that differs from both the
+defaults and the checkpoint's contradicts it: that is an error naming both.
 """
 from __future__ import annotations
 
