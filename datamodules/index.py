@@ -128,7 +128,7 @@ def load_index(
     key = _cache_key(root, split, classes, check)
     cache_file = _cache_dir() / f"{hashlib.sha1(f'{root}:{split}'.encode()).hexdigest()}.json"
     if not cache:
-        return _checked(_scan(root, split, classes, check), root, split)
+        return _checked(scan_split(root, split, classes, check), root, split)
     cached = _valid_cache(cache_file, key, root)
     if cached is not None:
         return cached
@@ -142,7 +142,7 @@ def load_index(
             return cached
         split_dir = os.path.join(root, split)
         folders = {split_dir: os.stat(split_dir).st_mtime_ns}  # each folder is stat'ed before it is listed
-        index = _checked(_scan(root, split, classes, check, folders=folders), root, split)
+        index = _checked(scan_split(root, split, classes, check, folders=folders), root, split)
         _write_cache(cache_file, key, index, folders)
         return index
 
@@ -173,8 +173,8 @@ def _class_folders(split_dir: Path) -> list[str]:
     return sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
 
 
-def _scan(root: str, split: str, classes: list[str], check: bool, threads: int = SCAN_THREADS,
-          progress: bool | None = None, folders: dict[str, int] | None = None) -> Index:
+def scan_split(root: str, split: str, classes: list[str], check: bool, threads: int = SCAN_THREADS,
+               progress: bool | None = None, folders: dict[str, int] | None = None) -> Index:
     """List every class folder, then check every file (head and tail), both on `threads` threads.
     `folders` gets {folder: mtime_ns} of every folder entered (the cache's key)."""
     t0 = time.perf_counter()
@@ -193,7 +193,7 @@ def _scan(root: str, split: str, classes: list[str], check: bool, threads: int =
 
                 list(pool.map(check_chunk, range(0, len(paths), SCAN_CHUNK)))
     samples, bad, empty, k = [], [], [], 0
-    for label, (name, files) in enumerate(zip(classes, listings)):
+    for label, (name, files) in enumerate(zip(classes, listings, strict=False)):
         if not files:
             empty.append(name)
         for path in files:

@@ -179,7 +179,7 @@ def _plan(splits: list[tuple[str, int, int]], batch: int, pin: bool, budget: Bud
 
     def make(workers: int, prefetch: list[int]) -> list[LoaderPlan]:
         return [LoaderPlan(name, batch, size, min(workers, wanted), p if wanted else 0, pin, wanted)
-                for (name, size, wanted), p in zip(splits, prefetch)]
+                for (name, size, wanted), p in zip(splits, prefetch, strict=False)]
 
     most = max(wanted for _, _, wanted in splits)
     workers = next((w for w in range(most, 0, -1) if fits(make(w, [1] * len(splits)))), 1)

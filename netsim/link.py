@@ -118,7 +118,7 @@ class Link:
         shape = ", ".join(x for x in (self.rate and f"rate {self.rate} (tbf)", self.delay and f"delay {self.delay}",
                                       self.loss and f"loss {self.loss}") if x) or "unshaped"
         nodes = "; ".join(f"node {i}: namespace {ns}, {addr} on {dev}" for i, (ns, addr, dev) in
-                          enumerate(zip(self.namespaces, self.addresses, self.interfaces)))
+                          enumerate(zip(self.namespaces, self.addresses, self.interfaces, strict=False)))
         return f"{self.tag}: {nodes}; link {shape}"
 
 

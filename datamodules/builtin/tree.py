@@ -129,7 +129,7 @@ def generate(
         for split in SPLITS:
             for c in CLASSES:
                 (tmp / split / c).mkdir(parents=True)
-        jobs = [(s, label, i) for s, n in zip(SPLITS, (n_train, n_val))
+        jobs = [(s, label, i) for s, n in zip(SPLITS, (n_train, n_val), strict=False)
                 for label in range(len(CLASSES)) for i in range(n)]
         chunk = 32 if p.varied else 256
         chunks = [(str(tmp), p, seed, jobs[i:i + chunk]) for i in range(0, len(jobs), chunk)]

@@ -166,7 +166,7 @@ def downscale(
         bad = [(rel, why) for s in SPLITS for rel, why in indexes[s].bad_files]
         results = parallel_imap(_job, jobs, workers=workers, desc=f"downscale {max_size}px", progress=progress,
                                 nbytes=lambda r: r[2])
-        for rel, (status, why, _, _) in zip(rels, results):
+        for rel, (status, why, _, _) in zip(rels, results, strict=False):
             if status == "bad":
                 bad.append((rel, why))
             else:

@@ -121,7 +121,7 @@ class LMDBDataModule(ImageDataModule):
         for s in SPLITS:
             paths = meta["splits"][s]["paths"]
             labels = meta["splits"][s].get("labels") or [-1] * len(paths)  # optional: labels live in the values
-            indexes[s] = Index(str(self.root), s, self.classes, list(zip(paths, labels)))
+            indexes[s] = Index(str(self.root), s, self.classes, list(zip(paths, labels, strict=False)))
         return indexes
 
     def make_dataset(self, split: str, index: Index) -> Dataset:

@@ -210,7 +210,7 @@ def _pack_split(env: lmdb.Environment, state: dict, split: str, index: Index, wo
                             nbytes=lambda r: r[3])
     pending: list[tuple[bytes, bytes]] = []
     pending_bytes = 0
-    for (rel, _), (value, reencoded, why, _size) in zip(todo, results):
+    for (rel, _), (value, reencoded, why, _size) in zip(todo, results, strict=False):
         if value is None:
             st["bad"].append([rel, why])
         else:

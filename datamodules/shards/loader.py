@@ -118,7 +118,7 @@ class ShardBatches:
         self.with_paths = with_paths
 
     def __call__(self, items: list[tuple]) -> tuple:
-        data, labels, paths, indices = zip(*items)
+        data, labels, paths, indices = zip(*items, strict=False)
         samples = SampleDataset(ItemSource(data, paths, self.url), labels, self.crop, self.size)
         samples.decode_threads = self.decode_threads
         samples.ring_slots = self.ring_slots
@@ -199,5 +199,5 @@ class PredictShardLoader(ShardLoader):
 
     def __iter__(self):
         for images, indices, paths in super().__iter__():
-            self.dataset.paths.update(zip(indices.tolist(), paths))
+            self.dataset.paths.update(zip(indices.tolist(), paths, strict=False))
             yield give_back((images, indices))  # a worker's ring buffer (unless pinned): reused once freed

@@ -89,7 +89,7 @@ def probe(module: pl.LightningModule, trainer: pl.Trainer, size: int, batch: int
         with torch.no_grad():
             for k, b in backbone.named_buffers():
                 b.copy_(buffers[k])
-    (n1, m1), (n2, m2) = zip(PROBE_BATCHES, measured)
+    (n1, m1), (n2, m2) = zip(PROBE_BATCHES, measured, strict=False)
     per_image = max(0.0, (m2 - m1) / (n2 - n1))
     constant = max(0.0, m1 - per_image * n1)
     params = sum(p.numel() * p.element_size() for p in backbone.parameters())

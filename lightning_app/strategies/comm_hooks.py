@@ -96,7 +96,8 @@ class _NamedBucket:
         return getattr(self._bucket, name)
 
 
-def resumable_powersgd_hook(state, bucket):  # no annotations: DDP compares them to the classes, and here they are strings
+# no annotations: DDP compares them to the classes, and here they are strings
+def resumable_powersgd_hook(state, bucket):
     """torch's powerSGD_hook on a bucket named by its layout (PowerSGDHookState, dist.GradBucket -> Future).
 
     With `state.one_bucket_at_a_time` (every backend but NCCL), a bucket starts only when the previous one's
@@ -144,7 +145,7 @@ class PowerSGDHookState:
         """The key of this bucket's layout; a layout seen for the first time gets its parameters' state."""
         buffer = bucket.buffer()
         slots = tuple((self.names.get(id(p), f"#{i}"), g.storage_offset() - buffer.storage_offset(), g.numel(),
-                       tuple(g.shape)) for i, (p, g) in enumerate(zip(bucket.parameters(), bucket.gradients())))
+                       tuple(g.shape)) for i, (p, g) in enumerate(zip(bucket.parameters(), bucket.gradients(), strict=False)))
         key = self._keys.get(slots)
         if key is None:
             key = self._keys[slots] = len(self._keys)
@@ -282,7 +283,7 @@ def gather_state(state: PowerSGDHookState, device: torch.device, rank: int, worl
     if ts.iter < ts.start_powerSGD_iter:
         return saved
     flat = torch.cat([local[n].reshape(-1).float() if n in local else torch.zeros(k)
-                      for n, k in zip(names, numels)]).to(device)
+                      for n, k in zip(names, numels, strict=False)]).to(device)
     if world > 1:
         chunks = [torch.empty_like(flat) for _ in range(world)] if rank == 0 else None
         dist.gather(flat, chunks, dst=0)
@@ -300,7 +301,7 @@ def restore_state(state: PowerSGDHookState, saved: dict[str, Any], rank: int, wo
         if len(saved["errors"]) == world:
             flat = saved["errors"][rank]
             errors, offset = {}, 0
-            for name, numel in zip(saved["error_names"], saved["error_numels"]):
+            for name, numel in zip(saved["error_names"], saved["error_numels"], strict=False):
                 errors[name] = flat[offset:offset + numel]
                 offset += numel
         else:

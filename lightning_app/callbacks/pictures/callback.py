@@ -118,7 +118,7 @@ class TensorBoardPictures(pl.Callback):
         top, idx = score.topk(min(self.max_images, len(score)))
         found = (top, images[idx].detach(), labels[idx], predicted[idx])
         if self._best is not None and self._best[1].shape[1:] == found[1].shape[1:]:
-            merged = [torch.cat(pair) for pair in zip(self._best, found)]
+            merged = [torch.cat(pair) for pair in zip(self._best, found, strict=False)]
             top, idx = merged[0].topk(min(self.max_images, len(merged[0])))
             found = tuple(t[idx] for t in merged)
         self._best = found
@@ -147,7 +147,7 @@ class TensorBoardPictures(pl.Callback):
             if keep.any():
                 pictures = to_uint8(images[keep.to(images.device)]).numpy()
                 scores, true, predicted = (t.cpu()[keep].tolist() for t in (scores, true, predicted))
-                titles = [f"true {names[t]}\npred {names[p]} ({c:.2f})" for c, t, p in zip(scores, true, predicted)]
+                titles = [f"true {names[t]}\npred {names[p]} ({c:.2f})" for c, t, p in zip(scores, true, predicted, strict=False)]
                 self.drawer.submit(lambda: writer.add_image("images/mistakes", titled_grid(pictures, titles), step,
                                                             dataformats="HWC"))
 

@@ -78,7 +78,7 @@ def titled_grid(images: np.ndarray, titles: list[str], columns: int = 4) -> np.n
     axes = fig.subplots(rows, columns, squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
-    for ax, image, title in zip(axes.flat, images, titles):
+    for ax, image, title in zip(axes.flat, images, titles, strict=False):
         ax.imshow(np.transpose(image, (1, 2, 0)))
         ax.set_title(title, fontsize=8)
     fig.tight_layout()
