@@ -74,11 +74,11 @@ def evict(root: Path, drop_caches: bool = False) -> str:
 
 
 def measure(root: Path, threads: int) -> tuple[int, float]:
-    from datamodules.index import _scan, find_classes
+    from datamodules.index import find_classes, scan_split
 
     classes = find_classes(root)
     t0 = time.perf_counter()
-    index = _scan(str(root.absolute()), "train", classes, True, threads=threads, progress=False)
+    index = scan_split(str(root.absolute()), "train", classes, True, threads=threads, progress=False)
     return len(index.samples) + len(index.bad_files), time.perf_counter() - t0
 
 
