@@ -44,10 +44,6 @@ def classify(images_s: float, mb_s: float, io_mb_s: float | None, decode_images_
     return "around decoding", io, dec
 
 
-def _fmt(x: float | None, spec: str = ",.0f") -> str:
-    return "" if x is None else format(x, spec)
-
-
 def fastest_decode(ceil: dict[str, Any], images: str) -> float | None:
     """The fastest full-image decoder's warm decode-only rate for an image set (None if not measured)."""
     rates = [v["warm"]["images_s"] for v in ceil["decode"].get(images, {}).values() if "warm" in v]
