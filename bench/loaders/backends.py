@@ -10,62 +10,19 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from bench.loaders import ceilings
+from bench.loaders.prepared import Prepared, Settings, Skip, datamodule_kwargs
+from bench.loaders.streaming import streaming_local, streaming_s3
 from datamodules.base import BUILTIN_ROOT, REPO_ROOT
 
 BACKENDS = ("imagefolder", "lmdb", "downscaled", "dali-cpu", "dali-gpu", "streaming-local", "streaming-s3")
 LABELS = {"imagefolder": "ImageFolder", "lmdb": "LMDB", "downscaled": "Downscaled",
           "dali-cpu": "DALI CPU", "dali-gpu": "DALI GPU (mixed)", "streaming-local": "Streaming (folder)",
           "streaming-s3": "Streaming (S3)"}
-
-
-class Skip(Exception):
-    """A backend that cannot run here; the message is the reason shown in the table."""
-
-
-@dataclass
-class Settings:
-    root: Path
-    work: Path
-    batch_size: int = 64
-    num_workers: int = 2
-    image_size: int = 224
-    downscale_size: int = 160
-    warm_epochs: int = 2
-    rounds: int = 3
-    max_batches: int | None = None
-    drop_caches: bool = False
-    device: str = "cpu"
-
-
-@dataclass
-class Prepared:
-    datamodule: Any
-    files: list[str]           # what to evict for a cold epoch
-    image_bytes: float          # mean stored bytes per train image
-    storage: str                # key of the IO ceiling (the files this backend reads)
-    images: str                 # key of the decode ceiling (the encoded images it decodes)
-    gpu_decode: bool = False
-    note: str = ""
-    evict: Callable[[], str] | None = None       # how to make the next epoch cold, instead of evicting `files`
-    io_ceiling: Callable[[], Any] | None = None  # the IO ceiling (a ceilings.Ceiling), instead of reading `files`
-    close: Callable[[], None] | None = None      # after the run (a server this backend started)
-
-
-def _kwargs(cls, s: Settings, **extra) -> dict:
-    """The shared DESIGN.md init args plus whichever of ``extra`` the class accepts."""
-    params = inspect.signature(cls.__init__).parameters
-    kw = {"data_dir": str(s.root), "batch_size": s.batch_size, "num_workers": s.num_workers,
-          "image_size": s.image_size}
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    kw.update({k: v for k, v in extra.items() if k in params or takes_any})
-    return {k: v for k, v in kw.items() if k in params or takes_any}
 
 
 def _mean_size(paths: list[str]) -> float:
@@ -80,7 +37,7 @@ def _train_files(dm) -> list[str]:
 def _imagefolder(s: Settings) -> Prepared:
     from datamodules import ImageFolderDataModule
 
-    dm = ImageFolderDataModule(**_kwargs(ImageFolderDataModule, s))
+    dm = ImageFolderDataModule(**datamodule_kwargs(ImageFolderDataModule, s))
     dm.setup("fit")
     files = _train_files(dm)
     return Prepared(dm, files, _mean_size(files), "tree", "original")
@@ -104,7 +61,7 @@ def _lmdb(s: Settings) -> Prepared:
         _run_tool(["datamodules.lmdb", "--src", str(s.root), "--dst", str(dst)], "packing the LMDB")
     params = inspect.signature(LMDBDataModule.__init__).parameters
     path_arg = next((p for p in ("lmdb_path", "lmdb", "path", "db_path") if p in params), None)
-    kw = _kwargs(LMDBDataModule, s, **({path_arg: str(dst)} if path_arg else {}))
+    kw = datamodule_kwargs(LMDBDataModule, s, **({path_arg: str(dst)} if path_arg else {}))
     if path_arg is None:
         kw["data_dir"] = str(dst)
     dm = LMDBDataModule(**kw)
@@ -135,7 +92,7 @@ def _downscaled(s: Settings) -> Prepared:
     for name in ("downscaled_dir", "dst", "cache_dir", "out_dir"):
         if name in params:
             extra[name] = str(dst)
-    kw = _kwargs(DownscaledDataModule, s, **extra)
+    kw = datamodule_kwargs(DownscaledDataModule, s, **extra)
     if not any(k in params for k in ("downscaled_dir", "dst", "cache_dir", "out_dir")):
         kw["data_dir"] = str(dst)  # the downscaled copy is itself an ImageFolder tree
     dm = DownscaledDataModule(**kw)
@@ -161,7 +118,7 @@ def _dali(s: Settings, gpu: bool) -> Prepared:
     value = "cpu"
     if gpu:  # DALIDataModule(dali_device="gpu") decodes with DALI's "mixed" (nvJPEG) operators
         value = "gpu" if name == "dali_device" else "mixed"
-    dm = DALIDataModule(**_kwargs(DALIDataModule, s, **{name: value}))
+    dm = DALIDataModule(**datamodule_kwargs(DALIDataModule, s, **{name: value}))
     dm.setup("fit")
     note = f"{name}={value!r}"
     if s.max_batches and getattr(dm, "indexes", None):
@@ -185,20 +142,13 @@ FACTORIES: dict[str, Callable[[Settings], Prepared]] = {
     "downscaled": _downscaled,
     "dali-cpu": lambda s: _dali(s, gpu=False),
     "dali-gpu": lambda s: _dali(s, gpu=True),
-    "streaming-local": lambda s: _streaming(s, "streaming_local"),
-    "streaming-s3": lambda s: _streaming(s, "streaming_s3"),
+    "streaming-local": streaming_local,
+    "streaming-s3": streaming_s3,
 }
 
 
-def _streaming(s: Settings, name: str) -> Prepared:
-    try:
-        from bench.loaders import streaming
-    except ImportError as e:
-        raise Skip(f"streaming backend not importable ({e})") from None
-    return getattr(streaming, name)(s)
-
-
 def default_root(preset: str, train_per_class: int | None, val_per_class: int | None) -> Path:
+    """The built-in preset's tree (made on first use): the data when no --data-dir is given."""
     from datamodules.builtin.tree import ensure_builtin
 
     return Path(ensure_builtin(preset, root=BUILTIN_ROOT, train_per_class=train_per_class, val_per_class=val_per_class))

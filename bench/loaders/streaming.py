@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.loaders import ceilings
-from bench.loaders.backends import Prepared, Settings, Skip, _kwargs
+from bench.loaders.prepared import Prepared, Settings, Skip, datamodule_kwargs
 
 BUCKET = "fic-bench"
 MOTO_ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1",
@@ -47,7 +47,7 @@ def streaming_local(s: Settings) -> Prepared:
 
     dst = s.work / "shards"
     meta = _pack(s, str(dst))
-    dm = StreamingDataModule(**_kwargs(StreamingDataModule, s, data_dir=str(dst)))
+    dm = StreamingDataModule(**datamodule_kwargs(StreamingDataModule, s, data_dir=str(dst)))
     dm.setup("fit")
     train = meta["splits"]["train"]
     return Prepared(dm, _chunk_files(dst), train["bytes"] / max(1, train["count"]), "shards", "original",
@@ -111,7 +111,7 @@ def streaming_s3(s: Settings) -> Prepared:
         meta = _pack(s, url)
         cache = s.work / "s3-cache"
         shutil.rmtree(cache, ignore_errors=True)
-        dm = StreamingDataModule(**_kwargs(StreamingDataModule, s, data_dir=url, cache_dir=str(cache)))
+        dm = StreamingDataModule(**datamodule_kwargs(StreamingDataModule, s, data_dir=url, cache_dir=str(cache)))
         dm.setup("fit")
     except BaseException:
         close()
