@@ -147,7 +147,8 @@ def bar_chart(path: Path, title: str, labels: Sequence[str], series: dict[str, S
     return path
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all (a temporary file, then a rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
@@ -178,8 +179,8 @@ def write_results(out_dir: str | os.PathLike, kind: str, markdown: str, data: di
     header = f"## {kind}\n\n" + (f"> **{note}**\n\n" if note else "")
     section = (header + f"`{data['command']}` at {data['created']}\n\n" + markdown.strip()
                + f"\n\n![{kind}]({paths['png'].name})\n")
-    _atomic_write(paths["md"], section)
-    _atomic_write(paths["json"], json.dumps(data, indent=1, default=str) + "\n")
+    atomic_write(paths["md"], section)
+    atomic_write(paths["json"], json.dumps(data, indent=1, default=str) + "\n")
     bar_chart(paths["png"], **chart)
     paths["summary"] = combine(out, name, info)
     return paths
@@ -193,5 +194,5 @@ def combine(out_dir: Path, name: str, info: dict[str, Any]) -> Path:
         if p.exists():
             parts.append(p.read_text())
     path = out_dir / f"{name}.md"
-    _atomic_write(path, "\n".join(parts))
+    atomic_write(path, "\n".join(parts))
     return path

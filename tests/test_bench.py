@@ -209,14 +209,15 @@ def test_train_workload_is_gpu_sized_on_cuda_and_flags_win():
 
 
 def test_dali_loader_built_before_the_clock_and_not_rebuilt_with_max_batches(tmp_path, photo_data):
-    from bench.loaders.backends import Settings, _dali
-    from bench.loaders.timing import _prepare, time_epoch
+    from bench.loaders.backends import FACTORIES
+    from bench.loaders.prepared import Settings
+    from bench.loaders.timing import prepare, time_epoch
 
     s = Settings(root=photo_data, work=tmp_path, batch_size=4, num_workers=1, image_size=32, max_batches=2)
-    p = _dali(s, gpu=False)
+    p = FACTORIES["dali-cpu"](s)
     loader = p.datamodule.train_dataloader()
     assert len(loader) == 2  # an epoch of exactly --max-batches batches
-    _prepare(loader)
+    prepare(loader)
     assert loader._it is not None  # built (threads started) before any epoch is timed
     for _ in range(3):
         images, _ = time_epoch(p.datamodule, loader, torch.device("cpu"), s.max_batches, "dali")

@@ -91,7 +91,8 @@ class TrainStep:
         return loss.detach()
 
 
-def _sync(device: str) -> None:
+def sync(device: str) -> None:
+    """Wait for the GPU's queued work (nothing to wait for on a CPU)."""
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
@@ -101,11 +102,11 @@ def rate(step: Callable[[], Any], images: int, warmup: int, steps: int, device: 
     t0 = time.perf_counter()
     for _ in range(warmup):
         step()
-    _sync(device)
+    sync(device)
     t1 = time.perf_counter()
     for _ in range(steps):
         step()
-    _sync(device)
+    sync(device)
     return images * steps / max(time.perf_counter() - t1, 1e-9), t1 - t0
 
 

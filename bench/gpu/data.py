@@ -21,6 +21,7 @@ import torch
 
 from bench.gpu import checks as gc
 from bench.gpu.checks import Check, Workload
+from bench.loaders.timing import close, prepare, to_device
 
 DALI_TOLERANCE = 2.0  # mean |mixed - cpu| in grey levels: nvJPEG's and libjpeg-turbo's IDCTs differ slightly, and
 # CPU decoding resizes on the host with torchvision's geometry where mixed resizes in DALI (1.5 on CPU, dali.py)
@@ -46,35 +47,33 @@ def timed_stream(batches: Iterator, step, w: Workload) -> tuple[int, float]:
     """(images, seconds) of `w.steps` batches through `step(batch) -> images`, after `w.warmup` untimed."""
     for _ in range(w.warmup):
         step(next(batches))
-    gc._sync(w.device)
+    gc.sync(w.device)
     t0, images = time.perf_counter(), 0
     for _ in range(w.steps):
         images += step(next(batches))
-    gc._sync(w.device)
+    gc.sync(w.device)
     return images, time.perf_counter() - t0
 
 
 def train_through(dm, w: Workload) -> float:
     """Training images/s through a backend's train_dataloader(): to the device, on_after_batch_transfer,
     then the ceiling's training step (the fastest precision, channels_last)."""
-    from bench.loaders.timing import _close, _prepare, _to_device
-
     device = torch.device(w.device)
     loader = dm.train_dataloader()
-    _prepare(loader)
+    prepare(loader)
     try:
         with gc.cudnn_flags(benchmark=device.type == "cuda"):
             train = gc.TrainStep(gc.make_model(w, num_classes=dm.num_classes), gc.fastest_precision(w.device),
                                  channels_last=True)
 
             def step(batch) -> int:
-                x, y = dm.on_after_batch_transfer(_to_device(batch, device), 0)
+                x, y = dm.on_after_batch_transfer(to_device(batch, device), 0)
                 train(x, y)
                 return int(x.shape[0])
 
             images, seconds = timed_stream(stream(loader), step, w)
     finally:
-        _close(loader)  # stop a DataLoader's persistent workers before the next backend
+        close(loader)  # stop a DataLoader's persistent workers before the next backend
     return images / max(seconds, 1e-9)
 
 
@@ -107,7 +106,7 @@ def backend_rows(args, w: Workload, root: Path, ceiling: float | None) -> list[C
             row.status, row.verdict = "FAIL", f"{type(e).__name__}: {str(e)[:300]}"
             continue
         finally:
-            loaders._shutdown(prepared.datamodule)
+            loaders.shutdown(prepared.datamodule)
         share = row.images_s / ceiling if ceiling else None
         row.extra["share"] = share
         row.verdict = (f"end-to-end training, {w.steps} batches timed after {w.warmup}, {args.num_workers} workers"

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.gpu.checks import Check, TrainStep, Workload, _sync, cudnn_flags, make_model, rate, synthetic_batch
+from bench.gpu.checks import Check, TrainStep, Workload, cudnn_flags, make_model, rate, sync, synthetic_batch
 
 # ------------------------------------------------------------------------------ dp
 
@@ -68,11 +68,11 @@ def _ddp_worker(rank: int, world: int, port: int, w: Workload, mb: int, out: str
         buf = torch.ones(mb * 2**20 // 4, device=device)
         for _ in range(5):
             dist.all_reduce(buf)
-        _sync(device)
+        sync(device)
         t0, reps = time.perf_counter(), 20
         for _ in range(reps):
             dist.all_reduce(buf)
-        _sync(device)
+        sync(device)
         seconds = (time.perf_counter() - t0) / reps
         busbw = buf.numel() * 4 / seconds * 2 * (world - 1) / world / 1e9
         # one DDP step on this rank's share of the global batch vs one process on the whole batch

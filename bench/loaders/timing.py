@@ -48,13 +48,14 @@ class Row:
 
 # ------------------------------------------------------------------------------ timing
 
-def _to_device(batch, device: torch.device):
+def to_device(batch: Any, device: torch.device) -> Any:
+    """The tensors of a batch (nested in lists, tuples and dicts) moved to ``device``."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device) for b in batch)
+        return type(batch)(to_device(b, device) for b in batch)
     if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
+        return {k: to_device(v, device) for k, v in batch.items()}
     return batch
 
 
@@ -87,7 +88,7 @@ def time_epoch(dm, loader, device: torch.device, max_batches: int | None, desc: 
     t0 = time.perf_counter()
     with tqdm(total=total, desc=desc, unit="batch", leave=False, dynamic_ncols=True) as bar:
         for i, batch in enumerate(loader):
-            batch = _to_device(batch, device)
+            batch = to_device(batch, device)
             images += _count(batch)
             bar.update(1)
             if max_batches and i + 1 >= max_batches:
@@ -114,7 +115,7 @@ def normalize_cost(batch_size: int, image_size: int, device: torch.device, repea
     return {"ms_per_batch": ms, "images_s": batch_size / ms * 1000, "threads": torch.get_num_threads()}
 
 
-def _prepare(loader) -> None:
+def prepare(loader: Any) -> None:
     """Build a DALI loader's pipeline (threads started, nvJPEG buffers allocated) before any clock.
 
     A DALI loader cannot be stopped mid-epoch and reset cleanly, so it is built, not run.
@@ -132,13 +133,13 @@ def _warm_up(dm, loader, device: torch.device, max_batches: int | None, label: s
     """
     from torch.utils.data import DataLoader
 
-    _prepare(loader)
+    prepare(loader)
     if isinstance(loader, DataLoader) and loader.persistent_workers:
         time_epoch(dm, loader, device, max_batches, f"{label} start")
 
 
-def _shutdown(dm) -> None:
-    # Free the persistent workers (and DALI pipelines) before the next backend is timed.
+def shutdown(dm: Any) -> None:
+    """Free the persistent workers (and DALI pipelines) before the next backend is timed."""
     for name in ("teardown",):
         try:
             getattr(dm, name)("fit")
@@ -146,7 +147,7 @@ def _shutdown(dm) -> None:
             pass
 
 
-def _close(loader) -> None:
+def close(loader: Any) -> None:
     """Stop a torch DataLoader's persistent workers now rather than whenever it is garbage-collected."""
     it = getattr(loader, "_iterator", None)
     if it is not None and hasattr(it, "_shutdown_workers"):
@@ -168,8 +169,8 @@ def _time_round(p: Prepared, settings: Settings, device: torch.device, label: st
         out["warm"] = (images, seconds)
         return out, evict_how
     finally:
-        _close(loader)
-        _shutdown(p.datamodule)
+        close(loader)
+        shutdown(p.datamodule)
 
 
 def run(settings: Settings, backends: list[str], measure_ceilings: bool = True,

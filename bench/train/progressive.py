@@ -24,7 +24,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from bench.report import _atomic_write, machine_info, machine_name, markdown_table
+from bench.report import atomic_write, machine_info, machine_name, markdown_table
 from datamodules.base import REPO_ROOT
 
 CURVE_ENV = "BENCH_CURVE_JSON"
@@ -54,7 +54,7 @@ class AccuracyClock(pl.Callback):
         })
         path = os.environ.get(CURVE_ENV)
         if path:
-            _atomic_write(Path(path), json.dumps(self.points))
+            atomic_write(Path(path), json.dumps(self.points))
 
 
 def run_config(args: argparse.Namespace, progressive: bool) -> dict[str, Any]:
@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not out.is_absolute():
         out = REPO_ROOT / out
     stem = out / output_stem(result["machine_name"], args.arch)
-    _atomic_write(Path(f"{stem}.json"), json.dumps(result, indent=1, default=str) + "\n")
-    _atomic_write(Path(f"{stem}.md"), f"## progressive resizing vs plain\n\n`python -m bench."
+    atomic_write(Path(f"{stem}.json"), json.dumps(result, indent=1, default=str) + "\n")
+    atomic_write(Path(f"{stem}.md"), f"## progressive resizing vs plain\n\n`python -m bench."
                   f"progressive {' '.join(argv if argv is not None else sys.argv[1:])}` at {result['created']}\n\n"
                   + to_markdown(result) + f"\n![curves]({stem.name}.png)\n")
     plot(result, Path(f"{stem}.png"))
