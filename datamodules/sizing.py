@@ -102,5 +102,6 @@ class LoaderSizing:
                        + plan.describe())
         over = plan.over_budget()
         if over:
-            rank_zero_warn(f"the loaders of each rank need more memory than data.*_budget_gib allow ({'; '.join(over)}); "
+            rank_zero_warn("the loaders of each rank need more memory than data.*_budget_gib allow "
+                           f"({'; '.join(over)}); "
                            "lower data.batch_size or data.num_workers, or raise the budget.")

@@ -156,7 +156,8 @@ class ClassifierCLI(LightningCLI):
         if config.get("logger") in (None, True):
             extra = {"purge_step": plan.purge_step} if plan and plan.purge_step is not None else {}
             kwargs["logger"] = TensorBoardLogger(save_dir=str(plan.log_parent if plan else root), name="",
-                                                 version=plan.version if plan else None, default_hp_metric=False, **extra)
+                                                 version=plan.version if plan else None, default_hp_metric=False,
+                                                 **extra)
         if config.get("enable_progress_bar", True) is not False:
             self.trainer_defaults["callbacks"].append(progress_callback())
         checkpoint = self._get(self.config_init, "checkpoint", default=None)

@@ -53,7 +53,8 @@ def load_for_export(ckpt_path: str | os.PathLike) -> tuple[ExportedClassifier, d
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "hyper_parameters" not in ckpt:
         raise WeightsError(f"{ckpt_path} is not a checkpoint of this template (no state_dict / hyper_parameters).")
     h = ckpt["hyper_parameters"]
-    state = {strip_prefixes(k[len("backbone."):]): v for k, v in ckpt["state_dict"].items() if k.startswith("backbone.")}
+    state = {strip_prefixes(k[len("backbone."):]): v for k, v in ckpt["state_dict"].items()
+             if k.startswith("backbone.")}
     backbone = create_model(h["arch"], num_classes=int(h["num_classes"]), image_size=int(h.get("image_size", 224)),
                             **(h.get("arch_kwargs") or {}))
     backbone.load_state_dict(state, strict=True)

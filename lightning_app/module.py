@@ -43,7 +43,8 @@ class ImageClassifier(pl.LightningModule):
             --ckpt_path is given; validate, test and predict need weights for every layer, the head included.
         freeze_backbone_epochs: train only the head for this many epochs first (BatchNorm statistics frozen too).
         backbone_lr_scale: the backbone's learning rate as a fraction of the head's (e.g. 0.1 when fine-tuning).
-        pictures: TensorBoard images (lightning_app.callbacks.pictures): confusion_matrix, mistakes, train_batch; [] for none.
+        pictures: TensorBoard images (lightning_app.callbacks.pictures): confusion_matrix, mistakes, train_batch;
+            [] for none.
         mixup_alpha, cutmix_alpha: Beta(alpha, alpha) of MixUp / CutMix on the device batch
             (torchvision v2.MixUp / v2.CutMix; 0 = off). Soft targets go to the loss; train/acc1
             is measured against each mixed sample's dominant label.
@@ -278,7 +279,8 @@ def inference_settings(datamodule) -> dict:
     if not size:
         return {}
     ratio = float(getattr(datamodule, "val_crop_ratio", 1.0) or 1.0)
-    return {"image_size": int(size), "resize": round(size / ratio), "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}
+    return {"image_size": int(size), "resize": round(size / ratio), "mean": list(IMAGENET_MEAN),
+            "std": list(IMAGENET_STD)}
 def compile_static(backbone: torch.nn.Module, trainer: pl.Trainer | None) -> None:
     """torch.compile the backbone in place (checkpoint keys do not gain "_orig_mod.") with static shapes: one graph
     per input shape (each train size, the val size and its last partial batch, in train and eval mode), the

@@ -121,8 +121,10 @@ def _first_tensor(state: dict) -> str:
 
 
 def refuse_plain_state_dict(path: str | os.PathLike, obj: Any) -> None:
-    """--ckpt_path wants a checkpoint of fit (weights, hyperparameters, training state); a bare state_dict is weights."""
-    if isinstance(obj, dict) and "state_dict" not in obj and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+    """--ckpt_path wants a checkpoint of fit (weights, hyperparameters, training state); a bare state_dict is
+    weights."""
+    if (isinstance(obj, dict) and "state_dict" not in obj and obj
+            and all(isinstance(v, torch.Tensor) for v in obj.values())):
         raise WeightsError(
             f"--ckpt_path {path} is a plain state_dict ({len(obj)} tensors, e.g. {_first_tensor(obj)}), not a "
             "checkpoint of fit: it holds no hyperparameters or training state. To start from these weights, "

@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 def _down(args: argparse.Namespace) -> int:
     if args.tag:
         if args.tag not in netlink.existing():
-            print(f"netsim: no pair {args.tag} (pairs now: {', '.join(netlink.existing()) or 'none'}).", file=sys.stderr)
+            print(f"netsim: no pair {args.tag} (pairs now: {', '.join(netlink.existing()) or 'none'}).",
+                  file=sys.stderr)
             return EXIT_REFUSED
         netlink.down(args.tag)
         removed = [args.tag]

@@ -156,7 +156,8 @@ def _shape(ns: str, dev: str, rate: str | None, delay: str | None, loss: str | N
                  *(["rate", rate] if rate else [])]
         made = _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *netem], check=False)
         if made.returncode != 0:
-            why = made.stderr.strip().splitlines()[0].removeprefix("Error: ").rstrip(".") if made.stderr.strip() else f"exit {made.returncode}"
+            why = (made.stderr.strip().splitlines()[0].removeprefix("Error: ").rstrip(".") if made.stderr.strip()
+                   else f"exit {made.returncode}")
             raise NetsimError(f"netem is not available in this kernel ({why}): --delay and --loss cannot be "
                               "simulated here; --rate works (tbf)")
         return

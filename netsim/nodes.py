@@ -53,14 +53,16 @@ def shell_line(link: Link, node: int, main_args: Sequence[str]) -> str:
     """The node's command as one shell line, environment first (what --dry-run prints)."""
     env = node_env(link, node)
     keep = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")
-    return " ".join([*(f"{k}={env[k]}" for k in keep), shlex.join(node_command(link, node, main_args, python="python"))])
+    return " ".join([*(f"{k}={env[k]}" for k in keep),
+                     shlex.join(node_command(link, node, main_args, python="python"))])
 
 
 class Nodes:
     """The two node processes, each in its own session (so one signal reaches a node and its loader workers),
     their output read line by line into `lines` and handed to `echo`."""
 
-    def __init__(self, link: Link, main_args: Sequence[str] | Sequence[Sequence[str]], env: dict[str, str] | None = None,
+    def __init__(self, link: Link, main_args: Sequence[str] | Sequence[Sequence[str]],
+                 env: dict[str, str] | None = None,
                  echo: Callable[[int, str], None] | None = None, layout: Sequence[str] = LAYOUT) -> None:
         per_node = main_args if main_args and not isinstance(main_args[0], str) else [main_args, main_args]
         self.link, self.echo = link, echo

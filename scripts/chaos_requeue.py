@@ -40,7 +40,8 @@ BATCH = 40
 def fit_args(opts: argparse.Namespace, lr: float) -> list[str]:
     return ["fit", "--data.builtin", opts.preset, "--data.batch_size", str(BATCH), "--data.num_workers", "0",
             "--trainer.max_epochs", str(opts.epochs), "--trainer.default_root_dir", str(opts.root / "logs"),
-            "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false", "--trainer.log_every_n_steps", "1",
+            "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+            "--trainer.log_every_n_steps", "1",
             "--trainer.num_sanity_val_steps", "0", "--model.arch_kwargs", "{width: 8}", "--model.lr", str(lr)]
 
 
@@ -74,7 +75,8 @@ class Job(threading.Thread):
         for restart in range(self.opts.kills + 1):
             env = {**os.environ, "SLURM_JOB_ID": self.job_id, "SLURM_RESTART_COUNT": str(restart),
                    "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-            cmd = [sys.executable, "main.py", *fit_args(self.opts, self.lr), *(["--ckpt_path", "last"] if restart else [])]
+            cmd = [sys.executable, "main.py", *fit_args(self.opts, self.lr),
+                   *(["--ckpt_path", "last"] if restart else [])]
             log = self.opts.root / "attempts" / f"{self.label}_{restart}.log"
             with open(log, "w") as out:
                 proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -154,7 +156,8 @@ def check(job: Job, opts: argparse.Namespace, steps_per_epoch: int) -> list[str]
     if len(val) != opts.epochs or val != sorted(set(val)):
         problems.append(f"{run.name}: val/acc1 logged at steps {val}, expected {opts.epochs} distinct epochs")
     if train != list(range(total)):
-        problems.append(f"{run.name}: train/loss steps {train[:5]}...{train[-5:]} ({len(train)}), expected 0..{total - 1} once each")
+        problems.append(f"{run.name}: train/loss steps {train[:5]}...{train[-5:]} ({len(train)}), "
+                        f"expected 0..{total - 1} once each")
     return problems
 
 
@@ -162,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Exit status 0 when every check passes.")
     ap.add_argument("--root", type=Path, required=True, help="empty folder for the runs (ROOT/logs), logs and report")
     ap.add_argument("--kills", type=int, default=5, help="random SIGTERM/SIGKILL requeues per job (default 5)")
-    ap.add_argument("--epochs", type=int, default=30, help="epochs per job (default 30: long enough that the kills land)")
+    ap.add_argument("--epochs", type=int, default=30,
+                    help="epochs per job (default 30: long enough that the kills land)")
     ap.add_argument("--preset", default="tiny", help="built-in dataset preset (default tiny: 240 train images, 32 px)")
     ap.add_argument("--max-delay", type=float, default=20.0, help="a kill comes 0..this many seconds into an attempt")
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill times and signals")

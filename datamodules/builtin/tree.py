@@ -35,7 +35,8 @@ from pathlib import Path
 from datamodules.builtin.draw import CLASSES, PRESETS, SPLITS, VERSION, Preset, render
 from datamodules.packing import file_lock, progress_display
 
-__all__ = ["CLASSES", "DEFAULT_ROOT", "PRESETS", "VERSION", "Preset", "dataset_name", "ensure_builtin", "generate", "main", "render"]
+__all__ = ["CLASSES", "DEFAULT_ROOT", "PRESETS", "VERSION", "Preset", "dataset_name", "ensure_builtin", "generate",
+           "main", "render"]
 
 # Where the training code keeps it: <repo>/data/builtin (ignored by git).
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "data" / "builtin"

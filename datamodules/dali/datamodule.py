@@ -182,7 +182,8 @@ class DALIDataModule(ImageDataModule):
         threads = dali_threads(device, usable=self.cpus(), requested=self.num_threads)
         bill = dali_memory_bill(device, threads)
         if bill["device"] > 1 << 30:  # only an explicit num_threads gets here
-            warnings.warn(f"data.num_threads {threads} with GPU decoding preallocates {bill['device'] >> 20} MiB of GPU "
+            warnings.warn(f"data.num_threads {threads} with GPU decoding preallocates "
+                          f"{bill['device'] >> 20} MiB of GPU "
                           f"and {bill['pinned'] >> 20} MiB of pinned memory per pipeline (two per process); "
                           f"{MAX_MIXED_THREADS} threads are plenty for nvJPEG.", stacklevel=2)
         return threads
@@ -243,7 +244,8 @@ class DALIDataModule(ImageDataModule):
             files = [index.path(i) for i in range(n)]
             # Shuffled once (the same on every rank) so a contiguous shard mixes all classes;
             # each epoch DALI's shuffle buffer reorders within the shard.
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed)).tolist() if train else range(n)
+            order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed)).tolist() if train
+                     else range(n))
             files = [files[i] for i in order]
             positions = list(order)
             policy = LastBatchPolicy.DROP if train else LastBatchPolicy.PARTIAL
@@ -255,7 +257,8 @@ class DALIDataModule(ImageDataModule):
                 pipe = dp.file_pipeline(spec, files, positions, (rank + epoch) % world, world,
                                         seed=self.seed + 1000 * epoch + rank, **common)
                 pipe.build()
-                return iterator(pipe, spec, False, reader_name=dp.READER_NAME, last_batch_policy=policy, auto_reset=False)
+                return iterator(pipe, spec, False, reader_name=dp.READER_NAME, last_batch_policy=policy,
+                                auto_reset=False)
 
             table = torch.tensor(index.labels, dtype=torch.int64)
             return DALILoader(build, steps, table, pin=pin, finish=finish)

@@ -63,7 +63,8 @@ def _policy_ops(policy: v2.Transform, height: int, width: int, rng: random.Rando
             op = names[rng.randrange(len(names))]
             magnitudes_fn, signed = space[op]
             magnitudes = magnitudes_fn(policy.num_magnitude_bins, height, width)
-            ops.append((op, _signed(float(magnitudes[policy.magnitude]), signed, rng) if magnitudes is not None else 0.0))
+            ops.append((op, _signed(float(magnitudes[policy.magnitude]), signed, rng) if magnitudes is not None
+                        else 0.0))
         return ops
     if isinstance(policy, v2.TrivialAugmentWide):
         op = names[rng.randrange(len(names))]

@@ -165,8 +165,10 @@ class StreamingDataModule(ImageDataModule):
             need = held + in_flight + val + (0 if val < held else in_flight)
             raise DataError(
                 f"data.max_cache_size {size} is too small for {readers} reader(s) on this node (workers x processes), "
-                f"each holding up to {max(2, self.max_pre_download) + 1} chunks of up to {litdata_format._human_readable_bytes(chunk)} "
-                f"of {self.url}: give it at least {litdata_format._human_readable_bytes(need)}, or lower --data.num_workers or "
+                f"each holding up to {max(2, self.max_pre_download) + 1} chunks of up to "
+                f"{litdata_format._human_readable_bytes(chunk)} "
+                f"of {self.url}: give it at least {litdata_format._human_readable_bytes(need)}, or lower "
+                "--data.num_workers or "
                 "--data.max_pre_download.")
         return {"train": int(train), "val": int(val)}
 

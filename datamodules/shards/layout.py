@@ -50,7 +50,8 @@ def read_meta(store: Store) -> dict:
     try:
         meta = json.loads(raw)
     except ValueError as e:
-        raise DataError(f"{store.where(MARKER)} is not valid JSON ({e}); pack again: {PACK_HINT.format(url=url)}") from e
+        raise DataError(f"{store.where(MARKER)} is not valid JSON ({e}); pack again: "
+                        f"{PACK_HINT.format(url=url)}") from e
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise DataError(f"{store.where(MARKER)} is format {meta.get('format')!r} version {meta.get('version')!r}; "
                         f"this code reads {FORMAT!r} version {VERSION}. Pack again: {PACK_HINT.format(url=url)}")

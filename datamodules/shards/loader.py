@@ -179,7 +179,8 @@ class ShardLoader(StreamingDataLoader):
 
 class PredictShardDataset(ShardDataset):
     """A split to predict: every sample once over all ranks (drop_last off), in the pack's order. Rows of
-    predictions.csv (lightning_app/callbacks/predictions.py) take the index from the batch and the path from `display_path`."""
+    predictions.csv (lightning_app/callbacks/predictions.py) take the index from the batch and the path from
+    `display_path`."""
 
     items_carry_index = True
 

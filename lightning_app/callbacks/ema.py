@@ -41,7 +41,8 @@ class DelayedStartEMA(_LightningEMA):
         if self.started():
             super().on_train_end(trainer, pl_module)
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(trainer, pl_module, checkpoint)
         if self._average_model is not None and not self.started():
             # the live weights are what validate, test, predict and export will load; the averaging state

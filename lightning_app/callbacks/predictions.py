@@ -84,7 +84,8 @@ class PredictionsCSV(BasePredictionWriter):
         self._file = open(self._part(trainer.global_rank, done=False), "w", **TEXT)  # noqa: SIM115 - closed in on_predict_end
         self._writer = csv.writer(self._file)
         with_ckpt = f" with {trainer.ckpt_path}" if trainer.ckpt_path else ""
-        rank_zero_info(f"predict: {_what(self._dataset, trainer)}{with_ckpt} -> {os.path.join(self.out_dir, self.filename)}")
+        rank_zero_info(f"predict: {_what(self._dataset, trainer)}{with_ckpt} -> "
+                       f"{os.path.join(self.out_dir, self.filename)}")
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
         probs = prediction.detach().float().cpu()

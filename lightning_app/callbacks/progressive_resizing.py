@@ -54,7 +54,8 @@ class ProgressiveResizing(pl.Callback):
     def __init__(self, start_size: int, end_size: int, start_epoch: int = 0, end_epoch: int = 1,
                  step: int = 32) -> None:
         if min(start_size, end_size, step) < 1:
-            raise UserError(f"ProgressiveResizing sizes and step must be >= 1 px, got {start_size}, {end_size}, {step}.")
+            raise UserError(f"ProgressiveResizing sizes and step must be >= 1 px, got {start_size}, {end_size}, "
+                            f"{step}.")
         if end_epoch <= start_epoch:
             raise UserError(f"ProgressiveResizing needs end_epoch > start_epoch, got {start_epoch} and {end_epoch}.")
         self.start_size, self.end_size = start_size, end_size

@@ -81,4 +81,5 @@ def diagnose(wait_frac: float) -> str:
     if wait_frac >= INPUT_BOUND_FRAC:
         return (f"input-bound: {pct}% of step time waiting for data; the LMDB or DALI backend, "
                 "a downscaled copy or more workers would help.")
-    return f"compute-bound: {pct}% of step time waiting for data; a faster model step (AMP, channels_last, compile) would help."
+    return (f"compute-bound: {pct}% of step time waiting for data; a faster model step (AMP, channels_last, compile) "
+            "would help.")

@@ -69,13 +69,15 @@ class RunGuard(pl.Callback):
         dist.all_gather_object(views, {**self.mine, "rank": trainer.global_rank})
         problem = disagreement(views)
         if problem:
-            differs = trainer.global_rank == 0 or not _agrees(views[trainer.global_rank], views[0]) or self.mine["made_here"]
+            differs = (trainer.global_rank == 0 or not _agrees(views[trainer.global_rank], views[0])
+                       or self.mine["made_here"])
             # Every rank is here: leave the group together, or gloo aborts a process whose peer left first.
             dist.barrier()
             dist.destroy_process_group()
             raise RanksDisagree(problem) if differs else UserError(problem)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         if not self.purge_pending:
             return
         self.purge_pending = False
@@ -126,5 +128,6 @@ def disagreement(views: list[dict]) -> str | None:
     more = f" ({len(others) - 1} more rank(s) differ too)" if len(others) > 1 else ""
     return (f"The processes of this run resolved --ckpt_path differently, so they would train different states: "
             f"{_side(first)}; {_side(other)}{more}. Each process looks under its own --trainer.default_root_dir: on "
-            "node-local disks they differ. Keep the runs on a filesystem every node sees, or pass --ckpt_path FILE with "
+            "node-local disks they differ. Keep the runs on a filesystem every node sees, or pass "
+            "--ckpt_path FILE with "
             "the same file on every node. Nothing was loaded or trained.")

@@ -106,7 +106,8 @@ def training_settings(model_hparams: dict, data_class: str, data_hparams: dict, 
     if compression:
         trainer["gradient_compression"] = compression
     callbacks = trainer.get("callbacks") or []
-    trainer["callbacks"] = [c for c in (callbacks if isinstance(callbacks, list) else [callbacks]) if _changes_training(c)]
+    trainer["callbacks"] = [c for c in (callbacks if isinstance(callbacks, list) else [callbacks])
+                            if _changes_training(c)]
     return _plain({"seed": seed, "model": keep("model", model_hparams), "data": {"class_path": data_class, **data},
                    "trainer": trainer})
 

@@ -112,7 +112,8 @@ class RunLock:
             raise UserError(
                 f"run folder {self.path.parent} is locked by {who} (started {owner.get('started', '?')}; "
                 f"heartbeat {max(age, 0):.0f} s ago), which this machine cannot check. If that run is over, its lock "
-                f"is taken over once the heartbeat is {STALE_S / 60:.0f} min old; or delete {self.path} and start again.")
+                f"is taken over once the heartbeat is {STALE_S / 60:.0f} min old; or delete {self.path} and start "
+                "again.")
         # Move the stale lock aside (only one taker's rename succeeds), check it was the one judged stale,
         # then link ours into place.
         aside = self.path.with_name(f"{LOCK_NAME}.stale.{socket.gethostname()}.{os.getpid()}")

@@ -60,7 +60,8 @@ def plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict,
         if resolved.changed and resolved.checkpoint:
             lines.append(f"resuming {resolved.checkpoint} with changed settings: {identity.describe(resolved.changed)}")
         elif resolved.changed:
-            lines.append(f"{resolved.run_dir} starts again with changed settings: {identity.describe(resolved.changed)}")
+            lines.append(f"{resolved.run_dir} starts again with changed settings: "
+                         f"{identity.describe(resolved.changed)}")
         if zero:
             plan.lock = _lock(resolved.run_dir, lines)
             record = identity.record_resume(resolved.run_dir, record, training, resolved.checkpoint, resolved.changed)
@@ -70,7 +71,8 @@ def plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict,
         plan.lock = _lock(plan.run_dir, lines)
         record = identity.write_new_run(plan.run_dir, training)
     plan.guard = RunGuard(
-        resolved.checkpoint, fingerprint(resolved.checkpoint) if resolved.checkpoint and os.path.isfile(resolved.checkpoint) else None,
+        resolved.checkpoint,
+        fingerprint(resolved.checkpoint) if resolved.checkpoint and os.path.isfile(resolved.checkpoint) else None,
         os.path.realpath(plan.run_dir) if plan.run_dir else None, (record or {}).get("run_id"), plan.made_here,
         resumed=bool(resolved.checkpoint and resolved.run_dir))
     return plan

@@ -71,7 +71,8 @@ def _resolve_run(kind: str, root: Path, training: dict, subcommand: str) -> Reso
         if not same and len(mine) > 1:
             raise UserError(
                 f"{flag}: SLURM job {key} was requeued and made {len(mine)} runs under {root}, none with this config's "
-                f"training settings: {'; '.join(f'{d.name} differs in ' + identity.describe(differs(r)) for d, r in mine)}. "
+                "training settings: "
+                f"{'; '.join(f'{d.name} differs in ' + identity.describe(differs(r)) for d, r in mine)}. "
                 "Pass the one to resume with --ckpt_path PATH/TO.ckpt.")
         run_dir, record = (same or mine)[-1]
         why = f"SLURM job {key} requeued (restart {job['restart_count']}): its run {run_dir}"

@@ -145,7 +145,8 @@ class PowerSGDHookState:
         """The key of this bucket's layout; a layout seen for the first time gets its parameters' state."""
         buffer = bucket.buffer()
         slots = tuple((self.names.get(id(p), f"#{i}"), g.storage_offset() - buffer.storage_offset(), g.numel(),
-                       tuple(g.shape)) for i, (p, g) in enumerate(zip(bucket.parameters(), bucket.gradients(), strict=False)))
+                       tuple(g.shape))
+                      for i, (p, g) in enumerate(zip(bucket.parameters(), bucket.gradients(), strict=False)))
         key = self._keys.get(slots)
         if key is None:
             key = self._keys[slots] = len(self._keys)

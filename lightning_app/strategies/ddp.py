@@ -20,8 +20,8 @@ def check_compile(strategy: Any) -> None:
     """Refuse or warn before `compile` is combined with a strategy that would break or slow it.
 
     - dp: refused (DP_COMPILE_MESSAGE).
-    - ddp with more than one process: warned. The backbone is compiled inside the DDP wrapper, not around it, so dynamo's
-      DDPOptimizer (torch/_dynamo/backends/distributed.py, which splits a graph at DDP's bucket
+    - ddp with more than one process: warned. The backbone is compiled inside the DDP wrapper, not around it, so
+      dynamo's DDPOptimizer (torch/_dynamo/backends/distributed.py, which splits a graph at DDP's bucket
       boundaries) never sees DDP: the compiled backward hands every gradient over at its end, and the
       all-reduce no longer overlaps the backward pass. With SyncBatchNorm, its all-gather inside an
       autograd Function (torch/nn/modules/_functions.py) breaks the graph at every BatchNorm.
@@ -52,7 +52,8 @@ class ClusterDDPStrategy(_LightningDDP):
         static_graph: the graph is the same every step (lets DDP skip per-step bookkeeping).
         find_unused_parameters: needed only when some parameters get no gradient in a step.
         comm_hook: gradient compression on the wire: none, fp16 or bf16 (half the bytes), powersgd (a
-            low-rank approximation with error feedback; configs/comm/*.yaml). See lightning_app/strategies/comm_hooks.py.
+            low-rank approximation with error feedback; configs/comm/*.yaml).
+            See lightning_app/strategies/comm_hooks.py.
         powersgd_rank: rank of PowerSGD's approximation of each weight matrix (1, 2, 4: more is closer).
         powersgd_start_iter: steps of plain all-reduce before PowerSGD starts (>= 2); null = the end of the
             learning-rate warm-up (model.warmup_epochs).

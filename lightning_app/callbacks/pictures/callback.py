@@ -2,7 +2,8 @@
 
 After each validation epoch (rank 0 logs; not during the sanity check):
   images/confusion_matrix   the confusion matrix of the whole validation set (summed over all ranks):
-                            labelled up to 30 classes, a compact heatmap above (lightning_app/callbacks/pictures/drawing.py)
+                            labelled up to 30 classes, a compact heatmap above
+                            (lightning_app/callbacks/pictures/drawing.py)
   images/most_confused      the (true, predicted) pairs confused most often, as a table (TEXT tab)
   images/mistakes           the most confidently misclassified val images, each titled true / predicted
 Once per fit:
@@ -99,7 +100,8 @@ class TensorBoardPictures(pl.Callback):
             n = pl_module.backbone_num_classes()
             self._counts = torch.zeros(n, n, dtype=torch.int64, device=pl_module.device)
 
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
         if trainer.sanity_checking or not isinstance(outputs, torch.Tensor):
             return  # validation_step returns its logits
         logits, labels = outputs.detach(), batch[1]
@@ -147,7 +149,8 @@ class TensorBoardPictures(pl.Callback):
             if keep.any():
                 pictures = to_uint8(images[keep.to(images.device)]).numpy()
                 scores, true, predicted = (t.cpu()[keep].tolist() for t in (scores, true, predicted))
-                titles = [f"true {names[t]}\npred {names[p]} ({c:.2f})" for c, t, p in zip(scores, true, predicted, strict=False)]
+                titles = [f"true {names[t]}\npred {names[p]} ({c:.2f})"
+                          for c, t, p in zip(scores, true, predicted, strict=False)]
                 self.drawer.submit(lambda: writer.add_image("images/mistakes", titled_grid(pictures, titles), step,
                                                             dataformats="HWC"))
 
