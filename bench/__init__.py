@@ -1,4 +1,5 @@
-"""Benchmarks: `python -m bench loaders` (data backends) and `... train` (strategies, precision)."""
-from bench.loaders.report import classify
+"""Benchmarks of this template on this machine: `python -m bench {loaders,train,gpu,memory,nodes}`.
 
-__all__ = ["classify"]
+One package per suite; what several suites share is at this level (report.py: the machine, tables and
+result files; cli.py: the common flags and `BenchError`).
+"""

@@ -92,6 +92,66 @@ def test_unknown_backend_is_a_clear_error(capsys, tmp_path, photo_data):
     assert "unknown ['nfs']" in capsys.readouterr().err
 
 
+def test_unknown_row_and_no_config_are_clear_errors(capsys, tmp_path):
+    """Every suite reports what it cannot run as asked by one mechanism (BenchError): a line, an exit status."""
+    assert main(["train", "--rows", "baseline,nope", "--out", str(tmp_path)]) == 2
+    assert "--rows: unknown ['nope']" in capsys.readouterr().err
+    assert main(["memory", "--out", str(tmp_path)]) == 1
+    assert "bench memory: give --config FILE" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+# ------------------------------------------------------------------------------ the suites' table
+
+def test_every_suite_has_the_four_entry_points():
+    from bench.__main__ import SUITES
+
+    assert list(SUITES) == ["loaders", "train", "gpu", "memory", "nodes"]  # the order --help lists them in
+    for name, suite in SUITES.items():
+        assert all(callable(getattr(suite, f, None)) for f in ("add_parser", "run", "to_markdown", "chart")), name
+
+
+def _bench_imports() -> dict[str, set[str]]:
+    """{module: the bench, datamodules and lightning_app modules (or names) it imports, anywhere in its file}."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    modules = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in (root / "bench").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        graph[name] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                graph[name] |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                graph[name] |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else
+                                f"{node.module}:{a.name}" for a in node.names}
+    return graph
+
+
+def test_bench_modules_import_no_circle_and_no_private_name():
+    graph = _bench_imports()
+    private = sorted(f"{m} imports {t}" for m, ts in graph.items() for t in ts
+                     if t.split(".")[0] in ("bench", "datamodules", "lightning_app") and ":_" in t)
+    assert private == []
+    edges = {m: {t.split(":")[0] for t in ts if t.split(":")[0] in graph and t.split(":")[0] != m}
+             for m, ts in graph.items()}
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def circle(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for t in sorted(edges[m]):
+            if state.get(t) == 1:
+                return path[path.index(t):] + [t] if t in path else [m, t]
+            if t not in state and (found := circle(t, path + [t])):
+                return found
+        state[m] = 2
+        return None
+
+    assert [c for m in sorted(edges) if m not in state and (c := circle(m, [m]))] == []
+
+
 # ------------------------------------------------------------------------------ end to end
 
 def test_loaders_end_to_end(tmp_path, photo_data, capsys):
@@ -255,7 +315,7 @@ def test_nodes_verdict_names_the_bound_and_what_powersgd_does():
 
 
 def test_nodes_hooks_and_step_marks_are_read_as_written():
-    from bench.nodes.steps import _measure, parse_hooks
+    from bench.nodes.steps import parse_hooks, read_marks
 
     assert [h.label for h in parse_hooks("none,fp16,powersgd:4")] == ["no compression", "fp16 compression",
                                                                         "PowerSGD rank 4"]
@@ -264,8 +324,22 @@ def test_nodes_hooks_and_step_marks_are_read_as_written():
             parse_hooks(bad)
     # (seconds, tx bytes, rx bytes): the start, then the end of each step; the first 2 steps are warm-up
     marks = [[0.0, 0, 0], [5.0, 100e6, 0], [7.0, 200e6, 0], [9.5, 300e6, 0], [12.5, 500e6, 0]]
-    times, sent = _measure(marks, warmup=2)
+    times, sent = read_marks(marks, warmup=2)
     assert times == [2.5, 3.0] and sent == pytest.approx(150.0)
+
+
+def test_nodes_accuracy_result_is_shown_by_the_same_entry_points():
+    from bench.nodes import chart, to_markdown
+
+    settings = {"hooks": ["no compression", "PowerSGD rank 2"], "seeds": [1, 2], "rate": "unshaped", "epochs": 15,
+                "config": "configs/ddp_amp.yaml", "data_dir": "data/builtin/small", "batch_size": None}
+    best = {("no compression", 1): 0.50, ("no compression", 2): 0.52, ("PowerSGD rank 2", 1): 0.45,
+            ("PowerSGD rank 2", 2): 0.47}
+    runs = [{"hook": h, "seed": s, "seconds": 10.0, "exit": [0, 0], "best_acc1": acc, "final_acc1": acc}
+            for (h, s), acc in best.items()]
+    result = {"kind": "nodes-accuracy", "runs": runs, "settings": settings}
+    assert "| PowerSGD rank 2 | 0.4500 (0.4500) | 0.4700 (0.4700) | 0.4600 | -5.0 | 10 |" in to_markdown(result)
+    assert chart(result)["series"] == {"seed 1": [0.50, 0.45], "seed 2": [0.52, 0.47]}
 
 
 def test_help_explains_every_column_of_the_nodes_table(capsys):

@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
+from bench.cli import AddCommon, Subparsers
 from bench.gpu import checks as gc
 from bench.gpu import parallel as gp
 from bench.gpu.checks import Check, Workload
-from bench.gpu.data import NO_CUDA, backend_rows, dali_rows
+from bench.gpu.data import NO_CUDA, backend_rows, batches_needed, dali_rows
 
 GROUPS = ("ceiling", "backends", "dali", "precision", "flags", "dp", "ddp")
 # On a CPU the same code runs, small enough to finish in a minute or two.
@@ -31,8 +32,8 @@ DEFAULTS = {"cuda": {"image_size": 224, "batch_size": 128, "steps": 50, "warmup"
             "cpu": {"image_size": 64, "batch_size": 16, "steps": 3, "warmup": 1}}
 
 
-def add_parser(sub, common) -> argparse.ArgumentParser:
-    g = sub.add_parser(
+def add_parser(subparsers: Subparsers, common: AddCommon) -> argparse.ArgumentParser:
+    g = subparsers.add_parser(
         "gpu", help="every GPU path checked and timed: DALI mixed, AMP, speed flags, dp, NCCL DDP, and each "
                     "backend's training images/s as a share of the compute ceiling",
         description=__doc__.split("\n\n", 1)[1])
@@ -88,7 +89,6 @@ def _root(args, w: Workload) -> Path:
     in one epoch (10 classes)."""
     if args.data_dir:
         return Path(args.data_dir)
-    from bench.gpu.data import batches_needed
     from bench.loaders.backends import default_root
 
     per_class = args.train_per_class or max(100, -(-batches_needed(w) * w.batch_size // 10))
@@ -97,7 +97,8 @@ def _root(args, w: Workload) -> Path:
 
 # ------------------------------------------------------------------------------ the run
 
-def run(args) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every path of --groups checked and timed; one that fails is a FAIL row, one that cannot run here skipped."""
     w = _defaults(args)
     groups = {g.strip() for g in args.groups.split(",") if g.strip()}
     cuda = w.device == "cuda"
@@ -146,44 +147,3 @@ def run(args) -> dict[str, Any]:
 
     return {"checks": [c.as_dict() for c in checks], "gpu": gpu_info(), "machine": machine_info(),
             "settings": {**w.__dict__, "num_workers": args.num_workers, "data": str(root) if root else None}}
-
-
-def to_markdown(result: dict[str, Any]) -> str:
-    from bench.report import markdown_table, repo_relative
-
-    g, s = result["gpu"], result["settings"]
-    lines = [f"- GPU: {', '.join(g['gpus']) or 'none (every GPU row is skipped)'}"
-             + (f"; driver {g['driver']}, CUDA {g['cuda']}, cuDNN {g['cudnn']}" if g["gpus"] else ""),
-             "- Versions: " + ", ".join(f"{k} {v}" for k, v in result.get("machine", {}).get("versions", {}).items()
-                                        if v is not None),
-             f"- Workload: {s['arch']} at {s['image_size']} px, batch {s['batch_size']}, {s['warmup']} warm-up + "
-             f"{s['steps']} timed steps per row (backends: batches streamed across epochs), "
-             f"{s['num_workers']} workers" + (f", data {repo_relative(s['data'])}" if s.get("data") else ""), ""]
-    rows = [[c["group"], c["name"], c["status"], c["figure"], c["verdict"]] for c in result["checks"]]
-    lines += [markdown_table(["group", "path", "status", "figure", "verdict (compared with, tolerance) or reason"],
-                             rows), ""]
-    ceiling = next((c for c in result["checks"] if c["group"] == "compute ceiling" and c["images_s"]), None)
-    shares = [c for c in result["checks"] if c["group"] == "backend" and c["status"] == "ok"]
-    if ceiling and shares:
-        lines.append(f"- Share of the compute ceiling ({ceiling['images_s']:,.0f} img/s): "
-                     + "; ".join(f"{c['name']} {c['extra']['share']:.0%}" for c in shares)
-                     + ". Below ~90%, the GPU waits for data: a faster backend, more CPUs, or DALI mixed helps.")
-    failed = [c["name"] for c in result["checks"] if c["status"] == "FAIL"]
-    lines.append(f"- FAILED: {', '.join(failed)}" if failed else "- No path failed.")
-    return "\n".join(lines)
-
-
-def chart(result: dict[str, Any]) -> dict[str, Any]:
-    timed = [c for c in result["checks"] if c["images_s"]]
-    return {"title": "GPU paths: training images/s (ceiling, backends, precisions, flags, dp)",
-            "labels": [f"{c['group']}: {c['name']}" for c in timed],
-            "series": {"images/s": [c["images_s"] for c in timed]}, "ylabel": "images/s (higher is better)"}
-
-
-def main(args) -> tuple[str, dict]:
-    from bench import report
-
-    result = run(args)
-    md = to_markdown(result)
-    paths = report.write_results(args.out, "gpu", md, result, chart(result), args.machine, args.note)
-    return md, paths

@@ -21,7 +21,9 @@ import torch
 
 from bench.gpu import checks as gc
 from bench.gpu.checks import Check, Workload
-from bench.loaders.timing import close, prepare, to_device
+from bench.loaders.backends import BACKENDS, FACTORIES, LABELS
+from bench.loaders.prepared import Settings, Skip
+from bench.loaders.timing import close, prepare, shutdown, to_device
 
 DALI_TOLERANCE = 2.0  # mean |mixed - cpu| in grey levels: nvJPEG's and libjpeg-turbo's IDCTs differ slightly, and
 # CPU decoding resizes on the host with torchvision's geometry where mixed resizes in DALI (1.5 on CPU, dali.py)
@@ -78,23 +80,21 @@ def train_through(dm, w: Workload) -> float:
 
 
 def backend_rows(args, w: Workload, root: Path, ceiling: float | None) -> list[Check]:
-    from bench.loaders import timing as loaders
-
-    wanted = [b.strip() for b in (args.backends or ",".join(loaders.BACKENDS)).split(",") if b.strip()]
+    wanted = [b.strip() for b in (args.backends or ",".join(BACKENDS)).split(",") if b.strip()]
     work = Path("bench/out/work") / root.name
     work.mkdir(parents=True, exist_ok=True)
-    s = loaders.Settings(root=root, work=work, batch_size=w.batch_size, num_workers=args.num_workers,
-                         image_size=w.image_size, max_batches=None, device=w.device)
+    s = Settings(root=root, work=work, batch_size=w.batch_size, num_workers=args.num_workers,
+                 image_size=w.image_size, max_batches=None, device=w.device)
     rows = []
-    for name in loaders.BACKENDS:
-        row = Check("backend", loaders.LABELS[name])
+    for name in BACKENDS:
+        row = Check("backend", LABELS[name])
         rows.append(row)
         if name not in wanted:
             row.status, row.verdict = "skipped", "not selected (--backends)"
             continue
         try:
-            prepared = loaders.FACTORIES[name](s)
-        except loaders.Skip as e:
+            prepared = FACTORIES[name](s)
+        except Skip as e:
             row.status, row.verdict = "skipped", str(e)
             continue
         except Exception as e:  # noqa: BLE001 - a backend that cannot start is a FAIL row with its error
@@ -106,7 +106,7 @@ def backend_rows(args, w: Workload, root: Path, ceiling: float | None) -> list[C
             row.status, row.verdict = "FAIL", f"{type(e).__name__}: {str(e)[:300]}"
             continue
         finally:
-            loaders.shutdown(prepared.datamodule)
+            shutdown(prepared.datamodule)
         share = row.images_s / ceiling if ceiling else None
         row.extra["share"] = share
         row.verdict = (f"end-to-end training, {w.steps} batches timed after {w.warmup}, {args.num_workers} workers"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.report import repo_relative
+from bench.report import markdown_table, repo_relative
 
 NEAR = 0.8  # a rate at >= 80% of a ceiling is bound by it
 
@@ -77,8 +77,6 @@ def to_markdown(result: dict[str, Any]) -> str:
         cells += _pair(by_cache, "pil_frac", ".0f", 100).split(" | ")
         cells += [by_cache.get(c, {}).get("bottleneck") or "" for c in ("cold", "warm")]
         table.append(cells)
-    from bench.report import markdown_table
-
     lines = [markdown_table(headers, table), ""]
     c = result["ceilings"]
     for key, v in c["io"].items():

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tqdm import tqdm
+import tqdm  # tqdm.tqdm looked up per bar: bench/progress_bars.py puts a quiet one in its place
 
 from bench.loaders import ceilings
-from bench.loaders.backends import BACKENDS, FACTORIES, LABELS, Prepared, Settings, Skip
+from bench.loaders.backends import BACKENDS, FACTORIES, LABELS
+from bench.loaders.prepared import Prepared, Settings, Skip
 from bench.loaders.report import classify, fastest_decode
 from datamodules.index import load_indexes
 
@@ -86,7 +87,7 @@ def time_epoch(dm, loader, device: torch.device, max_batches: int | None, desc: 
         total = min(total, max_batches) if total else max_batches
     images = 0
     t0 = time.perf_counter()
-    with tqdm(total=total, desc=desc, unit="batch", leave=False, dynamic_ncols=True) as bar:
+    with tqdm.tqdm(total=total, desc=desc, unit="batch", leave=False, dynamic_ncols=True) as bar:
         for i, batch in enumerate(loader):
             batch = to_device(batch, device)
             images += _count(batch)
@@ -173,20 +174,20 @@ def _time_round(p: Prepared, settings: Settings, device: torch.device, label: st
         shutdown(p.datamodule)
 
 
-def run(settings: Settings, backends: list[str], measure_ceilings: bool = True,
-        ceiling_images: int = 2000) -> dict[str, Any]:
-    """`_run`, and then whatever the backends started (the S3 row's local server) is stopped."""
+def measure(settings: Settings, backends: list[str], measure_ceilings: bool = True,
+            ceiling_images: int = 2000) -> dict[str, Any]:
+    """`_measure`, and then whatever the backends started (the S3 row's local server) is stopped."""
     opened: list[Prepared] = []
     try:
-        return _run(settings, backends, measure_ceilings, ceiling_images, opened)
+        return _measure(settings, backends, measure_ceilings, ceiling_images, opened)
     finally:
         for p in opened:
             if p.close is not None:
                 p.close()
 
 
-def _run(settings: Settings, backends: list[str], measure_ceilings: bool, ceiling_images: int,
-         opened: list[Prepared]) -> dict[str, Any]:
+def _measure(settings: Settings, backends: list[str], measure_ceilings: bool, ceiling_images: int,
+             opened: list[Prepared]) -> dict[str, Any]:
     """Time every backend in ``BACKENDS`` (those not in ``backends`` become 'not selected' rows).
 
     Every backend is prepared first (packing, downscaling); then ``settings.rounds`` rounds time
@@ -223,7 +224,7 @@ def _run(settings: Settings, backends: list[str], measure_ceilings: bool, ceilin
     timings: dict[str, list[dict]] = {label: [] for label, p in outcome.items() if isinstance(p, Prepared)}
     decode_jobs = [(k, d, c) for k, files in image_sets.items() if files for d in DECODERS for c in ("warm", "cold")]
     decode_rounds: dict[tuple[str, str, str], list[dict]] = {job: [] for job in decode_jobs}
-    for _ in tqdm(range(max(1, settings.rounds)), desc="rounds", unit="round", leave=False):
+    for _ in tqdm.tqdm(range(max(1, settings.rounds)), desc="rounds", unit="round", leave=False):
         # The decode ceilings are timed in every round too, next to the rows they are compared with.
         for key, decoder, cache in decode_jobs if measure_ceilings else []:
             files = image_sets[key]
@@ -256,7 +257,7 @@ def _run(settings: Settings, backends: list[str], measure_ceilings: bool, ceilin
     # ceilings: io[storage] (cold reads); decode[images][decoder][cache] (all cores, every decoder, cold and warm)
     ceil: dict[str, dict] = {"io": {}, "decode": {}}
     if measure_ceilings:
-        for key, files in tqdm(list(storages.items()), desc="IO ceilings", leave=False):
+        for key, files in tqdm.tqdm(list(storages.items()), desc="IO ceilings", leave=False):
             rate = files() if callable(files) else ceilings.read_rate(files, drop_caches=settings.drop_caches)
             ceil["io"][key] = rate.as_dict()
         for (key, decoder, cache), rates in decode_rounds.items():

@@ -5,16 +5,15 @@ compressor; its error feedback makes up for it over the steps): this measures by
 """
 from __future__ import annotations
 
+import argparse
 import re
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.nodes.steps import parse_hooks
-from bench.report import markdown_table, repo_relative
 from netsim import link as netlink
 from netsim.nodes import Nodes
 
@@ -22,7 +21,8 @@ _BEST = re.compile(r"Done: best val/acc1 ([0-9.]+)")
 _EPOCH = re.compile(r"^epoch (\d+)/\d+: .*val/acc1 ([0-9.]+)")
 
 
-def run(args) -> dict[str, Any]:
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every hook of --hooks against none, once per seed of --seeds, on one simulated link."""
     from datamodules.builtin.tree import ensure_builtin
 
     hooks = parse_hooks(args.hooks)
@@ -67,37 +67,3 @@ def _one(pair: netlink.Link, hook, seed: int, settings: dict[str, Any], root: Pa
         lines = [ln for ln in out.splitlines() if ln.strip()]
         row["error"] = next((ln for ln in reversed(lines) if "rror" in ln or "failed" in ln), lines[-1] if lines else "")
     return row
-
-
-def to_markdown(result: dict[str, Any]) -> str:
-    s = result["settings"]
-    by_hook: dict[str, list[dict]] = {}
-    for r in result["runs"]:
-        by_hook.setdefault(r["hook"], []).append(r)
-    none = [r["best_acc1"] for r in by_hook.get("no compression", []) if r["best_acc1"] is not None]
-    none_mean = statistics.mean(none) if none else None
-    table = []
-    for hook in s["hooks"]:
-        got = by_hook.get(hook, [])
-        accs = [r["best_acc1"] for r in got if r["best_acc1"] is not None]
-        cells = [f"{r['best_acc1']:.4f} ({r['final_acc1']:.4f})" if r["best_acc1"] is not None
-                 else f"failed: {r.get('error', '')[:120]}" for r in got]
-        mean = statistics.mean(accs) if accs else None
-        table.append([hook, *cells, "" if mean is None else f"{mean:.4f}",
-                      "" if mean is None or none_mean is None else f"{100 * (mean - none_mean):+.1f}",
-                      f"{statistics.mean(r['seconds'] for r in got):.0f}" if got else ""])
-    head = ["hook", *(f"seed {x}: best (final) val/acc1" for x in s["seeds"]), "mean best", "vs none (points)",
-            "seconds per run"]
-    intro = (f"2-node fits on two simulated hosts (link {s['rate']}), `{s['config']}`, {s['epochs']} epochs, data "
-             f"{repo_relative(s['data_dir'])}; PowerSGD starts at the end of the learning-rate warm-up.")
-    note = ("- Seeds differ by more than most hooks do at this budget: read a difference smaller than the seed "
-            "spread as no difference.")
-    return "\n".join([intro, "", markdown_table(head, table), "", note])
-
-
-def chart(result: dict[str, Any]) -> dict[str, Any]:
-    s = result["settings"]
-    series = {f"seed {seed}": [next((r["best_acc1"] for r in result["runs"] if r["hook"] == h and r["seed"] == seed),
-                                    None) for h in s["hooks"]] for seed in s["seeds"]}
-    return {"title": "Best val/acc1 by DDP comm hook (2 simulated nodes)", "labels": s["hooks"], "series": series,
-            "ylabel": "best val/acc1 (higher is better)"}

@@ -1,10 +1,14 @@
-"""`bench nodes`' verdict, table and chart from the result `steps.run` (or `accuracy.run`) returns."""
+"""`bench nodes`' tables and charts: step times with a verdict per link (`steps.measure`'s result), or
+val/acc1 per hook and seed (`accuracy.measure`'s, under --accuracy: kind "nodes-accuracy").
+"""
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from bench.report import markdown_table, repo_relative
 
+ACCURACY = "nodes-accuracy"  # the kind of a --accuracy result (its files: <machine>.nodes-accuracy.*)
 BANDWIDTH_BOUND = 0.5  # all-reduce this share of the step or more: the link, not the CPU, sets the pace
 
 COLUMNS = {
@@ -48,6 +52,14 @@ def _cell(value: float | None, fmt: str) -> str:
 
 
 def to_markdown(result: dict[str, Any]) -> str:
+    return accuracy_markdown(result) if result.get("kind") == ACCURACY else steps_markdown(result)
+
+
+def chart(result: dict[str, Any]) -> dict[str, Any]:
+    return accuracy_chart(result) if result.get("kind") == ACCURACY else steps_chart(result)
+
+
+def steps_markdown(result: dict[str, Any]) -> str:
     s = result["settings"]
     local = result["local"]
     table = []
@@ -72,7 +84,7 @@ def to_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def chart(result: dict[str, Any]) -> dict[str, Any]:
+def steps_chart(result: dict[str, Any]) -> dict[str, Any]:
     hooks = result["settings"]["hooks"]
     series = {}
     for rate in result["settings"]["rates"]:
@@ -81,3 +93,37 @@ def chart(result: dict[str, Any]) -> dict[str, Any]:
     local = result["local"].get("step_s")
     return {"title": "Seconds per step on two simulated hosts, by DDP comm hook", "labels": hooks, "series": series,
             "ylabel": "seconds per step (lower is better)", "lines": {"compute alone": local} if local else None}
+
+
+def accuracy_markdown(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    by_hook: dict[str, list[dict]] = {}
+    for r in result["runs"]:
+        by_hook.setdefault(r["hook"], []).append(r)
+    none = [r["best_acc1"] for r in by_hook.get("no compression", []) if r["best_acc1"] is not None]
+    none_mean = statistics.mean(none) if none else None
+    table = []
+    for hook in s["hooks"]:
+        got = by_hook.get(hook, [])
+        accs = [r["best_acc1"] for r in got if r["best_acc1"] is not None]
+        cells = [f"{r['best_acc1']:.4f} ({r['final_acc1']:.4f})" if r["best_acc1"] is not None
+                 else f"failed: {r.get('error', '')[:120]}" for r in got]
+        mean = statistics.mean(accs) if accs else None
+        table.append([hook, *cells, "" if mean is None else f"{mean:.4f}",
+                      "" if mean is None or none_mean is None else f"{100 * (mean - none_mean):+.1f}",
+                      f"{statistics.mean(r['seconds'] for r in got):.0f}" if got else ""])
+    head = ["hook", *(f"seed {x}: best (final) val/acc1" for x in s["seeds"]), "mean best", "vs none (points)",
+            "seconds per run"]
+    intro = (f"2-node fits on two simulated hosts (link {s['rate']}), `{s['config']}`, {s['epochs']} epochs, data "
+             f"{repo_relative(s['data_dir'])}; PowerSGD starts at the end of the learning-rate warm-up.")
+    note = ("- Seeds differ by more than most hooks do at this budget: read a difference smaller than the seed "
+            "spread as no difference.")
+    return "\n".join([intro, "", markdown_table(head, table), "", note])
+
+
+def accuracy_chart(result: dict[str, Any]) -> dict[str, Any]:
+    s = result["settings"]
+    series = {f"seed {seed}": [next((r["best_acc1"] for r in result["runs"] if r["hook"] == h and r["seed"] == seed),
+                                    None) for h in s["hooks"]] for seed in s["seeds"]}
+    return {"title": "Best val/acc1 by DDP comm hook (2 simulated nodes)", "labels": s["hooks"], "series": series,
+            "ylabel": "best val/acc1 (higher is better)"}

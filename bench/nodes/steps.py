@@ -9,6 +9,7 @@ is 1 - compute / step. Bytes are the kernel's counters of each node's end of the
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import shutil
@@ -95,7 +96,7 @@ def fit_args(settings: dict[str, Any], root: Path, batch: int) -> list[str]:
             "--trainer.callbacks+=bench.nodes.probe.StepProbe"]
 
 
-def _measure(marks: list[list[float]], warmup: int) -> tuple[list[float], float]:
+def read_marks(marks: list[list[float]], warmup: int) -> tuple[list[float], float]:
     """(step times after the warm-up, megabytes sent per step over them)."""
     timed = marks[warmup:]  # marks[0] is the start, marks[k] the end of step k
     times = [b[0] - a[0] for a, b in itertools.pairwise(timed)]
@@ -117,7 +118,8 @@ def _launch(pair: netlink.Link, args: list[list[str]], layout: list[str], out: P
     return [json.loads((out / f"node{n}.json").read_text()) for n in (0, 1)], ""
 
 
-def run(args) -> dict[str, Any]:
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """The compute-alone reference, then every hook of --hooks on a link of each --rate."""
     from datamodules.builtin.tree import ensure_builtin
 
     hooks = parse_hooks(args.hooks)
@@ -140,7 +142,7 @@ def run(args) -> dict[str, Any]:
         if got is None:
             local.status, local.reason = "failed", why
         else:
-            local.step_times = _measure(got[0]["marks"], args.warmup)[0]
+            local.step_times = read_marks(got[0]["marks"], args.warmup)[0]
             local.step_s = statistics.median(local.step_times)
             local.images_s = args.batch_size / local.step_s
         for rate in rates:
@@ -166,7 +168,7 @@ def _row(pair: netlink.Link, rate: str, hook: Hook, settings: dict[str, Any], wo
     if got is None:
         row.status, row.reason = "failed", why
         return row
-    measured = [_measure(g["marks"], args.warmup) for g in got]
+    measured = [read_marks(g["marks"], args.warmup) for g in got]
     row.step_times = measured[0][0]
     row.step_s = statistics.median(row.step_times)
     row.images_s = args.batch_size / row.step_s

@@ -1,4 +1,4 @@
-"""`bench train`'s table and chart from the result `train.run` returns."""
+"""`bench train`'s table and chart from the result `timing.measure` returns."""
 from __future__ import annotations
 
 from typing import Any

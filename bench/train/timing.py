@@ -10,6 +10,7 @@ The rows and their settings are in `rows.py`; the table and chart are written by
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -165,7 +166,8 @@ def _defaults() -> dict:
 
 # ------------------------------------------------------------------------------ the table
 
-def run(args, rows: list[str] | None = None) -> dict[str, Any]:
+def measure(args: argparse.Namespace, rows: list[str] | None = None) -> dict[str, Any]:
+    """Every row of `row_specs` (those not in ``rows`` skipped, the baseline always run), then the overhead pairs."""
     from tqdm import tqdm
 
     if args.data_dir:
