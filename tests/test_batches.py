@@ -11,7 +11,7 @@ from datamodules.index import load_indexes
 from datamodules.sample.batches import RING_SLOTS, RingBatch, SampleLoader, _header, built_batch, give_back
 from datamodules.sample.crop import ValCrop
 from datamodules.sample.dataset import FileSource, SampleDataset
-from tests.conftest import make_tree
+from tests.helpers.trees import make_tree
 
 BATCH = 4
 

@@ -1,7 +1,6 @@
 """The CLI end to end: configs, --print_config, real short fits, TensorBoard, resume, DDP, nodes."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -10,19 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from datamodules.index import load_indexes
 from lightning_app.cli import ClassifierCLI
-from tests.conftest import REPO, free_port, quick_args, run_main
+from tests.helpers import REPO
+from tests.helpers.callbacks import recorded_samples
+from tests.helpers.cli import quick_args, run_main
+from tests.helpers.event_files import event_file_scalars
+from tests.helpers.processes import free_port
 
 CONFIGS = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "configs").rglob("*.yaml"))
-
-
-def event_file_scalars(run_dir: Path) -> EventAccumulator:
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return acc
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -104,23 +100,15 @@ def test_resume_continues_at_the_right_epoch_and_step(tiny_data, tmp_path):
     assert sched["last_epoch"] == 3 * steps_per_epoch  # the LR schedule continued, not restarted
 
 
-def _recorded(out: Path) -> dict[tuple[int, int], dict]:
-    runs = {}
-    for f in out.glob("rank*_epoch*.json"):
-        rank, epoch = f.stem.replace("rank", "").split("_epoch")
-        runs[int(rank), int(epoch)] = json.loads(f.read_text())
-    return runs
-
-
 @pytest.mark.slow
 def test_ddp_two_processes_see_disjoint_data(tiny_data, tmp_path):
     out = tmp_path / "samples"
     args = ["fit", *quick_args(tiny_data, tmp_path, epochs=2, batch=32), "--trainer.log_every_n_steps", "1",
             "--trainer.strategy", "ddp", "--trainer.devices", "2",
-            "--trainer.callbacks+=tests.helpers.SampleRecorder", f"--trainer.callbacks.out_dir={out}"]
+            "--trainer.callbacks+=tests.helpers.callbacks.SampleRecorder", f"--trainer.callbacks.out_dir={out}"]
     proc = run_main(args)
     assert "Done: best val/acc1" in proc.stdout + proc.stderr
-    runs = _recorded(out)  # what each rank's loader delivered
+    runs = recorded_samples(out)  # what each rank's loader delivered
     assert set(runs) == {(0, 0), (1, 0), (0, 1), (1, 1)}
     n = 240
     truth = load_indexes(tiny_data)["train"].labels
@@ -140,9 +128,9 @@ def test_ddp_two_processes_see_disjoint_data(tiny_data, tmp_path):
     one_out = tmp_path / "one"
     one = run_main(["fit", *quick_args(tiny_data, tmp_path / "one_run", epochs=2, batch=32),
                     "--trainer.log_every_n_steps", "1",
-                    "--trainer.callbacks+=tests.helpers.SampleRecorder", f"--trainer.callbacks.out_dir={one_out}"])
+                    "--trainer.callbacks+=tests.helpers.callbacks.SampleRecorder", f"--trainer.callbacks.out_dir={one_out}"])
     assert "Done: best val/acc1" in one.stdout + one.stderr
-    single = _recorded(one_out)
+    single = recorded_samples(one_out)
     for epoch in (0, 1):
         steps = runs[0, epoch]["steps"]
         assert single[0, epoch]["steps"] == steps and single[0, epoch]["sampler_epoch"] == epoch
@@ -161,7 +149,7 @@ def test_two_nodes_on_one_machine_finish_together(tiny_data, tmp_path):
     out = tmp_path / "samples"
     args = ["fit", *quick_args(tiny_data, tmp_path, epochs=1, batch=32),
             "--trainer.strategy", "ddp", "--trainer.devices", "1", "--trainer.num_nodes", "2",
-            "--trainer.callbacks+=tests.helpers.SampleRecorder", f"--trainer.callbacks.out_dir={out}"]
+            "--trainer.callbacks+=tests.helpers.callbacks.SampleRecorder", f"--trainer.callbacks.out_dir={out}"]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", "MASTER_PORT": port, "PYTHONUNBUFFERED": "1"}
     procs = [
         subprocess.Popen([sys.executable, "main.py", *args], cwd=REPO, env={**env, "NODE_RANK": str(rank)},
@@ -171,6 +159,6 @@ def test_two_nodes_on_one_machine_finish_together(tiny_data, tmp_path):
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n\n".join(o[-3000:] for o in outputs)
     assert "GLOBAL_RANK: 0, MEMBER: 1/2" in outputs[0] and "GLOBAL_RANK: 1, MEMBER: 2/2" in outputs[1]
-    runs = _recorded(out)
+    runs = recorded_samples(out)
     assert runs[0, 0]["num_nodes"] == 2 and runs[0, 0]["world_size"] == 2
     assert not set(runs[0, 0]["indices"]) & set(runs[1, 0]["indices"])

@@ -25,8 +25,10 @@ from lightning_app.cli import ClassifierCLI, main
 from lightning_app.errors import UserError
 from lightning_app.runs import identity, lock, ranks
 from lightning_app.runs.resolve import resolve
-from tests.cluster_helpers import scalars
-from tests.conftest import REPO, free_port, quick_args, run_main
+from tests.helpers import REPO
+from tests.helpers.cli import quick_args, run_main
+from tests.helpers.event_files import scalars
+from tests.helpers.processes import free_port
 
 pytestmark = pytest.mark.timeout(600)
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_PROCID",
@@ -71,13 +73,13 @@ def test_two_slurm_jobs_in_one_root_each_resume_their_own_run(tiny_data, tmp_pat
                 "--trainer.log_every_n_steps", "1", "--model.lr", lr, *extra]
 
     def signal_at(epoch: int, batch: int, sig: str) -> list[str]:
-        return ["--trainer.callbacks+=tests.fault_helpers.SignalAt", f"--trainer.callbacks.epoch={epoch}",
+        return ["--trainer.callbacks+=tests.helpers.callbacks.SignalAt", f"--trainer.callbacks.epoch={epoch}",
                 f"--trainer.callbacks.batch={batch}", f"--trainer.callbacks.sig={sig}"]
 
     # first attempts, side by side: A is preempted with SIGTERM before its first checkpoint; B is killed
     # mid-epoch, 4 steps after its checkpoint, with those steps' events already on disk
     a0 = _popen(job("0.1", *signal_at(0, 2, "SIGTERM")), _env(SLURM_JOB_ID="101", SLURM_RESTART_COUNT="0"))
-    b0 = _popen(job("0.2", *signal_at(1, 4, "SIGKILL"), "--trainer.callbacks+=tests.cluster_helpers.FlushLogs"),
+    b0 = _popen(job("0.2", *signal_at(1, 4, "SIGKILL"), "--trainer.callbacks+=tests.helpers.callbacks.FlushLogs"),
                 _env(SLURM_JOB_ID="202", SLURM_RESTART_COUNT="0"))
     (rc_a, out_a), (rc_b, out_b) = _finish(a0), _finish(b0)
     assert rc_a == 0 and "SIGTERM: saved" in out_a, out_a[-3000:]
@@ -312,7 +314,7 @@ def test_sigterm_during_validate_leaves_last_ckpt_byte_identical(tiny_data, trai
     last = trained_run / "checkpoints" / "last.ckpt"
     before = last.read_bytes()
     proc = run_main(["validate", *quick_args(tiny_data, trained_run.parent, batch=16, width=None), "--ckpt_path",
-                     str(last), "--trainer.callbacks+=tests.cluster_helpers.SignalDuringValidation"], check=False)
+                     str(last), "--trainer.callbacks+=tests.helpers.callbacks.SignalDuringValidation"], check=False)
     out = proc.stdout + proc.stderr
     assert "sending SIGTERM at validation batch 1" in out, out[-3000:]
     assert "SIGTERM: saved" not in out

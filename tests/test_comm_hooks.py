@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_app.errors import UserError
 from lightning_app.strategies import comm_hooks
-from tests.conftest import quick_args, run_main
+from tests.helpers.cli import quick_args, run_main
 
 
 def _fit(data: Path, root: Path, hook: str, epochs: int, extra: list[str] = ()) -> list[str]:
@@ -25,7 +25,7 @@ def _fit(data: Path, root: Path, hook: str, epochs: int, extra: list[str] = ()) 
 
 
 def _probe(out: Path) -> list[str]:
-    return ["--trainer.callbacks+=tests.helpers.GradientProbe", f"--trainer.callbacks.out_dir={out}"]
+    return ["--trainer.callbacks+=tests.helpers.callbacks.GradientProbe", f"--trainer.callbacks.out_dir={out}"]
 
 
 def _probed(out: Path, rank: int = 0) -> dict:

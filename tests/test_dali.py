@@ -17,7 +17,10 @@ import torch
 from datamodules import DataError, ImageFolderDataModule
 from datamodules.dali.datamodule import DALIDataModule
 from datamodules.sample.transforms import IMAGENET_STD, normalize
-from tests.conftest import REPO, copy_tree, free_port, quick_args, run_main
+from tests.helpers import REPO
+from tests.helpers.cli import quick_args, run_main
+from tests.helpers.processes import free_port
+from tests.helpers.trees import copy_tree
 
 STD255 = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (GPU DALI decoding)")

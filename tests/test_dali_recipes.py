@@ -9,7 +9,7 @@ from datamodules import DALIDataModule
 from datamodules.index import DataError
 from lightning_app.callbacks.progressive_resizing import ProgressiveResizing
 from lightning_app.module import ImageClassifier
-from tests.test_schedules import SizeRecorder
+from tests.helpers.callbacks import SizeRecorder
 
 
 class CountingDALI(DALIDataModule):

@@ -11,7 +11,7 @@ from PIL import Image, ImageOps
 from datamodules import DataError, ImageFolderDataModule
 from datamodules.sample.crop import ValCrop
 from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
-from tests.conftest import copy_tree, make_tree
+from tests.helpers.trees import copy_tree, make_tree
 
 
 def test_batches_are_normalised_on_transfer_and_labelled_by_the_index(tiny_data):

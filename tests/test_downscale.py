@@ -18,7 +18,8 @@ from datamodules.downscale.writer import downscale, main, read_marker, target_si
 from datamodules.index import DataError, load_indexes
 from datamodules.sample.dataset import FileSource
 from datamodules.sample.images import decode_rgb
-from tests.conftest import REPO, make_tree
+from tests.helpers import REPO
+from tests.helpers.trees import make_tree
 
 
 def test_target_size_keeps_aspect_and_never_upscales():

@@ -11,7 +11,7 @@ from datamodules.sample.images import decode_rgb
 from datamodules.sample.transforms import normalize, val_transform
 from lightning_app.export import export, main
 from lightning_app.module import ImageClassifier
-from tests.conftest import train_checkpoint
+from tests.helpers.cli import train_checkpoint
 
 # Stated tolerance: probabilities agree to 1e-4 (absolute) with the checkpoint's own model in float32.
 ATOL = 1e-4
@@ -83,7 +83,7 @@ def test_export_of_a_compiled_channels_last_model(tiny_data, tmp_path):
 
 
 def test_export_refuses_pickled_code(tmp_path, capsys):
-    from tests.test_weights import evil_file
+    from tests.helpers.checkpoints import evil_file
 
     path, marker = evil_file(tmp_path)
     with pytest.raises(SystemExit) as info:

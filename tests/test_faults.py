@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, free_port, quick_args, run_main
+from tests.helpers import REPO
+from tests.helpers.cli import quick_args, run_main
+from tests.helpers.processes import free_port
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -25,7 +27,7 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _signal_at(epoch: int, batch: int, sig: str, rank: int = -1) -> list[str]:
-    return ["--trainer.callbacks+=tests.fault_helpers.SignalAt", f"--trainer.callbacks.epoch={epoch}",
+    return ["--trainer.callbacks+=tests.helpers.callbacks.SignalAt", f"--trainer.callbacks.epoch={epoch}",
             f"--trainer.callbacks.batch={batch}", f"--trainer.callbacks.sig={sig}", f"--trainer.callbacks.rank={rank}"]
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from lightning_app.cli import ClassifierCLI
 from lightning_app.strategies import DP_COMPILE_MESSAGE, ClusterDDPStrategy, check_compile
-from tests.conftest import REPO, quick_args
+from tests.helpers import REPO
+from tests.helpers.cli import quick_args
 
 
 def test_dp_with_compile_is_refused_with_its_message(tiny_data, tmp_path):

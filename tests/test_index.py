@@ -11,7 +11,8 @@ from PIL import Image
 import datamodules.index as ix
 from datamodules.index import DataError, find_classes, load_index, load_indexes
 from datamodules.sample.images import check_file, decode_rgb
-from tests.conftest import REPO, make_tree, odd_images
+from tests.helpers import REPO
+from tests.helpers.trees import make_tree, odd_images
 
 
 def test_classes_sorted_hidden_and_clutter_ignored(odd_tree):

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from lightning_app.cli import ClassifierCLI
-from tests.conftest import REPO, quick_args
+from tests.helpers import REPO
+from tests.helpers.cli import quick_args
 
 SCRIPTS = [
     ("scripts/torchrun.sh", {"GPUS": "4", "NNODES": "2", "NODE_RANK": "1"}),

@@ -29,7 +29,9 @@ from datamodules.lmdb.datamodule import (
 )
 from datamodules.sample.batches import SampleLoader, built_batch
 from datamodules.sample.images import decode_rgb
-from tests.conftest import REPO, make_tree, quick_args, run_main
+from tests.helpers import REPO
+from tests.helpers.cli import quick_args, run_main
+from tests.helpers.trees import make_tree
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +233,7 @@ def test_ddp_two_processes_with_workers_deliver_one_processs_batches_and_labels(
     out = tmp_path / "samples"
     args = ["fit", "--config", "configs/data/lmdb.yaml", *quick_args(tiny_db, tmp_path, epochs=1, batch=32),
             "--data.num_workers", "2", "--trainer.strategy", "ddp", "--trainer.devices", "2",
-            "--trainer.callbacks+=tests.helpers.SampleRecorder", f"--trainer.callbacks.out_dir={out}"]
+            "--trainer.callbacks+=tests.helpers.callbacks.SampleRecorder", f"--trainer.callbacks.out_dir={out}"]
     proc = run_main(args)
     assert "Done: best val/acc1" in proc.stdout + proc.stderr
     ranks = [json.loads((out / f"rank{r}_epoch0.json").read_text()) for r in (0, 1)]  # what the loaders delivered

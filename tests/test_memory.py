@@ -15,7 +15,7 @@ from datamodules.sample.batches import ring_buffer_bytes
 from datamodules.sizing import Layout
 from lightning_app.callbacks.progressive_resizing import ProgressiveResizing
 from lightning_app.module import ImageClassifier
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 RECIPES = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs" / "recipes").glob("*.yaml"))
 

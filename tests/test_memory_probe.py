@@ -11,7 +11,8 @@ import torch
 from lightning_app.callbacks.memory_probe import StepEstimate, fitting_batch, host_memory_available, probe, verdict
 from lightning_app.cli import ClassifierCLI
 from lightning_app.module import ImageClassifier
-from tests.conftest import REPO, quick_args, run_main
+from tests.helpers import REPO
+from tests.helpers.cli import quick_args, run_main
 
 
 def test_verdict_stops_only_when_clearly_over_and_the_suggested_batch_fits():

@@ -20,8 +20,10 @@ import torch
 from netsim import link as netlink
 from netsim.link import _has_net_admin
 from netsim.nodes import Nodes
-from tests.conftest import REPO, quick_args, run_main
-from tests.test_cli import _recorded, event_file_scalars
+from tests.helpers import REPO
+from tests.helpers.callbacks import recorded_samples
+from tests.helpers.cli import quick_args, run_main
+from tests.helpers.event_files import event_file_scalars
 
 pytestmark = pytest.mark.timeout(600)
 WHY_NOT = netlink.unavailable()
@@ -128,7 +130,7 @@ def test_ten_percent_loss_never_hangs_a_fit(tiny_data, tmp_path):
 @pytest.mark.slow
 def test_two_nodes_across_the_link_train_on_the_global_batches_of_one_process(tiny_data, tmp_path):
     out = tmp_path / "samples"
-    record = ["--trainer.log_every_n_steps", "1", "--trainer.callbacks+=tests.helpers.SampleRecorder",
+    record = ["--trainer.log_every_n_steps", "1", "--trainer.callbacks+=tests.helpers.callbacks.SampleRecorder",
               f"--trainer.callbacks.out_dir={out}"]
     with netlink.simulated_link(rate="1gbit") as link:
         nodes = Nodes(link, _node_args(tiny_data, tmp_path / "nodes", epochs=1, extra=record))
@@ -136,7 +138,7 @@ def test_two_nodes_across_the_link_train_on_the_global_batches_of_one_process(ti
         sent = [link.counters(node)["tx_bytes"] for node in (0, 1)]
     assert codes == [0, 0], nodes.output(0)[-3000:] + nodes.output(1)[-3000:]
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in nodes.output(1)
-    runs = _recorded(out)
+    runs = recorded_samples(out)
     assert runs[0, 0]["world_size"] == 2 and runs[0, 0]["num_nodes"] == 2
     steps = runs[0, 0]["steps"]
     # the gradients crossed the veth: each node sent at least the model's gradients once per step
@@ -147,7 +149,7 @@ def test_two_nodes_across_the_link_train_on_the_global_batches_of_one_process(ti
     one_out = tmp_path / "one"
     run_main(["fit", *quick_args(tiny_data, tmp_path / "one_run", epochs=1, batch=32),
               "--trainer.num_sanity_val_steps", "0", *record[:3], f"--trainer.callbacks.out_dir={one_out}"])
-    single = _recorded(one_out)
+    single = recorded_samples(one_out)
     assert single[0, 0]["steps"] == steps
     assert not set(runs[0, 0]["indices"]) & set(runs[1, 0]["indices"]), "the nodes share samples"
     for k in range(steps):
@@ -209,7 +211,7 @@ def _netsim(args: list[str], env: dict[str, str] | None = None) -> subprocess.Po
 @needs_namespaces
 @pytest.mark.slow
 def test_run_removes_its_namespaces_after_a_node_is_killed_and_reports_the_lost_node(tiny_data, tmp_path):
-    kill_node_1 = ["--trainer.callbacks+=tests.fault_helpers.SignalAt", "--trainer.callbacks.epoch=1",
+    kill_node_1 = ["--trainer.callbacks+=tests.helpers.callbacks.SignalAt", "--trainer.callbacks.epoch=1",
                    "--trainer.callbacks.batch=1", "--trainer.callbacks.sig=SIGKILL", "--trainer.callbacks.rank=1"]
     proc = _netsim(["run", "--rate", "1gbit", "--", *_node_args(tiny_data, tmp_path, epochs=3, extra=kill_node_1)[1:]],
                    env={"FIC_DDP_TIMEOUT_S": "15"})

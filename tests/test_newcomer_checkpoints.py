@@ -14,7 +14,7 @@ from datamodules import ImageFolderDataModule
 from lightning_app.callbacks.checkpoints import CheckpointOnSigterm
 from lightning_app.cli import ClassifierCLI
 from lightning_app.module import ImageClassifier
-from tests.conftest import quick_args
+from tests.helpers.cli import quick_args
 
 BATCH = 48  # tiny data: 240 train images -> 5 steps per epoch
 

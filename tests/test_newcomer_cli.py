@@ -10,7 +10,8 @@ from torchvision.models import resnet50 as tv_resnet50
 
 from lightning_app.cli import ClassifierCLI, main
 from lightning_app.weights import torchvision_cache_path
-from tests.conftest import REPO, quick_args, run_main, train_checkpoint
+from tests.helpers import REPO
+from tests.helpers.cli import quick_args, run_main, train_checkpoint
 
 
 def _fails(args: list[str], capsys) -> str:

@@ -16,7 +16,8 @@ from PIL import Image
 
 from lightning_app.cli import ClassifierCLI
 from lightning_app.export import main as export_main
-from tests.conftest import REPO, train_checkpoint
+from tests.helpers import REPO
+from tests.helpers.cli import train_checkpoint
 
 SIZES = [(200, 160), (160, 280), (256, 256), (360, 132), (148, 192)]  # (width, height): downscaled 4-8x
 

@@ -12,7 +12,7 @@ import pytest
 from pytorch_lightning.plugins.environments import LightningEnvironment
 
 from lightning_app.cli import ClassifierCLI
-from tests.conftest import train_checkpoint
+from tests.helpers.cli import train_checkpoint
 
 
 @pytest.mark.slow

@@ -9,7 +9,8 @@ import torch
 
 from datamodules.predict import PredictDataset
 from lightning_app.callbacks.predictions import PredictionsCSV, columns
-from tests.conftest import free_port, run_main, train_checkpoint
+from tests.helpers.cli import run_main, train_checkpoint
+from tests.helpers.processes import free_port
 
 JPEG = b"\xff\xd8\xff\xe0" + b"\x00" * 64 + b"\xff\xd9"
 

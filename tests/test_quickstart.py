@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from tests.conftest import run_main
+from tests.helpers.cli import run_main
 
 
 @pytest.mark.slow

@@ -21,7 +21,8 @@ from lightning_app.cli import ClassifierCLI
 from lightning_app.module import ImageClassifier, batch_mix
 from models import create_model
 from models.blurpool import BlurConv2d
-from tests.conftest import REPO, quick_args, run_main
+from tests.helpers import REPO
+from tests.helpers.cli import quick_args, run_main
 
 RECIPES = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "configs" / "recipes").glob("*.yaml"))
 

@@ -11,7 +11,9 @@ import pytest
 from lightning_app import runs
 from lightning_app.cli import ClassifierCLI, main
 from lightning_app.errors import UserError
-from tests.conftest import REPO, make_tree, quick_args, run_main
+from tests.helpers import REPO
+from tests.helpers.cli import quick_args, run_main
+from tests.helpers.trees import make_tree
 
 
 @pytest.fixture(scope="module")

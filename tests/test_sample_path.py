@@ -1,7 +1,6 @@
 """The shared sample path: decode (same pixels as PIL), crop/flip, the batch, and the hooks other features use."""
 from __future__ import annotations
 
-import io
 import os
 import random
 import threading
@@ -21,7 +20,7 @@ from datamodules.sample.dataset import SampleDataset
 from datamodules.sample.decode import decode, fast_jpeg
 from datamodules.sample.images import decode_rgb
 from datamodules.sample.transforms import val_transform
-from tests.conftest import copy_tree, odd_images
+from tests.helpers.trees import copy_tree, jpeg, odd_images
 
 # The val path resizes a uint8 tensor with PyTorch's antialiased bilinear kernel; today's reference
 # resizes the PIL image. Both compute Pillow's filter, rounding differently: pixels may differ by 1.
@@ -31,12 +30,6 @@ VAL_MEAN_DIFF = 0.05
 
 def reference(data: bytes) -> torch.Tensor:
     return torch.from_numpy(np.array(decode_rgb(data))).permute(2, 0, 1)
-
-
-def _jpeg(img: Image.Image, **kw) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="JPEG", **kw)
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +56,7 @@ def test_every_exif_orientation_matches_pil(orientation):
     rng = np.random.default_rng(orientation)
     exif = Image.Exif()
     exif[0x0112] = orientation
-    data = _jpeg(Image.fromarray(rng.integers(0, 255, (30, 50, 3), dtype=np.uint8)), exif=exif.tobytes())
+    data = jpeg(Image.fromarray(rng.integers(0, 255, (30, 50, 3), dtype=np.uint8)), exif=exif.tobytes())
     assert fast_jpeg(data) == (True, True)
     assert torch.equal(decode(bytearray(data)), reference(data))
 
@@ -71,17 +64,17 @@ def test_every_exif_orientation_matches_pil(orientation):
 def test_cmyk_and_xmp_go_to_pil_and_keep_its_pixels():
     rng = np.random.default_rng(3)
     rgb = Image.fromarray(rng.integers(0, 255, (24, 40, 3), dtype=np.uint8))
-    cmyk = _jpeg(rgb.convert("CMYK"))
+    cmyk = jpeg(rgb.convert("CMYK"))
     assert fast_jpeg(cmyk)[0] is False
     assert torch.equal(decode(cmyk), reference(cmyk))
     # an XMP packet can carry an orientation that PIL honours and libjpeg-turbo ignores
     xmp = (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
            b'<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>')
-    with_xmp = _jpeg(rgb, xmp=xmp)
+    with_xmp = jpeg(rgb, xmp=xmp)
     assert fast_jpeg(with_xmp)[0] is False
     assert torch.equal(decode(with_xmp), reference(with_xmp))
     for kw in ({"progressive": True}, {"subsampling": 0}, {"subsampling": 2, "quality": 40}):
-        data = _jpeg(rgb, **kw)
+        data = jpeg(rgb, **kw)
         assert fast_jpeg(data)[0] is True
         assert torch.equal(decode(data), reference(data)), kw
 

@@ -20,7 +20,8 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from datamodules.cpus import cpu_share, usable_cpus
-from tests.conftest import REPO, free_port
+from tests.helpers import REPO
+from tests.helpers.processes import free_port
 
 CLASSES = 1000
 RANKS = 2
@@ -65,7 +66,7 @@ def rehearsal(thousand_classes, tmp_path_factory):
             "--data.val_image_size", "32", "--trainer.accelerator", "cpu", "--trainer.devices", str(RANKS),
             "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "2", "--trainer.precision", "32-true",
             "--trainer.strategy.init_args.timeout_s", "60", "--trainer.default_root_dir", str(out / "logs"),
-            "--trainer.log_every_n_steps", "1", "--trainer.callbacks+=tests.scale_helpers.LoaderProbe",
+            "--trainer.log_every_n_steps", "1", "--trainer.callbacks+=tests.helpers.callbacks.LoaderProbe",
             "--trainer.callbacks.init_args.out_dir", str(out / "probe")]
     if shutil.which("taskset") is None:
         pytest.skip("taskset (util-linux) is not installed: it sets each task's CPU mask as srun would")

@@ -11,7 +11,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from datamodules import ImageFolderDataModule
 from lightning_app.callbacks.progressive_resizing import ProgressiveResizing, scheduled_size
 from lightning_app.module import ImageClassifier
-from tests.conftest import free_port, quick_args, run_main
+from tests.helpers.callbacks import SizeRecorder
+from tests.helpers.cli import quick_args, run_main
+from tests.helpers.processes import free_port
 
 
 def ffcv_get_resolution(epoch, min_res, max_res, end_ramp, start_ramp):
@@ -37,30 +39,6 @@ def test_schedule_with_small_steps_stays_within_its_sizes():
     assert [scheduled_size(e, 40, 50, 0, 4, step=32) for e in range(6)] == [40, 40, 40, 40, 50, 50]  # 32 clamped up to 40
     with pytest.raises(ValueError, match="end_epoch > start_epoch"):
         ProgressiveResizing(64, 96, 3, 3)
-
-
-class SizeRecorder(pl.Callback):
-    def __init__(self) -> None:
-        self.seen: list[tuple[int, int, int]] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        images = batch[0]
-        self.seen.append((trainer.current_epoch, images.shape[-2], images.shape[-1]))
-
-
-class RankSizeRecorder(SizeRecorder):
-    """SizeRecorder that writes what each rank saw to OUT_DIR/rank<N>.json (for runs in subprocesses)."""
-
-    def __init__(self, out_dir: str) -> None:
-        super().__init__()
-        self.out_dir = out_dir
-
-    def on_fit_end(self, trainer, pl_module):
-        import json
-        from pathlib import Path
-
-        Path(self.out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(self.out_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.seen))
 
 
 def _fit(data, root, epochs, recorder, ckpt_path=None, workers=1):
@@ -149,7 +127,7 @@ def test_progressive_resizing_under_ddp_from_the_cli(tiny_data, tmp_path):
     config.write_text(json.dumps({"trainer": {"callbacks": [
         {"class_path": "lightning_app.callbacks.progressive_resizing.ProgressiveResizing",
          "init_args": {"start_size": 16, "end_size": 32, "start_epoch": 0, "end_epoch": 2, "step": 8}},
-        {"class_path": "tests.test_schedules.RankSizeRecorder", "init_args": {"out_dir": str(out)}}]}}))
+        {"class_path": "tests.helpers.callbacks.RankSizeRecorder", "init_args": {"out_dir": str(out)}}]}}))
     args = ["fit", *quick_args(tiny_data, tmp_path, epochs=3, batch=32), "--config", str(config),
             "--data.num_workers", "1", "--trainer.strategy", "ddp", "--trainer.devices", "2",
             "--trainer.limit_train_batches", "2", "--trainer.num_sanity_val_steps", "0"]

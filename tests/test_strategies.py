@@ -17,7 +17,9 @@ from lightning_app.cli import ClassifierCLI
 from lightning_app.strategies import ClusterDDPStrategy, DataParallelStrategy
 from netsim import link as netlink
 from netsim.nodes import Nodes
-from tests.conftest import REPO, free_port, quick_args, run_main
+from tests.helpers import REPO
+from tests.helpers.cli import quick_args, run_main
+from tests.helpers.processes import free_port
 
 pytestmark = pytest.mark.timeout(900)
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -144,11 +146,11 @@ def _callback(cli, cls):
 
 @NEEDS_2_GPUS
 def test_dp_splits_each_batch_over_the_gpus(tiny_data, tmp_path):
-    from tests.helpers import ReplicaBatches
+    from tests.helpers.callbacks import ReplicaBatches
 
     cli = ClassifierCLI(args=["fit", "--config", "configs/dp_amp.yaml",
                               *quick_args(tiny_data, tmp_path), "--trainer.accelerator", "gpu",
-                              "--trainer.callbacks+=tests.helpers.ReplicaBatches"])
+                              "--trainer.callbacks+=tests.helpers.callbacks.ReplicaBatches"])
     view = cli.model.__dict__.get("data_parallel_backbone")
     assert view is None  # removed at teardown
     gpus = cli.trainer.strategy.cuda_devices
@@ -172,8 +174,8 @@ def test_ddp_nccl_amp(tiny_data, tmp_path):
     ran, samples = tmp_path / "ran", tmp_path / "samples"
     proc = run_main(["fit", "--config", "configs/ddp_amp.yaml", *quick_args(tiny_data, tmp_path),
                      "--trainer.accelerator", "gpu", "--trainer.devices", "2",
-                     "--trainer.callbacks+=tests.helpers.WhatRan", f"--trainer.callbacks.out_dir={ran}",
-                     "--trainer.callbacks+=tests.helpers.SampleRecorder", f"--trainer.callbacks.out_dir={samples}"])
+                     "--trainer.callbacks+=tests.helpers.callbacks.WhatRan", f"--trainer.callbacks.out_dir={ran}",
+                     "--trainer.callbacks+=tests.helpers.callbacks.SampleRecorder", f"--trainer.callbacks.out_dir={samples}"])
     out = proc.stdout + proc.stderr
     assert "Done: best val/acc1" in out and "distributed_backend=nccl" in out
     ranks = _what_ran(ran)
@@ -189,7 +191,7 @@ def test_fast_config_on_one_gpu(tiny_data, tmp_path):
     ran = tmp_path / "ran"
     proc = run_main(["fit", "--config", "configs/fast.yaml", *quick_args(tiny_data, tmp_path),
                      "--trainer.accelerator", "gpu", "--trainer.devices", "1", "--data.num_workers", "2",
-                     "--trainer.callbacks+=tests.helpers.WhatRan", f"--trainer.callbacks.out_dir={ran}"])
+                     "--trainer.callbacks+=tests.helpers.callbacks.WhatRan", f"--trainer.callbacks.out_dir={ran}"])
     assert "Done: best val/acc1" in proc.stdout + proc.stderr
     [r] = _what_ran(ran)
     assert r["device"] == "cuda:0" and r["global_step"] == 240 // 32

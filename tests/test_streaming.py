@@ -31,9 +31,10 @@ from datamodules.index import DataError, load_indexes
 from datamodules.shards.errors import explain
 from datamodules.shards.pack import pack
 from datamodules.shards.storage import obstore_store, s3_client
-from tests.conftest import REPO, free_port, quick_args, run_main, train_checkpoint
-from tests.s3_server import s3_fixture, s3_session_fixture, shared_s3_fixture  # noqa: F401 - the fixtures
-from tests.streaming_helpers import IdRecordingStreamingDataModule, in_fork, read_records
+from tests.helpers import REPO
+from tests.helpers.cli import quick_args, run_main, train_checkpoint
+from tests.helpers.processes import free_port, in_fork
+from tests.helpers.streaming import IdRecordingStreamingDataModule, read_records
 
 pytestmark = pytest.mark.timeout(300)
 CHUNK_MB = 0.01  # the tiny set (240 + 80 JPEGs of about 1.2 KB) in chunks of 9 images: many chunks, many workers
@@ -360,14 +361,14 @@ def test_mid_epoch_resume_restores_the_loader_position(tiny_data, tmp_path):
 
 def _record_args(url: str, root: Path, records: Path, *extra: str, epochs: int = 1) -> list[str]:
     return ["fit", "--config", "configs/data/streaming.yaml", *quick_args(url, root, epochs=epochs, batch=24),
-            "--data.class_path", "tests.streaming_helpers.IdRecordingStreamingDataModule",
+            "--data.class_path", "tests.helpers.streaming.IdRecordingStreamingDataModule",
             "--data.data_dir", url, "--data.record_dir", str(records), "--data.num_workers", "2",
             "--data.cache_dir", str(root / "cache"), "--trainer.num_sanity_val_steps", "0",
             "--model.pictures", "[]", *extra]
 
 
 def _signal_at(batch: int, sig: str) -> list[str]:
-    return ["--trainer.callbacks+=tests.fault_helpers.SignalAt", "--trainer.callbacks.epoch=0",
+    return ["--trainer.callbacks+=tests.helpers.callbacks.SignalAt", "--trainer.callbacks.epoch=0",
             f"--trainer.callbacks.batch={batch}", f"--trainer.callbacks.sig={sig}"]
 
 

@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_app.cli import ClassifierCLI
-from tests.conftest import quick_args
+from tests.helpers.cli import quick_args
 
 SYNCING = {"aten::_local_scalar_dense", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
            "aten::nonzero", "aten::bincount", "aten::masked_select", "aten::lift_fresh",

@@ -1,8 +1,11 @@
-"""Callbacks that tests add with --trainer.callbacks+=tests.helpers.X to observe a real run."""
+"""Callbacks that tests add with --trainer.callbacks+=tests.helpers.callbacks.X to observe a real run or to inject
+real faults, and readers of what they write."""
 from __future__ import annotations
 
 import json
 import os
+import signal
+from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
@@ -49,6 +52,15 @@ class SampleRecorder(pl.Callback):
                        "indices": [i for batch in self.batches for i in batch], "steps": len(self.batches),
                        "sampler_epoch": self.sampler_epoch, "seed": os.environ.get("PL_GLOBAL_SEED"),
                        "world_size": trainer.world_size, "num_nodes": trainer.num_nodes}, f)
+
+
+def recorded_samples(out: Path) -> dict[tuple[int, int], dict]:
+    """What SampleRecorder wrote to `out`: (rank, epoch) -> record."""
+    runs = {}
+    for f in out.glob("rank*_epoch*.json"):
+        rank, epoch = f.stem.replace("rank", "").split("_epoch")
+        runs[int(rank), int(epoch)] = json.loads(f.read_text())
+    return runs
 
 
 class ReplicaBatches(pl.Callback):
@@ -143,3 +155,86 @@ class GradientProbe(pl.Callback):
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"grads_rank{trainer.global_rank}.json"), "w") as f:
             json.dump({"comm_hook": hook, "steps": self.seen, "world_size": trainer.world_size}, f)
+
+
+class SizeRecorder(pl.Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        images = batch[0]
+        self.seen.append((trainer.current_epoch, images.shape[-2], images.shape[-1]))
+
+
+class RankSizeRecorder(SizeRecorder):
+    """SizeRecorder that writes what each rank saw to OUT_DIR/rank<N>.json (for runs in subprocesses)."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+
+    def on_fit_end(self, trainer, pl_module):
+        Path(self.out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(self.out_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.seen))
+
+
+class LoaderProbe(pl.Callback):
+    """Writes, per rank, its CPU mask and what its train loader was built with."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        dm = trainer.datamodule
+        loader = trainer.train_dataloader
+        share = dm.cpu_share()
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump({"mask": sorted(os.sched_getaffinity(0)), "cpus": share.cpus, "per_task": share.per_task,
+                       "describe": share.describe(), "workers": loader.num_workers,
+                       "decode_threads": loader.dataset.decode_threads, "world": trainer.world_size}, f)
+
+
+class FlushLogs(pl.Callback):
+    """Flushes the TensorBoard event file after every training batch: what its 120 s timer does in a long
+    epoch, so events logged after the last checkpoint are on disk when the process is killed."""
+
+    changes_training = False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        for logger in trainer.loggers:
+            logger.save()
+
+
+# -- real faults ---------------------------------------------------------------------------------
+
+class SignalAt(pl.Callback):
+    """Sends a real signal to this process when a training batch of `epoch`/`batch` starts.
+
+    batch 0 of an epoch is an epoch boundary: the checkpoint saved at the end of the previous
+    epoch is the newest. Only the process with global rank `rank` (all if -1) is signalled.
+    """
+
+    changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
+
+    def __init__(self, epoch: int, batch: int = 0, sig: str = "SIGKILL", rank: int = -1) -> None:
+        self.epoch, self.batch, self.sig, self.rank = epoch, batch, sig, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if (trainer.current_epoch, batch_idx) == (self.epoch, self.batch) and self.rank in (-1, trainer.global_rank):
+            print(f"SignalAt: sending {self.sig} at epoch {self.epoch} batch {self.batch}", flush=True)
+            os.kill(os.getpid(), getattr(signal, self.sig))
+
+
+class SignalDuringValidation(pl.Callback):
+    """Sends a real signal to this process when validation batch `batch` starts (not in the sanity check)."""
+
+    changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
+
+    def __init__(self, batch: int = 1, sig: str = "SIGTERM") -> None:
+        self.batch, self.sig = batch, sig
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if batch_idx == self.batch and not trainer.sanity_checking:
+            print(f"SignalDuringValidation: sending {self.sig} at validation batch {batch_idx}", flush=True)
+            os.kill(os.getpid(), getattr(signal, self.sig))

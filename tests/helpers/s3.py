@@ -1,11 +1,11 @@
 """A real S3 endpoint for tests: `moto_server -H 127.0.0.1 -p PORT` (moto[server]), in memory, any key accepted.
 
 Bound to loopback explicitly (its default is 0.0.0.0), on a free port, stopped after use.
-Import `s3_fixture`, `s3_session_fixture` and `shared_s3_fixture` into a test module to use the fixtures
-`s3` (a server of the test's own, for a test that stops it), `s3_session` (one server for the whole
-session, started on first use) and `shared_s3` (that server, with the AWS_* variables set for the test).
-Tests that share the server use buckets of their own. `S3Server.env` is what the packer, training and
-the benchmark read: AWS_ENDPOINT_URL and test credentials, with the user's own AWS config files masked.
+The fixtures in tests/conftest.py wrap it: `s3` (a server of the test's own, for a test that stops it),
+`s3_session` (one server for the whole session, started on first use) and `shared_s3` (that server, with
+the AWS_* variables set for the test). Tests that share the server use buckets of their own. `S3Server.env`
+is what the packer, training and the benchmark read: AWS_ENDPOINT_URL and test credentials, with the user's
+own AWS config files masked.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests.helpers.processes import free_port
 
 
 class S3Server:
@@ -107,32 +107,3 @@ class S3Server:
                 self.proc.kill()
                 self.proc.wait(10)
 
-
-@pytest.fixture(name="s3")
-def s3_fixture(tmp_path, monkeypatch):
-    """A moto S3 server for this test, the AWS_* variables pointing at it."""
-    server = S3Server(tmp_path / "moto.log")
-    for k, v in server.env.items():
-        monkeypatch.setenv(k, v)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(name="s3_session", scope="session")
-def s3_session_fixture(tmp_path_factory):
-    """One moto S3 server for the whole session, started when a test first asks for it."""
-    server = S3Server(tmp_path_factory.mktemp("moto") / "moto.log")
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(name="shared_s3")
-def shared_s3_fixture(s3_session, monkeypatch):
-    """The session's server, the AWS_* variables pointing at it for this test."""
-    for k, v in s3_session.env.items():
-        monkeypatch.setenv(k, v)
-    return s3_session

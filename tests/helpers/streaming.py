@@ -1,4 +1,5 @@
-"""A StreamingDataModule that records which samples each training step gets, for tests that run main.py."""
+"""A StreamingDataModule that records which samples each training step gets, for tests that run main.py
+(--data.class_path tests.helpers.streaming.IdRecordingStreamingDataModule), and its reader."""
 from __future__ import annotations
 
 import os
@@ -37,16 +38,3 @@ def read_records(record_dir: str, rank: int = 0) -> list[tuple[int, int, list[in
         out.append((epoch, batch, ids))
     return out
 
-
-def in_fork(fn, *args):
-    """fn(*args) in a forked child, its result (or exception) brought back.
-
-    For what starts obstore's tokio runtime (an S3 GET through obstore): started in the pytest process, it
-    has crashed that process (SIGSEGV in tokio's io driver) once DataLoader workers were forked after it.
-    LitData itself keeps obstore out of a process that forks workers (downloader.py, obstore_usable).
-    """
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
-
-    with ProcessPoolExecutor(1, mp_context=get_context("fork")) as pool:
-        return pool.submit(fn, *args).result(timeout=120)
