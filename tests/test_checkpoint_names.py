@@ -42,7 +42,7 @@ def test_step_saves_leave_the_best_checkpoint_to_the_validation_that_scored_it(t
                             "--checkpoint.every_n_train_steps", "1", "--checkpoint.save_top_k", "-1",
                             "--model.pictures", "[]", "--trainer.enable_model_summary", "false",
                             "--data.val_crop_ratio", "1.0", "--model.lr", "2.0",
-                            "--trainer.callbacks+=tests.test_newcomer_checkpoints.SigtermInSecondEpoch"])
+                            "--trainer.callbacks+=tests.test_checkpoint_names.SigtermInSecondEpoch"])
     assert "sigterm.ckpt in epoch 2, step 6;" in caplog.text  # counted like the epoch lines, from 1
     ckpts = tmp_path / "version_0" / "checkpoints"
     best = sorted(p.name for p in ckpts.glob("best-*.ckpt"))
