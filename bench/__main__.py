@@ -16,6 +16,8 @@ from types import ModuleType
 from bench import gpu, loaders, memory, nodes, report, train
 from bench.cli import BenchError, add_common
 from bench.progress_bars import no_bars_in_a_log_file
+from lightning_app.devices import refuse_unusable_gpu
+from lightning_app.errors import EXIT_USER_ERROR, UserError, silence_known_noise
 
 SUITES: dict[str, ModuleType] = {"loaders": loaders, "train": train, "gpu": gpu, "memory": memory, "nodes": nodes}
 
@@ -33,9 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     suite = SUITES[args.command]
+    silence_known_noise()
     with no_bars_in_a_log_file():
         try:
+            # a GPU this torch cannot use: never a quiet CPU measurement (lightning_app/devices.py)
+            refuse_unusable_gpu(getattr(args, "device", None) or "auto",
+                                "pass --device cpu (python -m bench loaders)")
             result = suite.run(args)
+        except UserError as error:
+            print(error, file=sys.stderr)
+            return EXIT_USER_ERROR
         except BenchError as error:
             print(error, file=sys.stderr)
             return error.code
