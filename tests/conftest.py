@@ -55,6 +55,20 @@ def slow_tree(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def imagenet_weights_in_cache(tmp_path, monkeypatch):
+    """torch.hub's cache holding a file where ResNet50_Weights.IMAGENET1K_V2 lives (random values, real layout)."""
+    from torchvision.models import resnet50 as tv_resnet50
+
+    from lightning_app.weights import torchvision_cache_path
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    cached, _ = torchvision_cache_path("ResNet50_Weights.IMAGENET1K_V2")
+    cached.parent.mkdir(parents=True)
+    torch.save(tv_resnet50(weights=None).state_dict(), cached)
+    return cached
+
+
+@pytest.fixture
 def s3(tmp_path, monkeypatch):
     """A moto S3 server for this test, the AWS_* variables pointing at it."""
     server = S3Server(tmp_path / "moto.log")

@@ -1,17 +1,12 @@
-"""The typical mistakes of a newcomer each end in a few lines of stderr, exit status 2, naming the fix;
-and the documented fine-tune command runs as written."""
+"""The typical mistakes on the command line each end in a few lines of stderr, exit status 2, naming the fix."""
 from __future__ import annotations
-
-import shlex
 
 import pytest
 import torch
-from torchvision.models import resnet50 as tv_resnet50
 
 from lightning_app.cli import ClassifierCLI, main
-from lightning_app.weights import torchvision_cache_path
 from tests.helpers import REPO
-from tests.helpers.cli import quick_args, run_main, train_checkpoint
+from tests.helpers.cli import quick_args, train_checkpoint
 
 
 def _fails(args: list[str], capsys) -> str:
@@ -82,43 +77,10 @@ def test_not_a_checkpoint_a_pickled_object_and_a_plain_state_dict_get_their_own_
     assert not (tmp_path / "logs").exists()
 
 
-@pytest.fixture
-def imagenet_weights_in_cache(tmp_path, monkeypatch):
-    """torch.hub's cache holding a file where ResNet50_Weights.IMAGENET1K_V2 lives (random values, real layout)."""
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
-    cached, _ = torchvision_cache_path("ResNet50_Weights.IMAGENET1K_V2")
-    cached.parent.mkdir(parents=True)
-    torch.save(tv_resnet50(weights=None).state_dict(), cached)
-    return cached
-
-
 def test_imagenet_weights_at_32_px_name_data_image_size(imagenet_weights_in_cache, tiny_data, tmp_path, capsys):
     err = _fails(["fit", *quick_args(tiny_data, tmp_path, width=None), "--config", "configs/model/resnet50.yaml",
                   "--model.weights", "ResNet50_Weights.IMAGENET1K_V2"], capsys)
     assert "layer conv1.weight" in err and "--data.image_size 224" in err and "7x7 stem" in err
-
-
-def documented_fine_tune() -> list[str]:
-    text = (REPO / "docs" / "after-training.md").read_text()
-    block = text[text.index("## Fine-tune"):].split("```bash\n", 1)[1].split("```", 1)[0]
-    command = " ".join(line for line in block.replace("\\\n", " ").splitlines() if not line.startswith("#"))
-    return shlex.split(command)
-
-
-@pytest.mark.slow
-def test_the_documented_fine_tune_command_runs(imagenet_weights_in_cache, tiny_data, tmp_path):
-    args = documented_fine_tune()
-    assert args[:3] == ["python", "main.py", "fit"]
-    args = [str(tiny_data) if a == "/data/my_classes" else a for a in args[2:]]
-    # the documented flags, then what keeps the test small (one CPU step, no validation, fp32: bf16 is slow on CPUs)
-    proc = run_main([*args, "--trainer.devices", "1", "--trainer.accelerator", "cpu", "--trainer.max_epochs", "1",
-                     "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "0",
-                     "--trainer.precision", "32-true",
-                     "--data.batch_size", "2", "--data.num_workers", "0", "--model.pictures", "[]",
-                     "--trainer.default_root_dir", str(tmp_path / "logs")], env={"TORCH_HOME": str(tmp_path / "torch")})
-    report = next(line for line in proc.stdout.splitlines() if line.startswith("model.weights"))
-    assert "(torchvision weights): loaded 318 tensors, new 0, ignored 0; head fc replaced (1000 classes there, " \
-           "10 here)" in report, report
 
 
 @pytest.mark.slow

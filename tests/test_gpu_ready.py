@@ -6,8 +6,10 @@ import os
 import shlex
 import subprocess
 import sys
+import warnings
 
 import pytest
+from pytorch_lightning.plugins.environments import LightningEnvironment
 
 from lightning_app.cli import ClassifierCLI
 from lightning_app.strategies import DP_COMPILE_MESSAGE, ClusterDDPStrategy, check_compile
@@ -24,10 +26,8 @@ def test_dp_with_compile_is_refused_with_its_message(tiny_data, tmp_path):
 
 
 def test_compile_with_ddp_warns_and_names_syncbatchnorm():
-    from pytorch_lightning.plugins.environments import LightningEnvironment
-
     two = LightningEnvironment()
-    two.set_world_size(2)  # one process has no all-reduce to overlap: no warning (tests/test_newcomer_small.py)
+    two.set_world_size(2)  # one process has no all-reduce to overlap: no warning (the test below)
     with pytest.warns(UserWarning, match="inside the DDP wrapper") as record:
         check_compile(ClusterDDPStrategy(cluster_environment=two))
     assert "SyncBatchNorm" not in str(record[0].message)
@@ -37,6 +37,17 @@ def test_compile_with_ddp_warns_and_names_syncbatchnorm():
     strategy._layer_sync = TorchSyncBatchNorm()
     with pytest.warns(UserWarning, match="SyncBatchNorm also breaks the compiled graph"):
         check_compile(strategy)
+
+
+def test_compile_with_ddp_warns_only_when_there_is_an_all_reduce():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # every call's warning, not once per location
+        for processes in (1, 2):
+            environment = LightningEnvironment()
+            environment.set_world_size(processes)
+            check_compile(ClusterDDPStrategy(cluster_environment=environment))
+    said = [str(w.message) for w in seen if "model.compile with DDP" in str(w.message)]
+    assert len(said) == 1  # the 2-process strategy only
 
 
 # ---------------------------------------------------------------------------- launch scripts

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import csv
 import shutil
+import warnings
 
 import pytest
 import torch
 
 from datamodules.predict import PredictDataset
 from lightning_app.callbacks.predictions import PredictionsCSV, columns
+from lightning_app.cli import ClassifierCLI
 from tests.helpers.cli import run_main, train_checkpoint
 from tests.helpers.processes import free_port
 
@@ -119,3 +121,18 @@ def test_predict_ddp_two_processes_every_row_once(trained, tmp_path):
     for a, b in zip(single, ddp):
         assert a["class"] == b["class"] and abs(float(a["prob"]) - float(b["prob"])) < 1e-4
     assert not list((tmp_path / "two").rglob(".predictions.csv.rank*"))
+
+
+@pytest.mark.slow
+def test_predict_names_a_bad_image_once(tiny_data, tmp_path):
+    _, _, _, ckpt = train_checkpoint(tiny_data, tmp_path / "run", epochs=1, batch=40)
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    (photos / "good.jpg").write_bytes((tiny_data / "val" / "star" / "00000.jpg").read_bytes())
+    (photos / "broken.jpg").write_text("not an image")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ClassifierCLI(args=["predict", "--ckpt_path", str(ckpt), "--data.predict_dir", str(photos),
+                            "--data.num_workers", "0", "--trainer.default_root_dir", str(tmp_path / "logs"),
+                            "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false"])
+    assert sum("broken.jpg" in str(w.message) for w in seen) == 1, [str(w.message) for w in seen]

@@ -1,6 +1,8 @@
 """Progressive resizing: the schedule, the size every batch of every epoch has, resumes, TensorBoard."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import pytorch_lightning as pl
@@ -96,6 +98,16 @@ def test_without_a_resizable_datamodule_the_error_says_so():
         callback._apply(Bare(), 0)
 
 
+def test_progressive_resizing_counts_epochs_from_1(tiny_data, caplog):
+    class Trainer:  # what _apply reads: the datamodule
+        datamodule = ImageFolderDataModule(data_dir=str(tiny_data), image_size=16, num_workers=0)
+
+    resizing = ProgressiveResizing(start_size=16, end_size=32, start_epoch=0, end_epoch=1, step=16)
+    with caplog.at_level(logging.INFO, logger="pytorch_lightning.utilities.rank_zero"):
+        resizing._apply(Trainer(), 1)  # zero-based epoch 1: the second epoch, "epoch 2" in the epoch lines
+    assert "train crop 32 px from epoch 2." in caplog.text
+
+
 @pytest.mark.slow
 def test_progressive_vs_plain_bench_writes_both_curves(tiny_data, tmp_path):
     """A smoke run of the wall-clock comparison (2 tiny epochs each): its files, not its timings."""
@@ -115,6 +127,13 @@ def test_progressive_vs_plain_bench_writes_both_curves(tiny_data, tmp_path):
     assert json.loads((tmp_path / f"{stem.name}.json").read_text())["comparison"]["verdict"]
     assert "**Verdict:**" in (tmp_path / f"{stem.name}.md").read_text()
     assert (tmp_path / f"{stem.name}.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("arch", ["conv11", "resnet50"])
+def test_bench_progressive_names_its_files_by_arch(arch):
+    from bench.progressive import output_stem
+
+    assert output_stem("cpu-2c", arch) == f"cpu-2c.progressive.{arch}"
 
 
 @pytest.mark.slow

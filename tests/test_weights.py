@@ -1,8 +1,10 @@
-"""--model.weights: sources, head replacement, reports, refusing pickled code; fine-tuning beats scratch."""
+"""--model.weights: sources, head replacement, reports, refusing pickled code; fine-tuning beats scratch, and the
+documented fine-tune command runs as written."""
 from __future__ import annotations
 
 import os
 import pathlib
+import shlex
 import shutil
 
 import pytest
@@ -19,6 +21,7 @@ from lightning_app.weights import (
     safe_load,
     torchvision_cache_path,
 )
+from tests.helpers import REPO
 from tests.helpers.checkpoints import evil_file
 from tests.helpers.cli import run_main
 
@@ -222,3 +225,26 @@ def test_frozen_backbone_then_lower_backbone_lr(tiny_data, tmp_path):
     torch.testing.assert_close(step["after"], step["before"] - 0.1 * step["head_lr"] * d)
     groups = trainer.optimizers[0].param_groups
     assert {id(p) for g in groups for p in g["params"]} == {id(p) for p in model.parameters()}
+
+
+def documented_fine_tune() -> list[str]:
+    text = (REPO / "docs" / "after-training.md").read_text()
+    block = text[text.index("## Fine-tune"):].split("```bash\n", 1)[1].split("```", 1)[0]
+    command = " ".join(line for line in block.replace("\\\n", " ").splitlines() if not line.startswith("#"))
+    return shlex.split(command)
+
+
+@pytest.mark.slow
+def test_the_documented_fine_tune_command_runs(imagenet_weights_in_cache, tiny_data, tmp_path):
+    args = documented_fine_tune()
+    assert args[:3] == ["python", "main.py", "fit"]
+    args = [str(tiny_data) if a == "/data/my_classes" else a for a in args[2:]]
+    # the documented flags, then what keeps the test small (one CPU step, no validation, fp32: bf16 is slow on CPUs)
+    proc = run_main([*args, "--trainer.devices", "1", "--trainer.accelerator", "cpu", "--trainer.max_epochs", "1",
+                     "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "0",
+                     "--trainer.precision", "32-true",
+                     "--data.batch_size", "2", "--data.num_workers", "0", "--model.pictures", "[]",
+                     "--trainer.default_root_dir", str(tmp_path / "logs")], env={"TORCH_HOME": str(tmp_path / "torch")})
+    report = next(line for line in proc.stdout.splitlines() if line.startswith("model.weights"))
+    assert "(torchvision weights): loaded 318 tensors, new 0, ignored 0; head fc replaced (1000 classes there, " \
+           "10 here)" in report, report
