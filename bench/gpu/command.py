@@ -6,10 +6,13 @@ training images/s as a share of that ceiling (--steps batches timed after --warm
 epochs: throughput, not loader start-up), DALI `mixed` (pixels against DALI CPU, images/s with and
 without the hardware JPEG decoder), 16-mixed and bf16-mixed against 32-true with TF32 (what fp32
 training runs at on Ampere and later), channels_last, cudnn.benchmark and compile against the plain
-step, dp (>= 2 GPUs) and NCCL DDP (every GPU of the node).
+step, dp (>= 2 GPUs) and NCCL DDP (every GPU of the node), and the template's own training step under a
+Lightning Trainer (ImageClassifier, its fused SGD: 16-mixed, bf16-mixed, channels_last, compile, synthetic
+and ImageFolder data, with its host syncs per step and peak memory).
 
-Without CUDA every GPU row is skipped with its reason and the command exits 0; the compute ceiling
-(at a small size) and the backend shares run for real on the CPU.
+Without a usable CUDA device it says so in one paragraph and exits 2. `--allow-cpu` rehearses on a CPU
+instead: every GPU row skipped with its reason, the compute ceiling (at a small size) and the backend shares
+run for real, figures that are no GPU result.
 """
 from __future__ import annotations
 
@@ -20,15 +23,23 @@ from typing import Any
 
 import torch
 
-from bench.cli import AddCommon, Subparsers
+from bench.cli import AddCommon, BenchError, Subparsers
 from bench.gpu import checks as gc
 from bench.gpu import parallel as gp
 from bench.gpu.checks import Check, Workload
 from bench.gpu.data import NO_CUDA, backend_rows, batches_needed, dali_rows
+from bench.gpu.trainer import NAMES, trainer_rows
 
-GROUPS = ("ceiling", "backends", "dali", "precision", "flags", "dp", "ddp")
+NO_USABLE_CUDA = (
+    "bench gpu: no usable CUDA device here (torch.cuda.is_available() is False), so there is no GPU path to check "
+    "or time. Run it on a machine whose torch sees its GPU (`python -c \"import torch; "
+    "print(torch.cuda.is_available(), torch.version.cuda)\"`; docs/clusters.md, \"Installing on a GPU cluster\"), "
+    "or pass --allow-cpu to rehearse the rows that run on a CPU."
+)
+
+GROUPS = ("ceiling", "trainer", "backends", "dali", "precision", "flags", "dp", "ddp")
 # On a CPU the same code runs, small enough to finish in a minute or two.
-DEFAULTS = {"cuda": {"image_size": 224, "batch_size": 128, "steps": 50, "warmup": 10},
+DEFAULTS = {"cuda": {"image_size": 224, "batch_size": 256, "steps": 30, "warmup": 10},
             "cpu": {"image_size": 64, "batch_size": 16, "steps": 3, "warmup": 1}}
 
 
@@ -43,13 +54,15 @@ def add_parser(subparsers: Subparsers, common: AddCommon) -> argparse.ArgumentPa
     g.add_argument("--train-per-class", type=int, default=None, help="built-in: train images per class")
     g.add_argument("--arch", default="resnet50", help="model of every row (default: resnet50)")
     g.add_argument("--image-size", type=int, default=None, help="px (default: 224 on CUDA, 64 on a CPU)")
-    g.add_argument("--batch-size", type=int, default=None, help="per step (default: 128 on CUDA, 16 on a CPU)")
+    g.add_argument("--batch-size", type=int, default=None, help="per step (default: 256 on CUDA, 16 on a CPU)")
     g.add_argument("--steps", type=int, default=None, help="timed steps (batches) per row, backends included "
-                   "(default: 50 on CUDA, 3 on a CPU)")
+                   "(default: 30 on CUDA, 3 on a CPU)")
     g.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 10 on CUDA, 1 on a CPU)")
     g.add_argument("--num-workers", type=int, default=None, help="loader workers (default: this process's CPUs)")
     g.add_argument("--backends", default=None, help="comma list of backends (default: all)")
     g.add_argument("--groups", default=",".join(GROUPS), help=f"comma list from {','.join(GROUPS)} (default: all)")
+    g.add_argument("--allow-cpu", action="store_true", help="without a usable CUDA device, rehearse on the CPU "
+                   "(GPU rows skipped) instead of stopping with exit status 2")
     common(g)
     g.set_defaults(out="bench/out")
     return g
@@ -99,8 +112,13 @@ def _root(args, w: Workload) -> Path:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every path of --groups checked and timed; one that fails is a FAIL row, one that cannot run here skipped."""
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        raise BenchError(NO_USABLE_CUDA, 2)
     w = _defaults(args)
     groups = {g.strip() for g in args.groups.split(",") if g.strip()}
+    unknown = sorted(groups - set(GROUPS))
+    if unknown:
+        raise BenchError(f"--groups: unknown {unknown}; choose from {','.join(GROUPS)}", 2)
     cuda = w.device == "cuda"
     checks: list[Check] = []
 
@@ -123,7 +141,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ceiling = checks[-1].images_s
     else:
         skipped("compute ceiling", ["compute ceiling"], "not selected (--groups)")
-    root = _root(args, w) if groups & {"backends", "dali"} else None
+    root = _root(args, w) if groups & {"backends", "dali", "trainer"} else None
+    if "trainer" not in groups:
+        skipped("trainer", NAMES, "not selected (--groups)")
+    elif not cuda:
+        skipped("trainer", NAMES, NO_CUDA)
+    else:
+        checks += guarded("trainer", "trainer", lambda: trainer_rows(w, root, args.num_workers))
     if "backends" in groups:
         checks += guarded("backend", "backends", lambda: backend_rows(args, w, root, ceiling))
     else:

@@ -24,6 +24,11 @@ def to_markdown(result: dict[str, Any]) -> str:
         lines.append(f"- Share of the compute ceiling ({ceiling['images_s']:,.0f} img/s): "
                      + "; ".join(f"{c['name']} {c['extra']['share']:.0%}" for c in shares)
                      + ". Below ~90%, the GPU waits for data: a faster backend, more CPUs, or DALI mixed helps.")
+    steps = [c for c in result["checks"] if c["group"] == "trainer" and c["status"] == "ok"]
+    if steps:
+        lines.append("- The template's own step (ImageClassifier under a Lightning Trainer): "
+                     + "; ".join(f"{c['name']} {c['images_s']:,.0f} img/s, {c['extra']['syncs_per_step']:g} host "
+                                 f"syncs per step, peak {c['extra']['peak_memory_gib']:.1f} GiB" for c in steps) + ".")
     failed = [c["name"] for c in result["checks"] if c["status"] == "FAIL"]
     lines.append(f"- FAILED: {', '.join(failed)}" if failed else "- No path failed.")
     return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""`bench gpu --groups trainer`: the template's own training step, timed under a Lightning Trainer.
+
+Each row fits `ImageClassifier` (its fused SGD on CUDA, its warm-up + cosine schedule) with a plain
+`pl.Trainer` for `warmup + steps` steps and times the last `steps` (synchronised at both ends): images/s,
+the host syncs per step in that window (CUDA's sync debug mode warns at every synchronising call; the
+window has no logging step) and the peak memory. The synthetic rows feed one uint8 batch that is already on
+the device, normalised as every backend's batch is (the step alone: the ceiling); the ImageFolder row reads
+JPEGs with the machine's cores and is reported as a share of the synthetic row with the same settings.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader
+
+from bench.gpu.checks import Check, Workload
+from datamodules.sample.transforms import normalize
+
+GROUP = "trainer"
+# (row, precision, channels_last, compile)
+SYNTHETIC = (("16-mixed", "16-mixed", False, False),
+             ("bf16-mixed", "bf16-mixed", False, False),
+             ("16-mixed + channels_last", "16-mixed", True, False),
+             ("16-mixed + channels_last + compile", "16-mixed", True, True))
+IMAGEFOLDER = "ImageFolder data, 16-mixed + channels_last"
+CEILING = "16-mixed + channels_last"  # the synthetic row the ImageFolder row is a share of
+NAMES = [row[0] for row in SYNTHETIC] + [IMAGEFOLDER]
+NUM_CLASSES = 10
+
+
+class SyntheticData(pl.LightningDataModule):
+    """One uint8 batch on the device, `batches` times an epoch, normalised on the device like every backend's."""
+
+    def __init__(self, w: Workload, batches: int) -> None:
+        super().__init__()
+        self.w, self.batches, self.num_classes = w, batches, NUM_CLASSES
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        size = self.w.image_size
+        images = torch.randint(0, 256, (self.w.batch_size, 3, size, size), dtype=torch.uint8, generator=g)
+        labels = torch.randint(0, NUM_CLASSES, (self.w.batch_size,), generator=g)
+        batch = (images.to(self.w.device), labels.to(self.w.device))
+        return DataLoader([batch] * self.batches, batch_size=None)  # each item is a whole batch
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        return normalize(batch[0]), batch[1]
+
+
+class StepClock(pl.Callback):
+    """Times optimizer steps warmup .. warmup + steps, with their host syncs and the peak memory."""
+
+    def __init__(self, warmup: int, steps: int, cuda: bool = True) -> None:
+        self.warmup, self.steps, self.cuda = warmup, steps, cuda
+        self.seconds: float | None = None
+        self.syncs = 0
+        self.peak_bytes = 0
+        self._caught: list | None = None
+        self._catcher: warnings.catch_warnings | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        if trainer.global_step != self.warmup or self._catcher is not None:
+            return
+        self._catcher = warnings.catch_warnings(record=True)
+        self._caught = self._catcher.__enter__()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch,
+                           batch_idx: int) -> None:
+        if trainer.global_step != self.warmup + self.steps or self._catcher is None or self.seconds is not None:
+            return
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+        self.seconds = time.perf_counter() - self._t0
+        self._catcher.__exit__(None, None, None)
+        if self.cuda:  # on a CPU nothing waits for a device: no syncs to count, no device memory
+            self.syncs = sum("synchroniz" in str(w.message) for w in self._caught or [])
+            self.peak_bytes = torch.cuda.max_memory_allocated()
+
+
+def fit_rate(w: Workload, datamodule: pl.LightningDataModule, precision: str, channels_last: bool,
+             compile: bool) -> StepClock:
+    """A fit of warmup + steps steps of ImageClassifier on `datamodule`; its clock."""
+    from lightning_app.module import ImageClassifier
+
+    pl.seed_everything(0, verbose=False)
+    model = ImageClassifier(arch=w.arch, num_classes=NUM_CLASSES, image_size=w.image_size,
+                            global_batch_size=w.batch_size, channels_last=channels_last, compile=compile,
+                            pictures=[], warmup_epochs=0.0)
+    clock = StepClock(w.warmup, w.steps, cuda=w.device == "cuda")
+    trainer = pl.Trainer(accelerator="gpu" if w.device == "cuda" else "cpu", devices=1, precision=precision,
+                         max_steps=w.warmup + w.steps,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                         log_every_n_steps=10**6, benchmark=True, callbacks=[clock])
+    trainer.fit(model, datamodule=datamodule)
+    if clock.seconds is None:
+        raise RuntimeError(f"the fit ended after {trainer.global_step} steps, before the timed window closed")
+    return clock
+
+
+def _check(name: str, w: Workload, clock: StepClock, verdict: str) -> Check:
+    images_s = w.batch_size * w.steps / clock.seconds
+    return Check(GROUP, name, "ok", verdict, images_s, f"{images_s:,.0f} img/s",
+                 {"syncs_per_step": clock.syncs / w.steps, "peak_memory_gib": clock.peak_bytes / 2**30,
+                  "batch_size": w.batch_size, "image_size": w.image_size, "steps": w.steps, "warmup": w.warmup})
+
+
+def trainer_rows(w: Workload, root: Path, num_workers: int) -> list[Check]:
+    """The synthetic rows, then ImageFolder as a share of the synthetic row with its settings."""
+    from datamodules import ImageFolderDataModule
+
+    checks: list[Check] = []
+    for name, precision, channels_last, compile in SYNTHETIC:
+        clock = fit_rate(w, SyntheticData(w, w.warmup + w.steps), precision, channels_last, compile)
+        checks.append(_check(name, w, clock, "synthetic batch on the device: the step alone"))
+        if w.device == "cuda":
+            torch.cuda.empty_cache()
+    ceiling = next(c.images_s for c in checks if c.name == CEILING)
+    data = ImageFolderDataModule(data_dir=str(root), batch_size=w.batch_size, num_workers=num_workers,
+                                 image_size=w.image_size, pin_memory=True, persistent_workers=True)
+    clock = fit_rate(w, data, "16-mixed", True, False)
+    row = _check(IMAGEFOLDER, w, clock, f"{num_workers} loader workers; share of the synthetic {CEILING} row")
+    row.figure += f" ({row.images_s / ceiling:.0%} of the synthetic step)"
+    row.extra["share_of_synthetic"] = row.images_s / ceiling
+    return checks + [row]
