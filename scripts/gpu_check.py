@@ -1,0 +1,158 @@
+"""The offline GPU check's runner (scripts/gpu_check.sh makes its venv, then runs this in it).
+
+Prints the versions, stops with exit status 2 when there is no usable CUDA device, else runs `pytest -m gpu`
+and `python -m bench gpu` group by group, each under its own timeout and all within DEADLINE_S of the start,
+and writes OUT/gpu-check.md and OUT/gpu-check.json naming the GPU and the date.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+DEADLINE_S = 480  # the whole check, on one H100; a 10-minute device call keeps 2 minutes of slack
+# (part, command after `python`, its own timeout in seconds), in order; the bench groups of bench/gpu/command.py
+PARTS = [("pytest -m gpu", ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"], 60)]
+PARTS += [(f"bench gpu {group}", ["-m", "bench", "gpu", "--groups", group], seconds)
+          for group, seconds in (("ceiling", 30), ("trainer", 140), ("precision", 40), ("flags", 60),
+                                 ("backends", 60), ("dali", 20), ("dp", 10), ("ddp", 10))]
+TRAIN_PER_CLASS = "256"  # the built-in data for the data rows: 2,560 ImageNet-sized JPEGs, 10 batches of 256
+
+
+def versions() -> dict:
+    import pytorch_lightning
+    import torch
+
+    from lightning_app.devices import nvidia_driver
+
+    cuda = torch.cuda.is_available()
+    nccl = None
+    if cuda and torch.distributed.is_nccl_available():
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    return {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+            "driver": nvidia_driver(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version() if cuda else None, "nccl": nccl,
+            "lightning": pytorch_lightning.__version__, "python": sys.version.split()[0], "usable": cuda}
+
+
+def run_part(name: str, argv: list[str], timeout: float, out: Path) -> dict:
+    """One part in its own process group, stopped at its timeout; its output kept in OUT/logs/."""
+    log = out / "logs" / (name.replace(" ", "_").replace("-", "") + ".log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    if timeout < 5:
+        return {"part": name, "status": "skipped", "seconds": 0.0, "summary": "no time left before the deadline"}
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            code = None
+    seconds = time.perf_counter() - t0
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    last = lines[-1][:200] if lines else ""
+    if code is None:
+        status, summary = "FAIL", f"timed out after {timeout:.0f} s; {last}"
+    elif name.startswith("pytest") and code == 5:
+        status, summary = "skipped", "no test is marked gpu"
+    else:
+        status, summary = ("ok" if code == 0 else "FAIL"), last
+    print(f"gpu_check: {name}: {status} in {seconds:.0f} s ({summary})", flush=True)
+    return {"part": name, "status": status, "seconds": round(seconds, 1), "exit": code, "summary": summary,
+            "log": str(log.relative_to(out))}
+
+
+def bench_checks(out: Path) -> list[dict]:
+    """Every row the bench parts wrote, from each group's JSON (a group's rows are the ones it selected)."""
+    rows = []
+    for path in sorted((out / "bench").glob("*/gpu-check.gpu.json")):
+        group = path.parent.name
+        for check in json.loads(path.read_text())["checks"]:
+            if check["verdict"] != "not selected (--groups)":
+                rows.append({**check, "bench_group": group})
+    return rows
+
+
+def write_report(out: Path, result: dict) -> None:
+    v = result["versions"]
+    gpu = ", ".join(v["gpus"]) or "no usable CUDA device"
+    lines = [f"# GPU check, {result['date']}", "",
+             f"- GPU: {gpu}; driver {v['driver']}",
+             f"- torch {v['torch']} (CUDA {v['cuda']}, cuDNN {v['cudnn']}, NCCL {v['nccl']}), Lightning "
+             f"{v['lightning']}, Python {v['python']}",
+             f"- Verdict: {result['verdict']}", ""]
+    if result["parts"]:
+        lines += ["| part | status | seconds | summary |", "|---|---|---|---|"]
+        lines += [f"| {p['part']} | {p['status']} | {p['seconds']:.0f} | {p['summary']} |" for p in result["parts"]]
+        lines.append("")
+    if result["checks"]:
+        lines += ["| group | path | status | figure | verdict or reason |", "|---|---|---|---|---|"]
+        lines += [f"| {c['group']} | {c['name']} | {c['status']} | {c['figure']} | {c['verdict']} |"
+                  for c in result["checks"]]
+    (out / "gpu-check.md").write_text("\n".join(lines) + "\n")
+    (out / "gpu-check.json").write_text(json.dumps(result, indent=1))
+    print("\n".join(lines))
+    print(f"\nwrote {out / 'gpu-check.md'}, {out / 'gpu-check.json'}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rehearse-on-cpu", action="store_true", help="without CUDA, run every part anyway at a tiny "
+                    "size (bench gpu --allow-cpu): a test of this runner, never a result")
+    args = ap.parse_args()
+    out = Path(args.out).resolve()
+    start = time.monotonic()
+    result = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "versions": versions(),
+              "parts": [], "checks": []}
+    v = result["versions"]
+    print(f"gpu_check: GPU {', '.join(v['gpus']) or 'none usable'}; driver {v['driver']}; torch {v['torch']}; "
+          f"CUDA {v['cuda']}; cuDNN {v['cudnn']}; NCCL {v['nccl']}; Lightning {v['lightning']}", flush=True)
+    if not v["usable"] and not args.rehearse_on_cpu:
+        result["verdict"] = (
+            f"no usable CUDA device: torch {v['torch']} (built for CUDA {v['cuda']}) sees none"
+            + (f", while the NVIDIA driver {v['driver']} is here: install a torch built for this driver" if v["driver"]
+               else " and no NVIDIA driver answers: this machine has no GPU")
+            + ". Nothing was checked.")
+        write_report(out, result)
+        return 2
+    for name, argv, own in PARTS:
+        if name.startswith("bench"):
+            group = argv[-1]
+            argv = [*argv, "--out", str(out / "bench" / group), "--machine", "gpu-check",
+                    "--train-per-class", TRAIN_PER_CLASS]
+            if not v["usable"]:  # --rehearse-on-cpu
+                argv = [*argv[:-2], "--allow-cpu", "--builtin", "tiny", "--train-per-class", "16", "--arch", "conv11",
+                        "--image-size", "32", "--batch-size", "8", "--steps", "2", "--warmup", "1",
+                        "--backends", "imagefolder"]
+        left = DEADLINE_S - (time.monotonic() - start)
+        part = run_part(name, argv, min(own, left), out)
+        written = out / "bench" / argv[4] / "gpu-check.gpu.json" if name.startswith("bench") else None
+        if written is not None and written.is_file():
+            rows = [c for c in json.loads(written.read_text())["checks"] if c["verdict"] != "not selected (--groups)"]
+            part["summary"] = ", ".join(f"{sum(c['status'] == s for c in rows)} {s}" for s in ("ok", "FAIL", "skipped"))
+        result["parts"].append(part)
+    result["checks"] = bench_checks(out)
+    failed = [p["part"] for p in result["parts"] if p["status"] == "FAIL"]
+    failed += [f"{c['group']}: {c['name']}" for c in result["checks"] if c["status"] == "FAIL"]
+    ran = [c for c in result["checks"] if c["status"] == "ok"]
+    result["verdict"] = (f"FAILED: {', '.join(failed)}" if failed else
+                         "every row was skipped: nothing was checked" if not ran else
+                         f"passed: {len(ran)} rows ran, {len(result['checks']) - len(ran)} skipped with their reason")
+    write_report(out, result)
+    return 1 if failed or not ran else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
