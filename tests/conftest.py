@@ -69,9 +69,9 @@ def imagenet_weights_in_cache(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def s3(tmp_path, monkeypatch):
+def s3(monkeypatch):
     """A moto S3 server for this test, the AWS_* variables pointing at it."""
-    server = S3Server(tmp_path / "moto.log")
+    server = S3Server()
     for k, v in server.env.items():
         monkeypatch.setenv(k, v)
     try:
@@ -81,9 +81,9 @@ def s3(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def s3_session(tmp_path_factory):
+def s3_session():
     """One moto S3 server for the whole session, started when a test first asks for it."""
-    server = S3Server(tmp_path_factory.mktemp("moto") / "moto.log")
+    server = S3Server()
     try:
         yield server
     finally:

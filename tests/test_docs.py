@@ -46,7 +46,7 @@ RULES = [
      "ResNet-50 / DALI / pretrained weights: too slow or absent on a CPU test machine (their own tests run them)"),
     (r"python main\.py fit .*s3://.*", "parse", "object storage: tests/test_streaming.py trains from a real S3 endpoint"),
     (r"python -m datamodules\.shards .*s3://.*", "parse",
-     "object storage: tests/test_streaming.py packs to a real S3 endpoint (moto_server)"),
+     "object storage: tests/test_streaming.py packs to a real S3 endpoint (moto's ThreadedMotoServer)"),
     (r"export (AWS_\w+=\S+ ?)+", "skip", "a store's endpoint and credentials: tests/test_streaming.py sets its own"),
     (r"python main\.py .*--print_config.*", "run", ""),
     (r"python main\.py (fit|validate|test|predict) .*", "run", ""),

@@ -1,4 +1,4 @@
-"""Streaming LitData shards from a real S3 endpoint (moto_server on 127.0.0.1) and from a folder.
+"""Streaming LitData shards from a real S3 endpoint (moto's ThreadedMotoServer on 127.0.0.1) and from a folder.
 
 Every id once per epoch, pixels equal to ImageFolder's, the cache bound, predict, DDP shards, exact
 mid-epoch resume after SIGTERM and SIGKILL, and one paragraph (exit 2), with nothing else on stderr,

@@ -1,55 +1,54 @@
-"""A real S3 endpoint for tests: `moto_server -H 127.0.0.1 -p PORT` (moto[server]), in memory, any key accepted.
+"""A real S3 endpoint for tests: moto's ThreadedMotoServer (moto[server]) in this process, in memory, any key
+accepted.
 
-Bound to loopback explicitly (its default is 0.0.0.0), on a free port, stopped after use.
+Bound to 127.0.0.1 only (ThreadedMotoServer's default is 0.0.0.0), on a port the kernel picks, stopped after use.
 The fixtures in tests/conftest.py wrap it: `s3` (a server of the test's own, for a test that stops it),
 `s3_session` (one server for the whole session, started on first use) and `shared_s3` (that server, with
-the AWS_* variables set for the test). Tests that share the server use buckets of their own. `S3Server.env`
-is what the packer, training and the benchmark read: AWS_ENDPOINT_URL and test credentials, with the user's
-own AWS config files masked.
+the AWS_* variables set for the test). Servers in one process share moto's in-memory store, so tests use
+buckets of their own. `S3Server.env` is what the packer, training and the benchmark read: AWS_ENDPOINT_URL
+and test credentials, with the user's own AWS config files masked.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-import shutil
-import subprocess
-import sys
-import time
-import urllib.error
+import socket
 import urllib.request
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 
-from tests.helpers.processes import free_port
-
 
 class S3Server:
-    def __init__(self, log: Path) -> None:
-        exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
-        if not Path(exe).exists():
-            pytest.skip("moto_server not installed (pip install -r requirements-dev.txt)")
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(self.port)], stdout=out,
-                                         stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(self.url, timeout=1).close()
-                break
-            except urllib.error.HTTPError:
-                break  # it answers
-            except OSError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"moto_server exited: {log.read_text()[-2000:]}") from None
-                time.sleep(0.2)
-        else:
-            self.stop()
-            raise RuntimeError(f"moto_server did not answer on {self.url}: {log.read_text()[-2000:]}")
+    """stop() leaves nothing that answers, as a killed server process would: it shuts down the listening socket
+    (a DataLoader worker forked while the server ran holds a copy of it, which would go on accepting connections
+    that nobody serves: a client would wait for its timeout instead of being refused) and every connection the
+    server accepted (a client's kept-alive connection would otherwise still be served)."""
+
+    def __init__(self) -> None:
+        try:
+            from moto.server import ThreadedMotoServer
+        except ImportError:
+            pytest.skip("moto[server] not installed (pip install -r requirements-dev.txt)")
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request on the tests' stderr
+        self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._moto.start()
+        host, self.port = self._moto.get_host_and_port()
+        self.url = f"http://{host}:{self.port}"
+        # werkzeug's server (ThreadedMotoServer has no public name for it): every connection it accepts is noted.
+        # No client can connect before this: the port was not known until now.
+        self._server, self._accepted, self._stopped = self._moto._server, weakref.WeakSet(), False
+        accept = self._server.get_request
+
+        def get_request():
+            conn, addr = accept()
+            self._accepted.add(conn)
+            return conn, addr
+
+        self._server.get_request = get_request
 
     @property
     def env(self) -> dict[str, str]:
@@ -99,11 +98,11 @@ class S3Server:
         urllib.request.urlopen(req, timeout=5).close()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
+        if self._stopped:
+            return
+        self._stopped = True
+        self._server.socket.shutdown(socket.SHUT_RDWR)  # refused from now on, wherever a copy of the socket is
+        self._moto.stop()
+        for conn in list(self._accepted):
+            with contextlib.suppress(OSError):  # closed by its handler already
+                conn.shutdown(socket.SHUT_RDWR)
