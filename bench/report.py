@@ -124,7 +124,7 @@ def bar_chart(path: Path, title: str, labels: Sequence[str], series: dict[str, S
         ys = [i + k * height for i in range(len(labels))]
         vals = [v if v is not None else 0.0 for v in values]
         bars = ax.barh(ys, vals, height=height, label=name)
-        for bar, v in zip(bars, values):
+        for bar, v in zip(bars, values, strict=False):
             text = "skipped" if v is None else (f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}")
             ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + text, va="center", fontsize=8)
     for k, (name, value) in enumerate((lines or {}).items()):

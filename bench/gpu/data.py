@@ -157,7 +157,7 @@ def dali_rows(args, w: Workload, root: Path) -> list[Check]:
     for dm in mods.values():
         dm.setup("fit")
     try:  # the same validation order on both: pair by pair, nothing kept but the statistics
-        for (xg, yg), (xc, yc) in zip(mods["gpu"].val_dataloader(), mods["cpu"].val_dataloader()):
+        for (xg, yg), (xc, yc) in zip(mods["gpu"].val_dataloader(), mods["cpu"].val_dataloader(), strict=False):
             xg, yg = mods["gpu"].on_after_batch_transfer((xg.cuda(), yg.cuda()), 0)
             xc, yc = mods["cpu"].on_after_batch_transfer((xc.cuda(), yc.cuda()), 0)
             stats.add(((xg.float() - xc.float()) * std).abs())
@@ -171,7 +171,7 @@ def dali_rows(args, w: Workload, root: Path) -> list[Check]:
                   f"{images} val images: mean |mixed - cpu| {stats.mean:.2f} grey levels (tolerance {DALI_TOLERANCE}), "
                   f"99th percentile {stats.quantile(0.99):.0f}; labels equal: {same_labels}",
                   figure=f"{stats.mean:.2f} grey levels")]
-    for name, load in zip(names[1:], (0.65, 0.0)):
+    for name, load in zip(names[1:], (0.65, 0.0), strict=False):
         dm = DALIDataModule(dali_device="gpu", hw_decoder_load=load, **common)
         dm.setup("fit")
         loader = dm.train_dataloader()

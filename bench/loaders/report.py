@@ -102,8 +102,9 @@ def to_markdown(result: dict[str, Any]) -> str:
                      "on a GPU it runs there, on a CPU-only machine it is part of the model's compute")
     s = result["settings"]
     lines.append(f"- Cold cache by: {result['eviction']}")
-    lines.append(f"- Dataset: {repo_relative(s['root'])} (train split); batch {s['batch_size']}, {s['num_workers']} workers, "
-                 f"crop {s['image_size']} px, device {s['device']}; each row the median of {s.get('rounds', '1')} rounds, "
+    lines.append(f"- Dataset: {repo_relative(s['root'])} (train split); batch {s['batch_size']}, "
+                 f"{s['num_workers']} workers, crop {s['image_size']} px, device {s['device']}; each row the median of "
+                 f"{s.get('rounds', '1')} rounds, "
                  f"each round: one untimed epoch, a cold epoch, then warm = {s.get('warm_epochs', '1')} epochs; "
                  "the decode ceilings are timed in every round, beside the rows")
     notes = sorted({f"{r['backend']}: {r['note']}" for r in result["rows"] if r.get("note")})

@@ -65,5 +65,6 @@ def _one(pair: netlink.Link, hook, seed: int, settings: dict[str, Any], root: Pa
            "best_acc1": float(best.group(1)) if best else None, "final_acc1": epochs[-1][1] if epochs else None}
     if codes != [0, 0] or best is None:
         lines = [ln for ln in out.splitlines() if ln.strip()]
-        row["error"] = next((ln for ln in reversed(lines) if "rror" in ln or "failed" in ln), lines[-1] if lines else "")
+        last = lines[-1] if lines else ""
+        row["error"] = next((ln for ln in reversed(lines) if "rror" in ln or "failed" in ln), last)
     return row

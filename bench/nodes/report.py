@@ -18,7 +18,8 @@ COLUMNS = {
     "vs none": "step time against no compression on the same link (below 1.00x: faster)",
     "images/s": "global batch / step time",
     "comm share": "1 - (compute-alone step / this step): the share of the step spent sending, waiting for and "
-                  "compressing gradients; the compute-alone step is two single-process fits side by side, no all-reduce",
+                  "compressing gradients; the compute-alone step is two single-process fits side by side, "
+                  "no all-reduce",
     "sent per step": "megabytes each node sent over the link per step (kernel counters of its end), mean of both nodes",
 }
 

@@ -41,7 +41,8 @@ def plain_loop(spec: dict) -> dict:
     workers = spec["num_workers"]
     # The template's own sample path (a worker builds whole batches), so only the training loop differs.
     loader = SampleLoader(dm.datasets["train"], batch_size=spec["batch_size"], shuffle=True, drop_last=True,
-                        collate_fn=built_batch, num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0,
+                        collate_fn=built_batch, num_workers=workers, pin_memory=device.type == "cuda",
+                        persistent_workers=workers > 0,
                         prefetch_factor=4 if workers > 0 else None)
     kw = {"width": spec["width"]} if spec["arch"] == "conv11" else {}
     model = create_model(spec["arch"], num_classes=dm.num_classes, image_size=spec["image_size"], **kw).to(device)

@@ -62,7 +62,8 @@ def run_config(args: argparse.Namespace, progressive: bool) -> dict[str, Any]:
     if progressive:
         start = round(args.ramp[0] * args.epochs)
         end = max(start + 1, round(args.ramp[1] * args.epochs))
-        callbacks.insert(0, {"class_path": "lightning_app.callbacks.progressive_resizing.ProgressiveResizing", "init_args": {
+        resizing = "lightning_app.callbacks.progressive_resizing.ProgressiveResizing"
+        callbacks.insert(0, {"class_path": resizing, "init_args": {
             "start_size": args.start_size, "end_size": args.image_size, "start_epoch": start, "end_epoch": end,
             "step": args.step}})
     return {"trainer": {"max_epochs": args.epochs, "max_time": {"seconds": args.budget}, "callbacks": callbacks,
@@ -110,7 +111,8 @@ def compare(plain: dict[str, Any], prog: dict[str, Any]) -> dict[str, Any]:
         saved = 1 - hit["seconds"] / plain_s if plain_s else 0.0
         out.update(reached=True, seconds=hit["seconds"], epoch=hit["epoch"], faster=hit["seconds"] < plain_s,
                    verdict=(f"the progressive run reached the plain run's final val/acc1 {target:.4f} after "
-                            f"{hit['seconds']:.0f} s (epoch {hit['epoch']}), against {plain_s:.0f} s for the plain run: "
+                            f"{hit['seconds']:.0f} s (epoch {hit['epoch']}), against {plain_s:.0f} s for the plain "
+                            "run: "
                             f"{100 * saved:+.0f}% wall time saved" if hit["seconds"] < plain_s else
                             f"the progressive run reached {target:.4f} only after {hit['seconds']:.0f} s, "
                             f"not sooner than the plain run's {plain_s:.0f} s"))

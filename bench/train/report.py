@@ -19,14 +19,16 @@ def to_markdown(result: dict[str, Any]) -> str:
         wait = r.get("data_wait_frac")
         table.append(head + [r["devices"], f"{r['seconds']:.1f}", f"{r['images_s']:,.0f}",
                              f"{r['speedup']:.2f}x" if r["speedup"] else "",
-                             "" if wait is None else f"{100 * wait:.0f}%" + (" input-bound" if is_input_bound(r) else "")])
+                             "" if wait is None
+                             else f"{100 * wait:.0f}%" + (" input-bound" if is_input_bound(r) else "")])
     head_line = (f"{s['arch']} (width {s['width']}), {s['image_size']} px, global batch {s['batch_size']}, "
                  f"{s['epochs']} epochs ({s['num_workers']} workers per process), data {repo_relative(s['root'])}")
     lines = [head_line, "",
              markdown_table(list(COLUMNS), table), ""]
     bound = [r["row"] for r in result["rows"] if r["status"] == "ok" and is_input_bound(r)]
     if bound:
-        lines.append(f"- **Input-bound** (data wait >= {INPUT_BOUND_FRAC:.0%}): {', '.join(bound)}. These rows measure the "
+        lines.append(f"- **Input-bound** (data wait >= {INPUT_BOUND_FRAC:.0%}): {', '.join(bound)}. "
+                     "These rows measure the "
                      "data loader, not their setting: their speed-ups say little about AMP, cudnn.benchmark, "
                      "channels_last or compile. Use a faster backend (LMDB, DALI, a downscaled copy), more "
                      "--num-workers, or a heavier model per image.")

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-INPUT_BOUND_FRAC = 0.3  # as lightning_app/callbacks/throughput.py: a row waiting this much measures the loader, not the row
+# a row waiting this much for data measures the loader, not the row: the fit's own end-of-run diagnosis
+from lightning_app.callbacks.throughput import INPUT_BOUND_FRAC
 
 # The workload when no flag says otherwise. On a CPU, the seed's small net at 32 px. On CUDA, that
 # workload is input-bound on any GPU (AMP, cudnn.benchmark, channels_last and compile would all read
