@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from datamodules.builtin.tree import CLASSES, MARKER, PRESETS, ensure_builtin, generate, main
+from tests.helpers.processes import in_processes
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -81,11 +81,13 @@ def test_refuses_to_delete_foreign_data(tmp_path, foreign):
     assert (dst / foreign).read_text() == "precious"
 
 
+def _ensure(rank: int, preset: str, root: Path, kw: dict) -> Path:  # in a spawned process
+    return ensure_builtin(preset, root, **kw)
+
+
 def test_ensure_builtin_from_two_processes(tmp_path):
     kw = {"train_per_class": 6, "val_per_class": 2, "progress": False}
-    with mp.get_context("spawn").Pool(2) as pool:  # like two DDP ranks starting at once
-        calls = [pool.apply_async(ensure_builtin, ("tiny", tmp_path), kw) for _ in range(2)]
-        paths = [c.get(timeout=120) for c in calls]
+    paths = in_processes(_ensure, 2, "tiny", tmp_path, kw, method="spawn")  # like two DDP ranks starting at once
     assert paths[0] == paths[1] == tmp_path / "tiny-6-2-s0"
     assert json.loads((paths[0] / MARKER).read_text())["train_per_class"] == 6
     assert len(list(paths[0].rglob("*.jpg"))) == 10 * (6 + 2)

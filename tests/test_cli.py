@@ -1,9 +1,6 @@
 """The CLI end to end: configs, --print_config, real short fits, TensorBoard, resume, DDP, nodes."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,7 @@ from tests.helpers import REPO
 from tests.helpers.callbacks import recorded_samples
 from tests.helpers.cli import quick_args, run_main
 from tests.helpers.event_files import event_file_scalars
-from tests.helpers.processes import free_port
+from tests.helpers.processes import finish_all, start_nodes
 
 CONFIGS = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "configs").rglob("*.yaml"))
 
@@ -145,19 +142,12 @@ def test_ddp_two_processes_see_disjoint_data(tiny_data, tmp_path):
 
 @pytest.mark.slow
 def test_two_nodes_on_one_machine_finish_together(tiny_data, tmp_path):
-    port = str(free_port())
     out = tmp_path / "samples"
     args = ["fit", *quick_args(tiny_data, tmp_path, epochs=1, batch=32),
             "--trainer.strategy", "ddp", "--trainer.devices", "1", "--trainer.num_nodes", "2",
             "--trainer.callbacks+=tests.helpers.callbacks.SampleRecorder", f"--trainer.callbacks.out_dir={out}"]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", "MASTER_PORT": port, "PYTHONUNBUFFERED": "1"}
-    procs = [
-        subprocess.Popen([sys.executable, "main.py", *args], cwd=REPO, env={**env, "NODE_RANK": str(rank)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in (0, 1)
-    ]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n\n".join(o[-3000:] for o in outputs)
+    codes, outputs = finish_all(start_nodes(args), timeout=300)
+    assert codes == [0, 0], "\n\n".join(o[-3000:] for o in outputs)
     assert "GLOBAL_RANK: 0, MEMBER: 1/2" in outputs[0] and "GLOBAL_RANK: 1, MEMBER: 2/2" in outputs[1]
     runs = recorded_samples(out)
     assert runs[0, 0]["num_nodes"] == 2 and runs[0, 0]["world_size"] == 2

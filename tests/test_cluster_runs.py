@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import multiprocessing
 import os
 import random
 import shutil
@@ -28,7 +27,7 @@ from lightning_app.runs.resolve import resolve
 from tests.helpers import REPO
 from tests.helpers.cli import quick_args, run_main
 from tests.helpers.event_files import scalars
-from tests.helpers.processes import free_port
+from tests.helpers.processes import finish, free_port, in_processes, start_main, start_nodes
 
 pytestmark = pytest.mark.timeout(600)
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_PROCID",
@@ -46,16 +45,6 @@ def clean_env(monkeypatch):
 def _env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in SLURM_VARS}
     return {**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **extra}
-
-
-def _popen(args: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "main.py", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
-    out = proc.communicate(timeout=timeout)[0]
-    return proc.returncode, out
 
 
 def _run_of_job(root: Path, job: str) -> Path:
@@ -78,20 +67,20 @@ def test_two_slurm_jobs_in_one_root_each_resume_their_own_run(tiny_data, tmp_pat
 
     # first attempts, side by side: A is preempted with SIGTERM before its first checkpoint; B is killed
     # mid-epoch, 4 steps after its checkpoint, with those steps' events already on disk
-    a0 = _popen(job("0.1", *signal_at(0, 2, "SIGTERM")), _env(SLURM_JOB_ID="101", SLURM_RESTART_COUNT="0"))
-    b0 = _popen(job("0.2", *signal_at(1, 4, "SIGKILL"), "--trainer.callbacks+=tests.helpers.callbacks.FlushLogs"),
+    a0 = start_main(job("0.1", *signal_at(0, 2, "SIGTERM")), _env(SLURM_JOB_ID="101", SLURM_RESTART_COUNT="0"))
+    b0 = start_main(job("0.2", *signal_at(1, 4, "SIGKILL"), "--trainer.callbacks+=tests.helpers.callbacks.FlushLogs"),
                 _env(SLURM_JOB_ID="202", SLURM_RESTART_COUNT="0"))
-    (rc_a, out_a), (rc_b, out_b) = _finish(a0), _finish(b0)
+    (rc_a, out_a), (rc_b, out_b) = finish(a0), finish(b0)
     assert rc_a == 0 and "SIGTERM: saved" in out_a, out_a[-3000:]
     assert rc_b == -9, out_b[-3000:]
     run_a, run_b = _run_of_job(root, "101"), _run_of_job(root, "202")
     os.utime(run_b / "checkpoints" / "last.ckpt")  # B's checkpoint is the newest in the root
 
     # all requeued at once, beside a requeued job that has no run here: that one stops with one paragraph
-    a1 = _popen(job("0.1", "--ckpt_path", "last"), _env(SLURM_JOB_ID="101", SLURM_RESTART_COUNT="1"))
-    b1 = _popen(job("0.2", "--ckpt_path", "last"), _env(SLURM_JOB_ID="202", SLURM_RESTART_COUNT="1"))
-    c1 = _popen(job("0.3", "--ckpt_path", "last"), _env(SLURM_JOB_ID="303", SLURM_RESTART_COUNT="2"))
-    (rc_a, out_a), (rc_b, out_b), (rc_c, out_c) = _finish(a1), _finish(b1), _finish(c1)
+    a1 = start_main(job("0.1", "--ckpt_path", "last"), _env(SLURM_JOB_ID="101", SLURM_RESTART_COUNT="1"))
+    b1 = start_main(job("0.2", "--ckpt_path", "last"), _env(SLURM_JOB_ID="202", SLURM_RESTART_COUNT="1"))
+    c1 = start_main(job("0.3", "--ckpt_path", "last"), _env(SLURM_JOB_ID="303", SLURM_RESTART_COUNT="2"))
+    (rc_a, out_a), (rc_b, out_b), (rc_c, out_c) = finish(a1), finish(b1), finish(c1)
     assert rc_a == 0 and f"SLURM job 101 requeued (restart 1): its run {run_a}" in out_a, out_a[-3000:]
     assert rc_b == 0 and f"SLURM job 202 requeued (restart 1): its run {run_b}" in out_b, out_b[-3000:]
     assert rc_c == 2 and "SLURM job 303 was requeued (restart 2), but no run under" in out_c, out_c[-3000:]
@@ -245,25 +234,20 @@ def test_a_lock_is_never_seen_half_written_and_a_stale_one_is_taken_from_any_hos
     taken.release()
 
 
-def _race_for_the_lock(run: Path, barrier, results) -> None:
-    barrier.wait()  # every process released at the same instant
+def _race_for_the_lock(rank: int, run: Path) -> str:
     try:
         lock.RunLock(run).acquire()
-        results.put("held")
-        time.sleep(1)
     except UserError:
-        results.put("refused")
+        return "refused"
+    time.sleep(1)  # held while the others try
+    return "held"
 
 
 def test_processes_starting_at_once_get_one_lock(tmp_path, clean_env):
     run = tmp_path / "version_0"
     run.mkdir()
-    ctx = multiprocessing.get_context("fork")  # real processes, started without a fresh interpreter each
-    barrier, results = ctx.Barrier(4), ctx.Queue()
-    procs = [ctx.Process(target=_race_for_the_lock, args=(run, barrier, results)) for _ in range(4)]
-    [p.start() for p in procs]
-    outcomes = sorted(results.get(timeout=60) for _ in procs)
-    [p.join(timeout=60) for p in procs]
+    # real processes, forked (no fresh interpreter each), released at the same instant
+    outcomes = sorted(in_processes(_race_for_the_lock, 4, run, timeout=60))
     assert outcomes == ["held", "refused", "refused", "refused"]
 
 
@@ -435,10 +419,10 @@ def test_srun_pty_shell_with_two_devices_makes_one_run_and_resumes(tiny_data, tm
                SLURM_JOB_NAME="bash", MASTER_ADDR="127.0.0.1")
     args = ["fit", *quick_args(tiny_data, tmp_path, batch=40), "--trainer.num_sanity_val_steps", "0",
             "--trainer.strategy", "ddp", "--trainer.devices", "2"]
-    rc, out = _finish(_popen(args, {**env, "MASTER_PORT": str(free_port())}))
+    rc, out = finish(start_main(args, {**env, "MASTER_PORT": str(free_port())}))
     assert rc == 0, out[-3000:]
     assert [p.name for p in tmp_path.glob("version_*")] == ["version_0"]
-    rc, out = _finish(_popen([*args, "--ckpt_path", "last"], {**env, "MASTER_PORT": str(free_port())}))
+    rc, out = finish(start_main([*args, "--ckpt_path", "last"], {**env, "MASTER_PORT": str(free_port())}))
     assert rc == 0 and "--ckpt_path last: resuming" in out, out[-3000:]
     assert [p.name for p in tmp_path.glob("version_*")] == ["version_0"]
     assert len(identity.read_run(tmp_path / "version_0")["attempts"]) == 2
@@ -448,14 +432,12 @@ def test_srun_pty_shell_with_two_devices_makes_one_run_and_resumes(tiny_data, tm
 def test_nodes_with_different_roots_stop_every_rank_with_one_paragraph(tiny_data, trained_run, tmp_path):
     roots = [tmp_path / "node0", tmp_path / "node1"]
     shutil.copytree(trained_run, roots[0] / "version_0")  # node 0's local disk holds the run; node 1's is empty
-    port = str(free_port())
     start = time.monotonic()
-    procs = [_popen(["fit", *quick_args(tiny_data, roots[r], batch=40), "--trainer.num_sanity_val_steps", "0",
-                     "--trainer.strategy", "ddp", "--trainer.devices", "1", "--trainer.num_nodes", "2",
-                     "--ckpt_path", "last"],
-                    _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(r), FIC_DDP_TIMEOUT_S="120"))
-             for r in (0, 1)]
-    results = [_finish(p, timeout=120) for p in procs]
+    procs = start_nodes(lambda r: ["fit", *quick_args(tiny_data, roots[r], batch=40), "--trainer.num_sanity_val_steps",
+                                   "0", "--trainer.strategy", "ddp", "--trainer.devices", "1", "--trainer.num_nodes",
+                                   "2", "--ckpt_path", "last"],
+                        env=_env(FIC_DDP_TIMEOUT_S="120"))
+    results = [finish(p, timeout=120) for p in procs]
     assert time.monotonic() - start < 60
     last = roots[0] / "version_0" / "checkpoints" / "last.ckpt"
     for rc, out in results:

@@ -16,6 +16,7 @@ from torch import nn
 from lightning_app.errors import UserError
 from lightning_app.strategies import comm_hooks
 from tests.helpers.cli import quick_args, run_main
+from tests.helpers.processes import in_processes
 
 
 def _fit(data: Path, root: Path, hook: str, epochs: int, extra: list[str] = ()) -> list[str]:
@@ -84,7 +85,7 @@ def _two_gloo_processes(rank: int, store_path: str, out_dir: str) -> None:
 def test_every_hook_trains_two_real_gloo_processes(tmp_path):
     if not comm_hooks._bf16_hook_allowed():
         pytest.skip("this torch has no NCCL >= 2.10: DDP refuses the bf16 hook (the refusal is tested below)")
-    torch.multiprocessing.spawn(_two_gloo_processes, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    in_processes(_two_gloo_processes, 2, str(tmp_path / "store"), str(tmp_path), method="spawn", timeout=300)
     for rank in (0, 1):
         report = torch.load(tmp_path / f"rank{rank}.pt")
         assert all(r["same_weights"] for r in report.values()), report

@@ -3,16 +3,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import REPO
 from tests.helpers.cli import quick_args, run_main
-from tests.helpers.processes import free_port
+from tests.helpers.processes import start_nodes
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -93,14 +91,8 @@ def test_a_frozen_node_ends_the_other_within_the_timeout(tiny_data, tmp_path):
     timeout_s = 10
     args = [*_args(tiny_data, tmp_path, epochs=1), "--trainer.strategy", "ddp", "--trainer.devices", "1",
             "--trainer.num_nodes", "2", *_signal_at(0, 1, "SIGSTOP", rank=1)]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port()),
-           "PYTHONUNBUFFERED": "1", "FIC_DDP_TIMEOUT_S": str(timeout_s)}
     logs = [tmp_path / f"node{r}.log" for r in (0, 1)]
-    procs = []
-    for rank, log in enumerate(logs):
-        with log.open("w") as out:
-            procs.append(subprocess.Popen([sys.executable, "main.py", *args], cwd=REPO,
-                                          env={**env, "NODE_RANK": str(rank)}, stdout=out, stderr=subprocess.STDOUT))
+    procs = start_nodes(args, env={**os.environ, "FIC_DDP_TIMEOUT_S": str(timeout_s)}, logs=logs)
     try:
         deadline = time.monotonic() + 300
         while not _stopped(procs[1].pid):

@@ -2,29 +2,26 @@
 the Index cache that use it."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 
+from tests.helpers.processes import in_processes
 
-def _hold(path: str, seconds: float, out) -> None:
+
+def _hold(rank: int, path: str, seconds: float) -> list[tuple[int, float, str]]:
     from datamodules.packing import file_lock
 
     with file_lock(path):
-        out.put((os.getpid(), time.monotonic(), "in"))
+        came = (os.getpid(), time.monotonic(), "in")
         time.sleep(seconds)
-        out.put((os.getpid(), time.monotonic(), "out"))
+        left = (os.getpid(), time.monotonic(), "out")
+    return [came, left]
 
 
 def test_file_lock_leaves_no_file_and_still_excludes(tmp_path):
     lock = tmp_path / ".out.lmdb.lock"
-    queue = mp.get_context("fork").Queue()
-    procs = [mp.get_context("fork").Process(target=_hold, args=(str(lock), 0.3, queue)) for _ in range(3)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(30)
-    events = sorted((queue.get(timeout=5) for _ in range(6)), key=lambda e: e[1])
+    held = in_processes(_hold, 3, str(lock), 0.3, timeout=30)
+    events = sorted((event for events in held for event in events), key=lambda e: e[1])
     assert [e[2] for e in events] == ["in", "out"] * 3  # never two holders at once, although each unlinks it
     assert not lock.exists()
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -12,6 +11,7 @@ import datamodules.index as ix
 from datamodules.index import DataError, find_classes, load_index, load_indexes
 from datamodules.sample.images import check_file, decode_rgb
 from tests.helpers import REPO
+from tests.helpers.processes import finish_all, start_command
 from tests.helpers.trees import make_tree, odd_images
 
 
@@ -131,9 +131,8 @@ def test_processes_starting_together_scan_once_and_share_the_cache(tiny_data, tm
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
     arrived = tmp_path / "arrived"
     arrived.mkdir()
-    procs = [subprocess.Popen([sys.executable, "-c", _SCAN_ONCE, str(tiny_data), str(arrived)], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    procs = [start_command([sys.executable, "-c", _SCAN_ONCE, str(tiny_data), str(arrived)], env) for _ in range(2)]
+    _, outs = finish_all(procs, timeout=120)
     assert all(p.returncode == 0 for p in procs), outs
     assert len(list(arrived.iterdir())) == 2  # both asked for the lock while one of them was scanning
     assert sum(o.count("SCANNED") for o in outs) == 1, outs

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,8 +19,7 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from datamodules.cpus import cpu_share, usable_cpus
-from tests.helpers import REPO
-from tests.helpers.processes import free_port
+from tests.helpers.processes import finish_all, free_port, start_command
 
 CLASSES = 1000
 RANKS = 2
@@ -71,19 +69,9 @@ def rehearsal(thousand_classes, tmp_path_factory):
     if shutil.which("taskset") is None:
         pytest.skip("taskset (util-linux) is not installed: it sets each task's CPU mask as srun would")
     port = free_port()
-    procs = []
-    for rank in range(RANKS):
-        pin = ["taskset", "-c", ",".join(map(str, task_cpus(rank)))]
-        log = open(out / f"rank{rank}.txt", "w")  # noqa: SIM115 - closed below
-        procs.append((subprocess.Popen([*pin, sys.executable, "main.py", *args], cwd=REPO, env=srun_env(rank, port),
-                                       stdout=log, stderr=subprocess.STDOUT), log))
-    try:
-        codes = [p.wait(timeout=400) for p, _ in procs]
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-            log.close()
+    procs = [start_command(["taskset", "-c", ",".join(map(str, task_cpus(rank))), sys.executable, "main.py", *args],
+                           srun_env(rank, port), log=out / f"rank{rank}.txt") for rank in range(RANKS)]
+    codes, _ = finish_all(procs, timeout=400)
     texts = [(out / f"rank{r}.txt").read_text() for r in range(RANKS)]
     assert codes == [0] * RANKS, "\n\n".join(t[-4000:] for t in texts)
     return out / "logs" / "version_0", out / "probe", texts

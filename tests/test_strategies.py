@@ -3,10 +3,7 @@ on 1 process, 2 processes and 2 simulated nodes, and the GPU paths (skipped with
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from datetime import timedelta
 
 import pytest
@@ -17,9 +14,8 @@ from lightning_app.cli import ClassifierCLI
 from lightning_app.strategies import ClusterDDPStrategy, DataParallelStrategy
 from netsim import link as netlink
 from netsim.nodes import Nodes
-from tests.helpers import REPO
 from tests.helpers.cli import quick_args, run_main
-from tests.helpers.processes import free_port
+from tests.helpers.processes import finish_all, start_nodes
 
 pytestmark = pytest.mark.timeout(900)
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -125,12 +121,7 @@ def test_1_process_and_2_nodes_reach_the_same_accuracy(comparison_data, tmp_path
                 hosts.stop(grace_s=0)
         outs = [hosts.output(0), hosts.output(1)]
     else:  # two processes on 127.0.0.1
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port()),
-               "PYTHONUNBUFFERED": "1"}
-        procs = [subprocess.Popen([sys.executable, "main.py", *node_args], cwd=REPO, env={**env, "NODE_RANK": str(r)},
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-        outs = [p.communicate(timeout=900)[0] for p in procs]
-        codes = [p.returncode for p in procs]
+        codes, outs = finish_all(start_nodes(node_args), timeout=900)
     assert codes == [0, 0], outs[0][-3000:]
     nodes = _done(outs[0])
     print(f"\nval/acc1 and images/s: 1 process {one}, 2 nodes {nodes}")

@@ -33,7 +33,7 @@ from datamodules.shards.pack import pack
 from datamodules.shards.storage import obstore_store, s3_client
 from tests.helpers import REPO
 from tests.helpers.cli import quick_args, run_main, train_checkpoint
-from tests.helpers.processes import free_port, in_fork
+from tests.helpers.processes import finish_all, in_fork, start_nodes
 from tests.helpers.streaming import IdRecordingStreamingDataModule, read_records
 
 pytestmark = pytest.mark.timeout(300)
@@ -410,12 +410,8 @@ def test_two_nodes_get_equal_batches_and_disjoint_ids(s3_pack, tmp_path):
     # the other is downloading
     args = [*_record_args(s3_pack, tmp_path, tmp_path / "ids"), "--trainer.strategy", "ddp", "--trainer.devices", "1",
             "--trainer.num_nodes", "2", "--data.num_workers", "1"]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1"}
-    procs = [subprocess.Popen([sys.executable, "main.py", *args], cwd=REPO, env={**env, "NODE_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    outs = [p.communicate(timeout=280)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    codes, outs = finish_all(start_nodes(args), timeout=280)
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     ranks = [[ids for _, _, ids in read_records(str(tmp_path / "ids"), rank)] for rank in (0, 1)]
     assert len(ranks[0]) == len(ranks[1]) == 10  # 240 images, 12 per process and step
     ids = [{i for batch in rank for i in batch} for rank in ranks]

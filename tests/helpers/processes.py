@@ -1,13 +1,141 @@
-"""Processes for tests: a free port on 127.0.0.1, and a function run in a forked child."""
+"""Processes for multi-process tests, started one way: command lines (`main.py` nodes on 127.0.0.1 above all) with
+start_command / start_main / start_nodes, waited for with finish / finish_all, which kill what runs past its
+time; Python functions in processes of their own, all released at once, with in_processes (in_fork: one,
+forked). And a free port on 127.0.0.1."""
 from __future__ import annotations
 
+import multiprocessing
+import os
+import pickle
+import queue
 import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tests.helpers import REPO
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# -- command lines -------------------------------------------------------------------------------------------
+
+def start_command(cmd: list[str], env: dict[str, str] | None = None, *, log: Path | None = None) -> subprocess.Popen:
+    """`cmd` started in the repository, not waited for: stdout and stderr together into a pipe (text) or the file
+    `log`. env: the whole environment (default: this process's, unbuffered)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env
+    if log is None:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with open(log, "w") as out:  # the child writes to its own copy
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def start_main(args: list[str], env: dict[str, str] | None = None, *, log: Path | None = None) -> subprocess.Popen:
+    """`python main.py ARGS` started as a user starts it (cli.run_main is the same, waited for)."""
+    return start_command([sys.executable, "main.py", *args], env, log=log)
+
+
+def start_nodes(args: list[str] | Callable[[int], list[str]], nodes: int = 2, env: dict[str, str] | None = None, *,
+                logs: list[Path] | None = None) -> list[subprocess.Popen]:
+    """`python main.py ARGS` once per node, as `nodes` machines start it: NODE_RANK 0 to nodes - 1, their master
+    at 127.0.0.1 on a free port, OpenMP on one thread each. args: the same for every node, or a function of the
+    node's rank. env: what they start from (default: this process's environment)."""
+    args_of = args if callable(args) else (lambda _rank: args)
+    common = {**(os.environ if env is None else env), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+              "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return [start_main(args_of(rank), {**common, "NODE_RANK": str(rank)}, log=logs[rank] if logs else None)
+            for rank in range(nodes)]
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
+    """(exit status, output) of `proc` once it ends ("" where it writes to a file); killed if it runs past
+    `timeout` seconds (subprocess.TimeoutExpired is raised) or the wait is interrupted."""
+    try:
+        out = proc.communicate(timeout=timeout)[0]
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    return proc.returncode, out or ""
+
+
+def finish_all(procs: list[subprocess.Popen], timeout: float = 300) -> tuple[list[int], list[str]]:
+    """finish() of every process at the same time (no pipe fills while another process is waited for): their
+    exit statuses and outputs. Where one fails to end in time, every one still running is killed."""
+    with ThreadPoolExecutor(len(procs)) as pool:
+        waits = [pool.submit(finish, proc, timeout) for proc in procs]
+        try:
+            done = [wait.result() for wait in waits]
+        except BaseException:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+            raise
+    return [code for code, _ in done], [out for _, out in done]
+
+
+# -- Python functions ----------------------------------------------------------------------------------------
+
+def _run_one(fn, rank: int, args: tuple, start, results, timeout: float) -> None:
+    try:
+        start.wait(timeout)  # every process released at the same instant
+        outcome = (rank, True, fn(rank, *args))
+    except BaseException as e:  # noqa: BLE001 - raised again in the caller's process
+        e.add_note(f"in process {rank} of {fn.__qualname__} (pid {os.getpid()}):\n{traceback.format_exc()}")
+        outcome = (rank, False, e)
+    try:
+        pickle.dumps(outcome)
+    except Exception:  # noqa: BLE001 - what cannot travel is named instead
+        outcome = (rank, False, RuntimeError(f"process {rank}: {outcome[2]!r} cannot be pickled back"))
+    results.put(outcome)
+
+
+def in_processes(fn, n: int, *args, method: str = "fork", timeout: float = 120) -> list:
+    """[fn(0, *args), ..., fn(n - 1, *args)], each call in a process of its own, started by `method` (fork; spawn
+    for a fresh interpreter, where fn must be a module's top-level function), all released at once. An exception
+    raised in one is raised here (its traceback in a note); a process that dies, or runs past `timeout`
+    seconds, is an error too. Every process has ended when this returns."""
+    ctx = multiprocessing.get_context(method)
+    start, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_run_one, args=(fn, rank, args, start, results, timeout)) for rank in range(n)]
+    for proc in procs:
+        proc.start()
+    got, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(got) < n:
+            try:
+                rank, ok, value = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [(rank, p.exitcode) for rank, p in enumerate(procs) if rank not in got and p.exitcode]
+                if dead:
+                    try:  # what it sent just before it ended may still be in the pipe
+                        rank, ok, value = results.get(timeout=1)
+                    except queue.Empty:
+                        raise RuntimeError(f"process {dead[0][0]} of {fn.__qualname__} died (exit status "
+                                           f"{dead[0][1]})") from None
+                elif time.monotonic() > deadline:
+                    raise TimeoutError(f"{n - len(got)} of {n} processes of {fn.__qualname__} still ran after "
+                                       f"{timeout} s") from None
+                else:
+                    continue
+            if not ok:
+                raise value
+            got[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [got[rank] for rank in range(n)]
 
 
 def in_fork(fn, *args):
@@ -17,8 +145,4 @@ def in_fork(fn, *args):
     has crashed that process (SIGSEGV in tokio's io driver) once DataLoader workers were forked after it.
     LitData itself keeps obstore out of a process that forks workers (downloader.py, obstore_usable).
     """
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
-
-    with ProcessPoolExecutor(1, mp_context=get_context("fork")) as pool:
-        return pool.submit(fn, *args).result(timeout=120)
+    return in_processes(lambda _rank: fn(*args), 1)[0]
