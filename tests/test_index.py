@@ -112,7 +112,7 @@ import os, sys, time
 from pathlib import Path
 import datamodules.index as ix
 arrived = Path(sys.argv[2])
-real_lock, real_scan = ix.file_lock, ix._scan
+real_lock, real_scan = ix.file_lock, ix.scan_split
 def announced_lock(path):  # this process is about to wait for the scan lock
     (arrived / str(os.getpid())).touch()
     return real_lock(path)
@@ -122,7 +122,7 @@ def scan_once_both_wait(*a, **k):  # a barrier: scans only once both processes a
     while len(list(arrived.iterdir())) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     return real_scan(*a, **k)
-ix.file_lock, ix._scan = announced_lock, scan_once_both_wait
+ix.file_lock, ix.scan_split = announced_lock, scan_once_both_wait
 print(len(ix.load_index(sys.argv[1], "train")))
 """
 
@@ -143,7 +143,7 @@ def test_threaded_scan_lists_the_same_samples_and_bad_files_as_one_thread(odd_tr
     (odd_tree / "train" / "bees" / "cut.jpg").write_bytes(b"\xff\xd8\xff\xe0" + bytes(100))
     root = str(odd_tree)
     classes = find_classes(root)
-    one = ix._scan(root, "train", classes, True, threads=1)
-    many = ix._scan(root, "train", classes, True, threads=8)
+    one = ix.scan_split(root, "train", classes, True, threads=1)
+    many = ix.scan_split(root, "train", classes, True, threads=8)
     assert one == many
     assert [p for p, _ in many.bad_files] == ["train/bees/cut.jpg"]

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 
-from bench.memory import parse_config, plan_of, to_markdown
+from bench.memory import to_markdown
+from bench.memory.plan import parse_config, plan_of
 from datamodules import ImageFolderDataModule
 from datamodules.memory import GIB
 from datamodules.sample.batches import ring_buffer_bytes
