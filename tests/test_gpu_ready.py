@@ -148,8 +148,8 @@ def test_spawned_dali_lmdb_worker_does_not_import_lightning(tiny_data, tmp_path)
 @pytest.mark.slow
 def test_bench_ddp_check_logic_on_gloo():
     """`bench gpu`'s NCCL check, run over gloo on 2 CPU processes: a DDP step equals one process's step."""
-    from bench.gpu_checks import Workload
-    from bench.gpu_parallel import ddp_check
+    from bench.gpu.checks import Workload
+    from bench.gpu.parallel import ddp_check
 
     w = Workload(arch="conv11", image_size=32, batch_size=8, device="cpu")
     check = ddp_check(w, mb=1, processes=2, backend="gloo")
