@@ -89,8 +89,8 @@ def write_report(out: Path, result: dict) -> None:
     gpu = ", ".join(v["gpus"]) or "no usable CUDA device"
     lines = [f"# GPU check, {result['date']}", "",
              f"- GPU: {gpu}; driver {v['driver']}",
-             f"- torch {v['torch']} (CUDA {v['cuda']}, cuDNN {v['cudnn']}, NCCL {v['nccl']}), Lightning "
-             f"{v['lightning']}, Python {v['python']}",
+             (f"- torch {v['torch']} (CUDA {v['cuda']}, cuDNN {v['cudnn']}, NCCL {v['nccl']}), Lightning "
+              f"{v['lightning']}, Python {v['python']}"),
              f"- Verdict: {result['verdict']}", ""]
     if result["parts"]:
         lines += ["| part | status | seconds | summary |", "|---|---|---|---|"]

@@ -17,9 +17,16 @@ _VENV_BIN = str(Path(sys.executable).parent)
 if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
     os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")
 
-from datamodules.builtin.tree import generate
-from tests.helpers.s3 import S3Server
-from tests.helpers.trees import make_odd_tree, make_slow_tree
+# after the path set-up above: a clone's own packages, whatever the working directory
+from datamodules.builtin.tree import generate  # noqa: E402
+from tests.helpers.optional import DALI_MISSING, REQUIRE_DALI_ENV  # noqa: E402
+from tests.helpers.s3 import S3Server  # noqa: E402
+from tests.helpers.trees import make_odd_tree, make_slow_tree  # noqa: E402
+
+
+def pytest_sessionstart(session) -> None:
+    if DALI_MISSING and os.environ.get(REQUIRE_DALI_ENV) == "1":
+        pytest.exit(f"{REQUIRE_DALI_ENV}=1 and DALI's tests cannot run: they {DALI_MISSING}", returncode=1)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -8,6 +8,7 @@ from datamodules import DownscaledDataModule, ImageFolderDataModule
 from datamodules.index import DataError
 from datamodules.sample.augment import AUTO_AUGMENTS, make_train_augment
 from datamodules.sample.crop import TrainCrop
+from tests.helpers.optional import needs_dali
 
 
 @pytest.mark.parametrize("policy", [*AUTO_AUGMENTS, None])
@@ -67,7 +68,7 @@ def test_backend_batches_stay_uint8_with_the_same_labels(module, tiny_data, tmp_
                     random_erasing=0.5 if policy else 0.0, **kwargs)
         dm.setup("fit")
         dataset = dm.datasets["train"]
-        images, labels = zip(*(dataset[i] for i in range(0, len(dataset), 7)))
+        images, labels = zip(*(dataset[i] for i in range(0, len(dataset), 7)), strict=False)
         batches[policy] = (torch.stack(images), torch.tensor(labels))
     plain, augmented = batches[None], batches["trivialaugment"]
     assert augmented[0].dtype == torch.uint8 and augmented[0].shape == plain[0].shape
@@ -92,6 +93,7 @@ def _dali_batch(policy: str, images: list) -> list:
     return [out.at(i) for i in range(len(images))]
 
 
+@needs_dali
 @pytest.mark.parametrize("policy", ["trivialaugment", "randaugment", "autoaugment"])
 def test_dali_policies_keep_uint8_hwc(policy):
     import numpy as np
@@ -99,8 +101,8 @@ def test_dali_policies_keep_uint8_hwc(policy):
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (40, 48, 3), dtype=np.uint8) for _ in range(8)]
     out = _dali_batch(policy, images)
-    assert all(o.dtype == np.uint8 and o.shape == i.shape for o, i in zip(out, images))
-    assert sum(not np.array_equal(o, i) for o, i in zip(out, images)) >= 4
+    assert all(o.dtype == np.uint8 and o.shape == i.shape for o, i in zip(out, images, strict=False))
+    assert sum(not np.array_equal(o, i) for o, i in zip(out, images, strict=False)) >= 4
 
 
 def test_dali_refuses_what_it_does_not_have():

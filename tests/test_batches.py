@@ -42,12 +42,12 @@ def test_held_batches_survive_later_epochs(dataset):
     first = held[0].clone()
     del held[0]
     for _ in range(3):  # later epochs, batches dropped at once: their buffers go round the ring
-        for images, labels in loader:
+        for images, _labels in loader:
             assert images.shape == (BATCH, 3, 24, 24)
             assert images.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(first, expected[0])
     assert torch.equal(kept_view, expected[0][1:3])
-    for got, want in zip(held, expected[1:]):
+    for got, want in zip(held, expected[1:], strict=False):
         assert torch.equal(got, want)
 
 
@@ -74,5 +74,5 @@ def test_a_batch_never_given_back_stays_intact(dataset):
     expected = reference(dataset)
     loader = DataLoader(dataset, batch_size=BATCH, collate_fn=built_batch, num_workers=1)
     held = [b[0] for _ in range(2) for b in loader]
-    for got, want in zip(held, expected + expected):
+    for got, want in zip(held, expected + expected, strict=False):
         assert torch.equal(got, want)

@@ -14,6 +14,7 @@ from bench.loaders.backends import BACKENDS
 from bench.loaders.report import classify
 from bench.train.rows import RowSpec, row_specs, skip_reason
 from datamodules.builtin.tree import generate
+from tests.helpers.optional import needs_dali
 
 
 @pytest.fixture(scope="module")
@@ -268,6 +269,7 @@ def test_train_workload_is_gpu_sized_on_cuda_and_flags_win():
         assert vars(args) == flags
 
 
+@needs_dali
 def test_dali_loader_built_before_the_clock_and_not_rebuilt_with_max_batches(tmp_path, photo_data):
     from bench.loaders.backends import FACTORIES
     from bench.loaders.prepared import Settings

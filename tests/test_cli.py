@@ -109,7 +109,7 @@ def test_ddp_two_processes_see_disjoint_data(tiny_data, tmp_path):
     assert set(runs) == {(0, 0), (1, 0), (0, 1), (1, 1)}
     n = 240
     truth = load_indexes(tiny_data)["train"].labels
-    for (rank, epoch), run in runs.items():
+    for (_rank, epoch), run in runs.items():
         assert run["sampler_epoch"] == epoch  # Lightning's set_epoch reached the loader's sampler
         assert run["labels"] == [[truth[i] for i in batch] for batch in run["batches"]]
     for epoch in (0, 1):

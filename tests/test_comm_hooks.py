@@ -127,7 +127,7 @@ def test_powersgd_resumes_with_its_state_to_the_weights_of_an_uninterrupted_run(
     for k in a["state_dict"]:
         torch.testing.assert_close(b["state_dict"][k], a["state_dict"][k], rtol=0, atol=1e-7, msg=f"{k} differs")
     sa, sb = a[comm_hooks.CHECKPOINT_KEY], b[comm_hooks.CHECKPOINT_KEY]
-    for x, y in zip(sa["errors"], sb["errors"]):
+    for x, y in zip(sa["errors"], sb["errors"], strict=False):
         torch.testing.assert_close(y, x, rtol=0, atol=1e-7)
 
 

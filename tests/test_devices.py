@@ -5,6 +5,7 @@ torch, which finds no CUDA device here.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -82,9 +83,47 @@ def test_a_machine_without_an_nvidia_driver_trains_on_the_cpu_as_before(tiny_dat
 
 def test_bench_on_a_gpu_machine_that_torch_cannot_use_stops_before_measuring(driver_file, tmp_path):
     refused = subprocess.run([sys.executable, "-m", "bench", "memory", "--config", "configs/ddp_amp.yaml",
-                              "--out", str(tmp_path / "out")], cwd=REPO, env={**os.environ, DRIVER_FILE_ENV: driver_file},
-                             capture_output=True, text=True, timeout=300, check=False)
+                              "--out", str(tmp_path / "out")], cwd=REPO,
+                             env={**os.environ, DRIVER_FILE_ENV: driver_file}, capture_output=True, text=True,
+                             timeout=300, check=False)
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "This machine has an NVIDIA GPU (driver 535.104.05)" in refused.stderr
     assert "Traceback" not in refused.stderr
     assert not (tmp_path / "out").exists()  # nothing measured, nothing written
+
+
+def test_bench_gpu_without_a_usable_gpu_says_so_and_stops(tmp_path):
+    stopped = subprocess.run([sys.executable, "-m", "bench", "gpu", "--out", str(tmp_path / "out")], cwd=REPO,
+                             capture_output=True, text=True, timeout=300, check=False)
+    assert stopped.returncode == 2, stopped.stderr[-3000:]
+    assert "bench gpu: no usable CUDA device here" in stopped.stderr and "--allow-cpu" in stopped.stderr
+    assert "Traceback" not in stopped.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_the_gpu_check_stops_without_a_usable_gpu_and_its_runner_reports_every_part(tmp_path):
+    wheels = tmp_path / "wheels"  # this environment has every wheel already: none is needed offline
+    wheels.mkdir()
+    check = subprocess.run(["bash", "scripts/gpu_check.sh", "--wheels", str(wheels), "--out", str(tmp_path / "out")],
+                           cwd=REPO, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True,
+                           timeout=300, check=False)
+    assert check.returncode == 2, check.stdout[-3000:] + check.stderr[-3000:]
+    assert "no usable CUDA device" in check.stdout
+    result = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
+    assert result["versions"]["torch"] == torch.__version__ and result["parts"] == []
+    # the runner itself, every part on a CPU at a tiny size: each part reported, the rows merged, GPU rows skipped
+    rehearsal = subprocess.run([sys.executable, "scripts/gpu_check.py", "--out", str(tmp_path / "cpu"),
+                                "--rehearse-on-cpu"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                               check=False)
+    report = json.loads((tmp_path / "cpu" / "gpu-check.json").read_text())
+    parts = {p["part"]: p for p in report["parts"]}
+    groups = ("ceiling", "trainer", "precision", "flags", "backends", "dali", "dp", "ddp")
+    assert list(parts) == ["pytest -m gpu", *(f"bench gpu {g}" for g in groups)]
+    assert all(p["status"] == "ok" for name, p in parts.items() if name.startswith("bench")), parts
+    assert parts["pytest -m gpu"]["status"] == "ok", parts["pytest -m gpu"]  # every gpu test skips here
+    rows = {(c["group"], c["name"]): c for c in report["checks"]}
+    assert rows[("compute ceiling", "compute ceiling")]["status"] == "ok"
+    assert all(c["status"] == "skipped" for (group, _), c in rows.items() if group == "trainer")
+    assert (tmp_path / "cpu" / "gpu-check.md").read_text().startswith("# GPU check, ")
+    assert rehearsal.returncode == 0, rehearsal.stdout[-3000:]

@@ -54,6 +54,8 @@ RULES = [
     (r"(\w+=\S+ )*scripts/torchrun\.sh .*", "dry-run", "torchrun across machines"),
     (r"scripts/netsim\.sh run .*", "dry-run", "two network namespaces need root: each node's command is parsed"),
     (r"scripts/netsim\.sh down", "script", "removes only pairs whose run is gone: none here"),
+    (r"scripts/wheelhouse\.sh \S+( --python [\d.]+)?", "skip",
+     "downloads from the package index: CI's second end runs it as written (.ci/run)"),
     (r"sbatch scripts/slurm/train\.sbatch .*", "dry-run", "no SLURM here"),
     (r"python -m bench(\.progressive)? .*", "parse", "benchmarks time the machine (tests/test_bench.py runs them small)"),
     (r"python -m (datamodules\.\w+|bench\.scanbench|lightning_app\.export)( .*)?", "run", ""),

@@ -144,7 +144,7 @@ def test_the_documented_snippet_reproduces_predict_and_any_batch_runs(tiny_data,
     assert run.returncode == 0, run.stderr[-3000:]
     probs = np.array(json.loads(run.stdout))
     assert probs.shape == (len(SIZES), len(meta["class_names"]))  # a batch of 5 through the default export
-    for name, row in zip(names, probs):
+    for name, row in zip(names, probs, strict=False):
         for k in range(1, 6):
             cls, p = predicted[name][f"top{k}_class"], float(predicted[name][f"top{k}_prob"])
             assert abs(row[meta["class_names"].index(cls)] - p) < 0.003, (name, cls, p, row)

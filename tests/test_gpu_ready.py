@@ -15,6 +15,7 @@ from lightning_app.cli import ClassifierCLI
 from lightning_app.strategies import DP_COMPILE_MESSAGE, ClusterDDPStrategy, check_compile
 from tests.helpers import REPO
 from tests.helpers.cli import quick_args
+from tests.helpers.optional import needs_dali, needs_gpus
 
 
 def test_dp_with_compile_is_refused_with_its_message(tiny_data, tmp_path):
@@ -93,7 +94,8 @@ def test_bench_gpu_on_cpu_skips_every_gpu_row_and_runs_the_ceiling_and_shares(ti
     from bench.__main__ import main
 
     out = tmp_path / "out"
-    rc = main(["gpu", "--data-dir", str(tiny_data), "--arch", "conv11", "--image-size", "32", "--batch-size", "8",
+    rc = main(["gpu", "--allow-cpu", "--data-dir", str(tiny_data), "--arch", "conv11", "--image-size", "32",
+               "--batch-size", "8",
                "--steps", "2", "--warmup", "1", "--num-workers", "0",
                "--backends", "imagefolder,dali-cpu", "--out", str(out), "--machine", "test"])
     assert rc == 0
@@ -109,7 +111,7 @@ def test_bench_gpu_on_cpu_skips_every_gpu_row_and_runs_the_ceiling_and_shares(ti
         assert row["extra"]["share"] == pytest.approx(row["images_s"] / ceiling["images_s"])
     assert checks["LMDB"]["verdict"] == "not selected (--backends)"
     gpu_rows = [c for c in data["checks"] if c["group"] not in ("compute ceiling", "backend")]
-    assert {c["group"] for c in gpu_rows} == {"DALI mixed", "precision", "speed flag", "dp", "DDP"}
+    assert {c["group"] for c in gpu_rows} == {"trainer", "DALI mixed", "precision", "speed flag", "dp", "DDP"}
     if not torch.cuda.is_available():
         assert all(c["status"] == "skipped" and "no CUDA GPU" in c["verdict"] for c in gpu_rows)
         assert "needs a CUDA GPU" in checks["DALI GPU (mixed)"]["verdict"] or \
@@ -119,13 +121,14 @@ def test_bench_gpu_on_cpu_skips_every_gpu_row_and_runs_the_ceiling_and_shares(ti
         assert [c for c in gpu_rows if c["status"] == "FAIL"] == []
         assert all(c["status"] == "ok" or (c["verdict"] and "no CUDA GPU" not in c["verdict"]) for c in gpu_rows)
         ran = {c["group"] for c in gpu_rows if c["status"] == "ok"}
-        assert {"precision", "speed flag"} <= ran, gpu_rows
+        assert {"trainer", "precision", "speed flag"} <= ran, gpu_rows
         if torch.cuda.device_count() >= 2:
             assert {"dp", "DDP"} <= ran, gpu_rows
         assert "none (every GPU row is skipped)" not in md
     assert "Share of the compute ceiling" in md and "| compile |" in md and "- Versions: python" in md
 
 
+@needs_dali
 def test_spawned_dali_lmdb_worker_does_not_import_lightning(tiny_data, tmp_path):
     """What a spawned DALI worker runs: unpickle the source, read one sample. Lightning stays out of it."""
     db = tmp_path / "t.lmdb"
@@ -158,7 +161,7 @@ def test_bench_ddp_check_logic_on_gloo():
     assert check.name == "GLOO DDP x2"
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (a CPU run beside it)")
+@needs_gpus(1, "a CPU run beside it")
 @pytest.mark.parametrize("data", ["configs/data/dali.yaml", "configs/data/imagefolder.yaml"])
 def test_cpu_run_on_a_gpu_machine_creates_no_cuda_context(tiny_data, tmp_path, data):
     """--trainer.accelerator cpu on a GPU box: no synchronize, no pinned memory, DALI auto on the CPU."""

@@ -53,7 +53,10 @@ def test_merge_keeps_one_row_per_index(tmp_path):
     writer.out_dir = str(tmp_path)
     writer._dataset = list(range(5))
     k = 2
-    row = lambda i: [i, f"img{i}.jpg", "b", "0.9", "b", "0.9", "a", "0.1"]
+
+    def row(i: int) -> list:
+        return [i, f"img{i}.jpg", "b", "0.9", "b", "0.9", "a", "0.1"]
+
     parts = {0: [row(0), row(2), row(4)], 1: [row(1), row(3), row(0)]}  # rank 1 padded with index 0 again
     for rank, rows in parts.items():
         with open(writer._part(rank, done=True), "w", newline="") as f:
@@ -118,7 +121,7 @@ def test_predict_ddp_two_processes_every_row_once(trained, tmp_path):
     (two,) = (tmp_path / "two").rglob("predictions.csv")
     single, ddp = read_csv(one), read_csv(two)
     assert [r["path"] for r in ddp] == [r["path"] for r in single] and len(ddp) == 80
-    for a, b in zip(single, ddp):
+    for a, b in zip(single, ddp, strict=False):
         assert a["class"] == b["class"] and abs(float(a["prob"]) - float(b["prob"])) < 1e-4
     assert not list((tmp_path / "two").rglob(".predictions.csv.rank*"))
 

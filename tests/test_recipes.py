@@ -146,7 +146,7 @@ def test_training_with_mixing_feeds_soft_targets_to_the_loss_and_dominant_labels
                          accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
     trainer.fit(model, dm)
     assert len(seen["targets"]) == 2
-    for soft, hard in zip(seen["targets"], seen["acc_targets"]):
+    for soft, hard in zip(seen["targets"], seen["acc_targets"], strict=False):
         assert soft.shape == (32, 10) and hard.shape == (32,) and hard.dtype == torch.int64
         torch.testing.assert_close(soft.sum(-1), torch.ones(32))
         assert torch.equal(hard, soft.argmax(-1))

@@ -15,11 +15,12 @@ from lightning_app.strategies import ClusterDDPStrategy, DataParallelStrategy
 from netsim import link as netlink
 from netsim.nodes import Nodes
 from tests.helpers.cli import quick_args, run_main
+from tests.helpers.optional import needs_gpus
 from tests.helpers.processes import finish_all, start_nodes
 
 pytestmark = pytest.mark.timeout(900)
-NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-NEEDS_2_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least 2 CUDA GPUs")
+NEEDS_CUDA = needs_gpus(1)
+NEEDS_2_GPUS = needs_gpus(2)
 
 
 def _ckpt(path) -> dict:

@@ -111,7 +111,7 @@ def test_streamed_val_pixels_equal_imagefolders(s3_pack, tiny_data, tmp_path):
                                    val_crop_ratio=1.0)
     folder.setup("fit")
     images, labels, ids = next(iter(streamed.val_dataloader()))
-    for image, label, i in zip(images, labels, ids.tolist()):
+    for image, label, i in zip(images, labels, ids.tolist(), strict=False):
         ref, ref_label = folder.datasets["val"][i]
         assert int(label) == ref_label
         assert torch.equal(image, ref), f"val sample {i} differs from ImageFolder's"

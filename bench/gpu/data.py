@@ -182,8 +182,9 @@ def dali_rows(args, w: Workload, root: Path) -> list[Check]:
             dm.teardown()
         ips = count / max(seconds, 1e-9)
         rows.append(Check("DALI mixed", name, "ok", f"train pipeline only (decode, crop, flip, normalise), "
-                          f"{w.steps} batches timed after {w.warmup}, {dm._threads()} threads; load = the share of "
-                          "JPEGs given to the hardware decoder (A100/H100/H200; ignored where there is none)", ips,
+                          f"{w.steps} batches timed after {w.warmup}, {dm.pipeline_threads()} threads; "
+                          "load = the share of JPEGs given to the hardware decoder (A100/H100/H200; ignored where "
+                          "there is none)", ips,
                           f"{ips:,.0f} img/s"))
     hw, sw = rows[1].images_s, rows[2].images_s
     rows[1].figure += f", {hw / sw:.2f}x software-only" if sw else ""

@@ -48,7 +48,7 @@ from datamodules.index import DataError, Index
 from datamodules.memory import MemoryPlan
 from datamodules.sizing import Layout
 
-INSTALL_HINT = "pip install nvidia-dali-cuda130==2.4.0"
+INSTALL_HINT = "pip install -r requirements-dali-cu13.txt   (a torch built for CUDA 12: requirements-dali-cu12.txt)"
 DEVICES = ("auto", "gpu", "cpu")
 SOURCES = ("folder", "lmdb")
 def require_dali() -> None:
@@ -176,7 +176,8 @@ class DALIDataModule(ImageDataModule):
         trainer = self.trainer
         return self.decoder_device == "mixed" and trainer is not None and str(trainer.precision).startswith("16")
 
-    def _threads(self) -> int:
+    def pipeline_threads(self) -> int:
+        """DALI threads per pipeline: data.num_threads, or this process's share of its CPUs (bench reads it too)."""
         device = self.decoder_device
         # this process's CPUs: its whole per-task mask under srun, else its share of the node (datamodules/cpus.py)
         threads = dali_threads(device, usable=self.cpus(), requested=self.num_threads)
@@ -224,7 +225,7 @@ class DALIDataModule(ImageDataModule):
             raise DataError(f"data.dali_device gpu decodes onto a CUDA device, but the trainer runs on {device}; "
                             "use --data.dali_device auto (or cpu), or train on the GPU.")
         pin = self.decoder_device == "cpu" and self.pin_memory and device is not None and device.type == "cuda"
-        threads = self._threads()
+        threads = self.pipeline_threads()
         common = {"batch_size": batch, "num_threads": threads, "device_id": self._device_id(),
                   "prefetch_queue_depth": self.prefetch_queue_depth}
         finish = None

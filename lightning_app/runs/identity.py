@@ -36,7 +36,7 @@ IGNORED: dict[str, tuple[str, ...]] = {
                 "val_check_interval", "check_val_every_n_epoch", "benchmark", "inference_mode", "profiler",
                 "detect_anomaly", "barebones", "plugins", "max_time", "enable_autolog_hparams", "model_registry"),
     # callbacks that only watch or save: matched by class name, subclasses included. Any other callback
-    # class is compared unless it says `changes_training = False` (as tests/fault_helpers.py's do).
+    # class is compared unless it says `changes_training = False` (as the callbacks in tests/helpers/callbacks.py do).
     "trainer.callbacks": ("ProgressBar", "LearningRateMonitor", "DeviceStatsMonitor", "ModelSummary", "Timer",
                           "ModelCheckpoint", "OnExceptionCheckpoint", "BasePredictionWriter", "TrainSpeedMonitor"),
 }
