@@ -55,7 +55,8 @@ def test_augment_runs_after_crop_and_flip():
 
     import random
 
-    assert TrainCrop(0.25, augment)(torch.zeros(3, 40, 50, dtype=torch.uint8), 24, random.Random(0)).shape == (3, 24, 24)
+    assert TrainCrop(0.25, augment)(torch.zeros(3, 40, 50, dtype=torch.uint8), 24,
+                                    random.Random(0)).shape == (3, 24, 24)
     assert seen == [(torch.uint8, (3, 24, 24))]
 
 

@@ -69,7 +69,8 @@ def _help(command: str, capsys) -> str:
 
 
 def _unexplained(md: str, help_text: str) -> list[str]:
-    """The columns of the first table in `md` that `--help` does not explain ("x cold" and "x warm": "x cold | warm")."""
+    """The columns of the first table in `md` that `--help` does not explain
+    ("x cold" and "x warm": "x cold | warm")."""
     header = next(line for line in md.splitlines() if line.startswith("| "))
     columns = [c.strip() for c in header.strip().strip("|").split(" | ")]
     return [c for c in columns
@@ -173,8 +174,9 @@ def test_loaders_end_to_end(tmp_path, photo_data, capsys):
         assert r["decode_frac"] > 0 and r["pil_frac"] >= r["decode_frac"]  # the fastest decoder's ceiling
     assert rows[("ImageFolder", "cold")]["io_frac"] > 0
     assert rows[("ImageFolder", "warm")]["io_frac"] is None
-    assert data["ceilings"]["io"]["tree"]["mb_s"] > 0 and all(data["ceilings"]["decode"]["original"][d][c]["images_s"] > 0
-                                                          for d in ("pil", "torchvision") for c in ("cold", "warm"))
+    assert data["ceilings"]["io"]["tree"]["mb_s"] > 0 and all(
+        data["ceilings"]["decode"]["original"][d][c]["images_s"] > 0
+        for d in ("pil", "torchvision") for c in ("cold", "warm"))
     assert data["eviction"].startswith(("posix_fadvise", "drop_caches"))
     skipped = [r for r in data["rows"] if r["status"] == "skipped"]
     assert skipped and all(r["reason"] for r in skipped)
@@ -307,7 +309,8 @@ def test_nodes_verdict_names_the_bound_and_what_powersgd_does():
     from bench.nodes.report import chart, to_markdown, verdicts
 
     assert verdicts(_nodes_result(6.0, 2.4)) == [
-        "200mbit: bandwidth-bound: all-reduce is 67% of the step; PowerSGD rank 2 cuts the step by 60% (6.00 s -> 2.40 s)"]
+        ("200mbit: bandwidth-bound: all-reduce is 67% of the step; PowerSGD rank 2 cuts the step by 60% "
+         "(6.00 s -> 2.40 s)")]
     assert verdicts(_nodes_result(2.5, 2.6)) == [
         ("200mbit: compute-bound: all-reduce is 20% of the step; PowerSGD rank 2 makes the step 4% slower "
         "(2.50 s -> 2.60 s)")]

@@ -125,7 +125,8 @@ def test_ddp_two_processes_see_disjoint_data(tiny_data, tmp_path):
     one_out = tmp_path / "one"
     one = run_main(["fit", *quick_args(tiny_data, tmp_path / "one_run", epochs=2, batch=32),
                     "--trainer.log_every_n_steps", "1",
-                    "--trainer.callbacks+=tests.helpers.callbacks.SampleRecorder", f"--trainer.callbacks.out_dir={one_out}"])
+                    "--trainer.callbacks+=tests.helpers.callbacks.SampleRecorder",
+                    f"--trainer.callbacks.out_dir={one_out}"])
     assert "Done: best val/acc1" in one.stdout + one.stderr
     single = recorded_samples(one_out)
     for epoch in (0, 1):

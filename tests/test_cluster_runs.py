@@ -139,7 +139,8 @@ def test_last_compares_training_settings_and_a_requeued_job_takes_only_its_own_r
                                       {"max_epochs": 2, "devices": 1}, seed=1)
     assert resolve("last", tmp_path, same, "fit").run_dir == other  # the newest with equal settings
     # the strategy is ignored, its gradient compression is not: PowerSGD learns another network
-    ddp = {"class_path": "lightning_app.strategies.ddp.ClusterDDPStrategy", "init_args": {"timeout_s": 60, "comm_hook": "none"}}
+    ddp = {"class_path": "lightning_app.strategies.ddp.ClusterDDPStrategy",
+           "init_args": {"timeout_s": 60, "comm_hook": "none"}}
     compressed = {**ddp, "init_args": {**ddp["init_args"], "comm_hook": "powersgd", "powersgd_rank": 2}}
     layout = ("datamodules.ImageFolderDataModule", {"data_dir": "/d"})
     on_ddp = identity.training_settings({"arch": "conv11", "num_classes": 10, "lr": 0.1}, *layout,
@@ -150,7 +151,8 @@ def test_last_compares_training_settings_and_a_requeued_job_takes_only_its_own_r
     fresh = resolve("last", tmp_path, with_powersgd, "fit")
     assert fresh.run_dir is None and "trainer.gradient_compression.comm_hook unset -> powersgd" in fresh.message
     # validate/test/predict evaluate a network: how long it trained does not matter to them
-    longer = identity.training_settings({"arch": "conv11", "num_classes": 10, "lr": 0.1}, "datamodules.ImageFolderDataModule",
+    longer = identity.training_settings({"arch": "conv11", "num_classes": 10, "lr": 0.1},
+                                        "datamodules.ImageFolderDataModule",
                                         {"data_dir": "/d"}, {"max_epochs": 9}, seed=1)
     assert resolve("last", tmp_path, longer, "validate").run_dir == other
     assert resolve("last", tmp_path, longer, "fit").run_dir is None
@@ -168,7 +170,8 @@ def test_last_compares_training_settings_and_a_requeued_job_takes_only_its_own_r
     clean_env.delenv("SLURM_JOB_ID")
     fresh = resolve("last", tmp_path, _training(lr=0.5), "fit")
     assert fresh.checkpoint is None and fresh.run_dir is None
-    assert "the nearest, version_2, differs in model.lr 0.3 -> 0.5" in fresh.message and "starting a fresh run" in fresh.message
+    assert ("the nearest, version_2, differs in model.lr 0.3 -> 0.5" in fresh.message
+            and "starting a fresh run" in fresh.message)
 
 
 def test_a_matching_run_without_a_readable_checkpoint_is_named_and_no_older_run_is_taken(tmp_path, clean_env):
@@ -272,7 +275,8 @@ def trained_run(tiny_data, tmp_path_factory) -> Path:
 
 
 def _validate(data: Path, root: Path, ckpt: Path, *extra: str) -> tuple[float, Path]:
-    cli = ClassifierCLI(args=["validate", *quick_args(data, root, batch=16, width=None), "--ckpt_path", str(ckpt), *extra])
+    cli = ClassifierCLI(args=["validate", *quick_args(data, root, batch=16, width=None),
+                              "--ckpt_path", str(ckpt), *extra])
     return float(cli.trainer.callback_metrics["val/acc1"]), Path(cli.trainer.log_dir)
 
 

@@ -353,8 +353,10 @@ def test_dali_trains_like_imagefolder_and_its_checkpoint_validates_there(learnab
     dali_acc = float(dali_cli.trainer.checkpoint_callback.best_model_score)
     folder_acc = float(folder_cli.trainer.checkpoint_callback.best_model_score)
     ckpt = dali_cli.trainer.checkpoint_callback.best_model_path
-    cross_acc = folder_cli.trainer.validate(folder_cli.model, datamodule=folder_cli.datamodule, ckpt_path=ckpt)[0]["val/acc1"]
-    print(f"val/acc1: DALI {dali_acc:.4f}, ImageFolder {folder_acc:.4f}, DALI checkpoint on ImageFolder {cross_acc:.4f}")
+    cross_acc = folder_cli.trainer.validate(folder_cli.model, datamodule=folder_cli.datamodule,
+                                            ckpt_path=ckpt)[0]["val/acc1"]
+    print(f"val/acc1: DALI {dali_acc:.4f}, ImageFolder {folder_acc:.4f}, "
+          f"DALI checkpoint on ImageFolder {cross_acc:.4f}")
     assert dali_acc > 0.35 and folder_acc > 0.35, "a run did not learn: the comparison would measure noise"
     assert abs(dali_acc - folder_acc) < 0.08
     assert abs(cross_acc - dali_acc) <= 0.02

@@ -44,7 +44,8 @@ RULES = [
     (r"python -m pytest.*", "skip", "this is the suite itself"),
     (r"python main\.py fit .*(resnet50|imagenet|recipes/|dali\.yaml|--model\.weights).*", "parse",
      "ResNet-50 / DALI / pretrained weights: too slow or absent on a CPU test machine (their own tests run them)"),
-    (r"python main\.py fit .*s3://.*", "parse", "object storage: tests/test_streaming.py trains from a real S3 endpoint"),
+    (r"python main\.py fit .*s3://.*", "parse",
+     "object storage: tests/test_streaming.py trains from a real S3 endpoint"),
     (r"python -m datamodules\.shards .*s3://.*", "parse",
      "object storage: tests/test_streaming.py packs to a real S3 endpoint (moto's ThreadedMotoServer)"),
     (r"export (AWS_\w+=\S+ ?)+", "skip", "a store's endpoint and credentials: tests/test_streaming.py sets its own"),
@@ -57,7 +58,8 @@ RULES = [
     (r"scripts/wheelhouse\.sh \S+( --python [\d.]+)?", "skip",
      "downloads from the package index: CI's second end runs it as written (.ci/run)"),
     (r"sbatch scripts/slurm/train\.sbatch .*", "dry-run", "no SLURM here"),
-    (r"python -m bench(\.progressive)? .*", "parse", "benchmarks time the machine (tests/test_bench.py runs them small)"),
+    (r"python -m bench(\.progressive)? .*", "parse",
+     "benchmarks time the machine (tests/test_bench.py runs them small)"),
     (r"python -m (datamodules\.\w+|bench\.scanbench|lightning_app\.export)( .*)?", "run", ""),
     (r"tensorboard --logdir (\S+)", "tensorboard", ""),
 ]
@@ -106,7 +108,8 @@ def _concrete(command: str, places: dict[str, str]) -> str:
 def _run(argv: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(argv, cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                           capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, f"{shlex.join(argv)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (f"{shlex.join(argv)} exited {proc.returncode}:\n"
+                                  f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     return proc
 
 
@@ -163,7 +166,8 @@ def test_every_doc_command_runs_as_written_in_short_form(clone, monkeypatch, cap
             args = words[words.index(script) + 1:]
             slurm = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "8",
                      "SLURM_SUBMIT_DIR": str(work)}
-            printed = _run(["bash", script, *args], work, {**env, **slurm, "DRY_RUN": "1", "PYTHON": sys.executable}).stdout
+            printed = _run(["bash", script, *args], work,
+                           {**env, **slurm, "DRY_RUN": "1", "PYTHON": sys.executable}).stdout
             _parse_main(_main_args(printed.strip().splitlines()[0]), work, monkeypatch)  # netsim: a line per node
         elif mode == "script":
             _run(["bash", *words], work, {"PYTHON": sys.executable})

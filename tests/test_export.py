@@ -67,7 +67,8 @@ def test_onnx_matches_checkpoint(trained_ckpt, tiny_data, tmp_path):
 
 @pytest.mark.slow
 def test_pt2_matches_checkpoint_fixed_batch(trained_ckpt, tiny_data, tmp_path):
-    main(["--ckpt_path", str(trained_ckpt), "--format", "pt2", "--output", str(tmp_path / "m.pt2"), "--batch-size", "4"])
+    main(["--ckpt_path", str(trained_ckpt), "--format", "pt2", "--output", str(tmp_path / "m.pt2"),
+          "--batch-size", "4"])
     program = torch.export.load(tmp_path / "m.pt2")
     images = real_batch(tiny_data, 4)
     got = program.module()(images)
@@ -120,7 +121,8 @@ def test_the_documented_snippet_reproduces_predict_and_any_batch_runs(tiny_data,
     rng = np.random.default_rng(0)
     for i, size in enumerate(SIZES):
         image = np.asarray(Image.open(sources[7 * i]).convert("RGB").resize(size, Image.BICUBIC)).astype(np.int16)
-        grain = rng.integers(-60, 61, image.shape[:2])[..., None]  # fine detail that only an antialiased resize averages
+        # fine detail that only an antialiased resize averages
+        grain = rng.integers(-60, 61, image.shape[:2])[..., None]
         Image.fromarray(np.clip(image + grain, 0, 255).astype(np.uint8)).save(photos / f"{i}.jpg", quality=95)
     ClassifierCLI(args=["predict", "--ckpt_path", str(ckpt), "--data.predict_dir", str(photos),
                         "--data.num_workers", "0", "--trainer.default_root_dir", str(tmp_path / "logs"),
@@ -140,7 +142,8 @@ def test_the_documented_snippet_reproduces_predict_and_any_batch_runs(tiny_data,
     names = [f"{i}.jpg" for i in range(len(SIZES))]
     snippet = doc_snippet().replace('paths = ["a.jpg", "b.jpg"]', f"paths = {[str(photos / n) for n in names]!r}")
     snippet += "\nimport sys; np_probs = probs; json.dump(np_probs.tolist(), sys.stdout)\n"
-    run = subprocess.run([sys.executable, "-c", snippet], check=False, cwd=out, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", snippet], check=False, cwd=out, capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     probs = np.array(json.loads(run.stdout))
     assert probs.shape == (len(SIZES), len(meta["class_names"]))  # a batch of 5 through the default export

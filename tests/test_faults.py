@@ -72,7 +72,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_data, tmp_path):
     assert saved["global_step"] == 6 + 3  # the batch that was running when the signal came finished
     resumed = run_main(_args(tiny_data, tmp_path, epochs=3, extra=["--ckpt_path", "last"]))
     assert "Done: best val/acc1" in resumed.stdout + resumed.stderr
-    assert torch.load(tmp_path / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 18
+    assert torch.load(tmp_path / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu",
+                      weights_only=False)["global_step"] == 18
 
 
 def _stopped(pid: int) -> bool:

@@ -80,7 +80,8 @@ def test_launch_scripts_apply_their_layout_after_the_users_config(script, env, t
     cli = ClassifierCLI(args=args[1:], run=False)
     assert str(cli.config["trainer"]["devices"]) == "4" and cli.config["trainer"]["num_nodes"] == 2
     assert cli.trainer.num_devices == 4 and cli.trainer.num_nodes == 2
-    assert cli.config["trainer"]["strategy"]["class_path"] == "lightning_app.strategies.ddp.ClusterDDPStrategy"  # the config's
+    # the config's
+    assert cli.config["trainer"]["strategy"]["class_path"] == "lightning_app.strategies.ddp.ClusterDDPStrategy"
 
 
 # ---------------------------------------------------------------------------- bench gpu on a CPU

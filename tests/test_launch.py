@@ -1,4 +1,5 @@
-"""The launch scripts set the layout only: the config's ClusterDDPStrategy settings survive (DRY_RUN=1, --print_config)."""
+"""The launch scripts set the layout only: the config's ClusterDDPStrategy settings survive
+(DRY_RUN=1, --print_config)."""
 from __future__ import annotations
 
 import os
@@ -14,7 +15,8 @@ from tests.helpers.cli import quick_args
 
 SCRIPTS = [
     ("scripts/torchrun.sh", {"GPUS": "4", "NNODES": "2", "NODE_RANK": "1"}),
-    ("scripts/slurm/train.sbatch", {"SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "8"}),
+    ("scripts/slurm/train.sbatch",
+     {"SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "8"}),
 ]
 
 

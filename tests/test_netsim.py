@@ -205,7 +205,8 @@ def test_a_cut_link_ends_both_nodes_within_the_timeout_naming_the_peer_and_its_a
 
 def _netsim(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(["bash", "scripts/netsim.sh", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
 
 @needs_namespaces

@@ -38,7 +38,8 @@ def test_schedule_matches_ffcv(ramp):
 def test_schedule_with_small_steps_stays_within_its_sizes():
     sizes = [scheduled_size(e, 64, 96, 1, 5, step=8) for e in range(8)]
     assert sizes == [64, 64, 72, 80, 88, 96, 96, 96]
-    assert [scheduled_size(e, 40, 50, 0, 4, step=32) for e in range(6)] == [40, 40, 40, 40, 50, 50]  # 32 clamped up to 40
+    # 32 clamped up to 40
+    assert [scheduled_size(e, 40, 50, 0, 4, step=32) for e in range(6)] == [40, 40, 40, 40, 50, 50]
     with pytest.raises(ValueError, match="end_epoch > start_epoch"):
         ProgressiveResizing(64, 96, 3, 3)
 
@@ -123,7 +124,8 @@ def test_progressive_vs_plain_bench_writes_both_curves(tiny_data, tmp_path):
     for run in ("plain", "progressive"):
         seconds = [p["seconds"] for p in result[run]["points"]]
         assert seconds == sorted(seconds) and seconds[0] > 0
-    stem = tmp_path / f"{result['machine_name']}.progressive.conv11"  # the arch in the name: runs of two archs keep both
+    # the arch in the name: runs of two archs keep both
+    stem = tmp_path / f"{result['machine_name']}.progressive.conv11"
     assert json.loads((tmp_path / f"{stem.name}.json").read_text())["comparison"]["verdict"]
     assert "**Verdict:**" in (tmp_path / f"{stem.name}.md").read_text()
     assert (tmp_path / f"{stem.name}.png").stat().st_size > 1000

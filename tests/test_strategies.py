@@ -33,7 +33,8 @@ def test_dp_trains_and_writes_the_single_device_checkpoint_format(tiny_data, tmp
         dp = ClassifierCLI(args=["fit", "--config", "configs/dp.yaml", *quick_args(tiny_data, tmp_path / "dp")])
     assert isinstance(dp.trainer.strategy, DataParallelStrategy)
     assert dp.trainer.global_step == single.trainer.global_step == 240 // 32
-    a, b = _ckpt(tmp_path / "single/version_0/checkpoints/last.ckpt"), _ckpt(tmp_path / "dp/version_0/checkpoints/last.ckpt")
+    a, b = (_ckpt(tmp_path / "single/version_0/checkpoints/last.ckpt"),
+            _ckpt(tmp_path / "dp/version_0/checkpoints/last.ckpt"))
     assert a["state_dict"].keys() == b["state_dict"].keys()
     assert all(k.startswith(("backbone.", "train_acc1", "val_acc")) for k in b["state_dict"])
     plain = ImageClassifier.load_from_checkpoint(tmp_path / "dp/version_0/checkpoints/last.ckpt", map_location="cpu")
@@ -55,7 +56,8 @@ def test_ddp_options_and_timeout_reach_the_strategy(tiny_data, tmp_path, monkeyp
     # the plain name gets our short default too, and the env knob moves it
     monkeypatch.setenv("FIC_DDP_TIMEOUT_S", "42")
     cli = ClassifierCLI(args=["--trainer.strategy", "ddp", *quick_args(tiny_data, tmp_path)], run=False)
-    assert isinstance(cli.trainer.strategy, ClusterDDPStrategy) and cli.trainer.strategy._timeout == timedelta(seconds=42)
+    assert (isinstance(cli.trainer.strategy, ClusterDDPStrategy)
+            and cli.trainer.strategy._timeout == timedelta(seconds=42))
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         ClusterDDPStrategy(timeout_s=0)
 
@@ -167,7 +169,8 @@ def test_ddp_nccl_amp(tiny_data, tmp_path):
     proc = run_main(["fit", "--config", "configs/ddp_amp.yaml", *quick_args(tiny_data, tmp_path),
                      "--trainer.accelerator", "gpu", "--trainer.devices", "2",
                      "--trainer.callbacks+=tests.helpers.callbacks.WhatRan", f"--trainer.callbacks.out_dir={ran}",
-                     "--trainer.callbacks+=tests.helpers.callbacks.SampleRecorder", f"--trainer.callbacks.out_dir={samples}"])
+                     "--trainer.callbacks+=tests.helpers.callbacks.SampleRecorder",
+                     f"--trainer.callbacks.out_dir={samples}"])
     out = proc.stdout + proc.stderr
     assert "Done: best val/acc1" in out and "distributed_backend=nccl" in out
     ranks = _what_ran(ran)

@@ -67,7 +67,8 @@ def _only_a_paragraph(stderr: str) -> None:
 
 @pytest.fixture(autouse=True)
 def _no_obstore_in_this_process():
-    """Downloads through obstore happen in DataLoader workers or `in_fork`, never in the pytest process (see in_fork)."""
+    """Downloads through obstore happen in DataLoader workers or `in_fork`, never in the pytest process
+    (see in_fork)."""
     from litdata.streaming import downloader
 
     yield

@@ -92,8 +92,8 @@ CUDA_16_MIXED = ["--trainer.accelerator", "gpu", "--trainer.devices", "1", "--tr
 @pytest.mark.slow
 @pytest.mark.parametrize("device", [
     [],
-    pytest.param(CUDA_16_MIXED, marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs "
-                 "CUDA: 16-mixed's GradScaler (fused SGD skips its found_inf .item())")]),
+    pytest.param(CUDA_16_MIXED, marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                 reason="needs CUDA: 16-mixed's GradScaler (fused SGD skips its found_inf .item())")]),
 ], ids=["cpu", "cuda-16-mixed"])
 def test_no_host_sync_on_steps_that_do_not_log(tiny_data, tmp_path, device):
     steps = 8

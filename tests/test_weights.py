@@ -200,12 +200,14 @@ def test_frozen_backbone_then_lower_backbone_lr(tiny_data, tmp_path):
     pl.seed_everything(0)
     dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=40, num_workers=0, image_size=32,
                                val_crop_ratio=1.0, persistent_workers=False)
-    model = ImageClassifier(arch="conv11", num_classes=10, image_size=32, global_batch_size=40, arch_kwargs={"width": 4},
+    model = ImageClassifier(arch="conv11", num_classes=10, image_size=32, global_batch_size=40,
+                            arch_kwargs={"width": 4},
                             freeze_backbone_epochs=1, backbone_lr_scale=0.1, pictures=[], warmup_epochs=0)
     before = {k: v.clone() for k, v in model.backbone.state_dict().items()}
     watch = _WatchTheBackbone(unfrozen_at=1, param="features.0.weight")
     trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False, callbacks=[watch],
-                         enable_progress_bar=False, enable_model_summary=False, limit_train_batches=2, limit_val_batches=0)
+                         enable_progress_bar=False, enable_model_summary=False, limit_train_batches=2,
+                         limit_val_batches=0)
     trainer.fit(model, dm)
     frozen, unfrozen = watch.after_epoch[0], watch.after_epoch[1]
     assert torch.equal(frozen["features.0.weight"], before["features.0.weight"])  # frozen conv

@@ -17,7 +17,8 @@ def run_main(args: list[str], env: dict | None = None, timeout: int = 300, check
         check=False,  # the caller decides what a failure means
     )
     if check and proc.returncode != 0:
-        raise AssertionError(f"main.py {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"main.py {' '.join(args)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 

@@ -73,7 +73,8 @@ class S3Server:
                 if target is self:
                     dest.copy_object(Bucket=db, Key=key, CopySource={"Bucket": sb, "Key": obj["Key"]})
                 else:
-                    dest.put_object(Bucket=db, Key=key, Body=source.get_object(Bucket=sb, Key=obj["Key"])["Body"].read())
+                    dest.put_object(Bucket=db, Key=key,
+                                    Body=source.get_object(Bucket=sb, Key=obj["Key"])["Body"].read())
         return dst
 
     def client(self):
