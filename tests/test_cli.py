@@ -13,12 +13,13 @@ from tests.helpers import REPO
 from tests.helpers.callbacks import recorded_samples
 from tests.helpers.cli import quick_args, run_main
 from tests.helpers.event_files import event_file_scalars
+from tests.helpers.optional import needs_dali
 from tests.helpers.processes import finish_all, start_nodes
 
 CONFIGS = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "configs").rglob("*.yaml"))
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", [pytest.param(c, marks=needs_dali) if "dali" in c else c for c in CONFIGS])
 def test_every_config_parses_and_instantiates(config, tiny_data, tmp_path):
     args = ["--config", config, *quick_args(tiny_data, tmp_path, batch=16, width=None)]
     cli = ClassifierCLI(args=args, run=False)
