@@ -23,6 +23,7 @@ done
 [ -n "$wheels" ] && [ -n "$out" ] || { echo "$usage" >&2; exit 2; }
 [ -d "$wheels" ] || { echo "gpu_check.sh: --wheels $wheels is not a folder: make it with scripts/wheelhouse.sh on a machine with network." >&2; exit 2; }
 python=${PYTHON:-python3}
+export GPU_CHECK_STARTED=${GPU_CHECK_STARTED:-$(date +%s)}  # the 8 minutes count from here (scripts/gpu_check.py)
 mkdir -p "$out"
 venv="$out/venv"
 echo "gpu_check: a venv over $("$python" -c 'import sys; print(sys.executable)') in $venv, the wheelhouse from $wheels"

@@ -26,7 +26,8 @@ from bench.loaders.prepared import Settings, Skip
 from bench.loaders.timing import close, prepare, shutdown, to_device
 
 DALI_TOLERANCE = 2.0  # mean |mixed - cpu| in grey levels: nvJPEG's and libjpeg-turbo's IDCTs differ slightly, and
-# CPU decoding resizes on the host with torchvision's geometry where mixed resizes in DALI (1.5 on CPU, dali.py)
+# CPU decoding resizes on the host with torchvision's geometry where mixed resizes in DALI (1.5 grey levels on CPU:
+# tests/test_dali.py)
 NO_CUDA = "no CUDA GPU here (torch.cuda.is_available() is False)"
 
 
