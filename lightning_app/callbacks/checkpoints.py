@@ -15,12 +15,9 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 class CheckpointOnSigterm(pl.Callback):
     """On SIGTERM (what SLURM and Kubernetes send before preemption), save `last.ckpt` and exit 0.
 
-    Lightning 2.6 already catches SIGTERM: it finishes the running batch, then raises
-    SIGTERMException (a SystemExit) on every rank, but saves nothing. This callback saves the
-    state at that batch boundary into the checkpoint folder as last.ckpt, so `--ckpt_path last`
-    resumes from it. Lightning raises the same exception in validate/test/predict
-    (pytorch_lightning/loops/evaluation_loop.py, _evaluation_step): those save nothing, so an interrupted
-    evaluation never replaces a run's last.ckpt with a state that holds no optimizer or loop progress.
+    Lightning 2.6 catches SIGTERM, finishes the running batch and raises SIGTERMException, but saves nothing:
+    this saves the state at that batch boundary as last.ckpt, so `--ckpt_path last` resumes from it. Only a fit
+    saves: an interrupted evaluation never replaces last.ckpt (docs/design.md, "Checkpoints").
     """
 
     def __init__(self, filename: str = "last") -> None:
@@ -44,20 +41,14 @@ class ResumableCheckpoint(ModelCheckpoint):
     """ModelCheckpoint whose best checkpoint always holds the weights its score was measured on, whose
     last.ckpt is refreshed at every save point, and whose file names count epochs from 1.
 
-    Lightning 2.6 (pytorch_lightning/callbacks/model_checkpoint.py) differs in three ways, fixed here:
-    - With `every_n_train_steps` (or `train_time_interval`) a step save also ran the top-k save with the
-      metrics of the last validation: the "best" file was written steps after the validation that scored
-      it, so its name did not describe its weights; and since `every_n_epochs` then defaults to 0, a run
-      whose validations all fell at epoch ends got no best checkpoint at all. Here a step (or time) save
-      only refreshes last.ckpt; the top-k save runs at the save point right after each validation.
-    - At the end of an epoch last.ckpt was written only when a top-k checkpoint was written in the same
-      step: an epoch that did not improve the metric left an older last.ckpt, and `--ckpt_path last`
-      silently resumed from that older epoch.
-    - `{epoch}` in a file name was the zero-based `trainer.current_epoch`, while the epoch lines count
-      from 1: here `{epoch}` is the number of the epoch the weights come from, counted from 1.
+    - A step (or time) save only refreshes last.ckpt; the top-k save runs at the save point right after each
+      validation, with the weights that validation scored.
+    - last.ckpt is written at every save point, whether or not the metric improved.
+    - `{epoch}` in a file name is the number of the epoch the weights come from, counted from 1.
 
-    The save point is Lightning's: the end of the training epoch when validation runs once per epoch (or
-    not at all), else the end of each validation.
+    Lightning's ModelCheckpoint does each of these differently (docs/design.md, "Checkpoints"). The save point
+    is Lightning's: the end of the training epoch when validation runs once per epoch (or not at all), else the
+    end of each validation.
     """
 
     def __init__(self, *args, **kwargs) -> None:

@@ -1,19 +1,13 @@
 """What keeps a run whole once the trainer starts: every rank on the same run, atomic checkpoints, logs on disk.
 
 - `RunGuard.setup("fit")`: every rank shares what it resolved (checkpoint, its fingerprint, run folder, run id).
-  A rank that differs from rank 0 stops every rank with one paragraph naming both, at once; nothing has
-  loaded yet. The `setup` hook runs after the process group is up and before Lightning restores the
-  checkpoint (pytorch_lightning/trainer/trainer.py, _run: _call_setup_hook, then _restore_modules_and_callbacks).
+  A rank that differs from rank 0 stops every rank with one paragraph naming both, at once: the hook runs
+  after the process group is up and before Lightning restores the checkpoint (trainer.py, `_run`).
 - `RunGuard.on_save_checkpoint`: the loggers flush first, so what was logged before a checkpoint is on disk
-  when the checkpoint is. A resumed run then drops what a killed attempt logged after it: at its first
-  training batch, the step Lightning logs with next is known (loops/training_epoch_loop.py, reset: it
-  adds 1 to _batches_that_stepped or not, depending on where the checkpoint was saved), and a SessionLog
-  START there makes TensorBoard discard every earlier event of that step or later (what SummaryWriter's
-  purge_step writes; tensorboard's EventAccumulator._CheckForRestartAndMaybePurge reads it).
-- `AtomicCheckpointIO`: Lightning's local "atomic" save writes into the system temp folder and then moves
-  the file (lightning_fabric/utilities/cloud_io.py, _atomic_save -> fsspec LocalFileOpener: tempfile.mkstemp()
-  and shutil.move on commit), which is a copy across filesystems, so a kill tears the file. Here the temp
-  file sits beside the target and is fsynced before os.replace.
+  when the checkpoint is; a resumed run writes a TensorBoard SessionLog START at its first logged step, which
+  drops what a killed attempt logged after its checkpoint (what SummaryWriter's purge_step writes).
+- `AtomicCheckpointIO`: the temp file sits beside the target and is fsynced before os.replace; Lightning's own
+  goes through the system temp folder, a copy that a kill tears (docs/design.md, "Checkpoints").
 """
 from __future__ import annotations
 
