@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from types import ModuleType
 
 from bench import gpu, loaders, memory, nodes, report, train
 from bench.cli import BenchError, add_common
 from bench.progress_bars import no_bars_in_a_log_file
+from datamodules.index import DataError
+from datamodules.tool import run_tool
 from lightning_app.devices import refuse_unusable_gpu
-from lightning_app.errors import EXIT_USER_ERROR, UserError, silence_known_noise
+from lightning_app.errors import UserError, silence_known_noise
 
 SUITES: dict[str, ModuleType] = {"loaders": loaders, "train": train, "gpu": gpu, "memory": memory, "nodes": nodes}
 
@@ -34,17 +37,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    suite = SUITES[args.command]
     silence_known_noise()
+    # bad input in one paragraph (exit 2), a stop signal in one line (130, 143), never a traceback
+    return run_tool(f"python -m bench {args.command}", lambda: _run(args), on_stop="no result was written",
+                    bad_input=(UserError, DataError, OSError))
+
+
+def _run(args: argparse.Namespace) -> int:
+    suite = SUITES[args.command]
     with no_bars_in_a_log_file():
         try:
             # a GPU this torch cannot use: never a quiet CPU measurement (lightning_app/devices.py)
             refuse_unusable_gpu(getattr(args, "device", None) or "auto",
                                 "pass --device cpu (python -m bench loaders)")
+            data_dir = getattr(args, "data_dir", None)
+            if data_dir and not Path(data_dir).is_dir():
+                raise BenchError(f"python -m bench {args.command}: --data-dir {data_dir} is not a folder: give an "
+                                 "ImageFolder root holding train/<class>/ and val/<class>/, or leave --data-dir out "
+                                 "to use the built-in dataset.")
             result = suite.run(args)
-        except UserError as error:
-            print(error, file=sys.stderr)
-            return EXIT_USER_ERROR
         except BenchError as error:
             print(error, file=sys.stderr)
             return error.code

@@ -17,6 +17,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from datamodules.tool import ignore_stop_signals
+
 try:
     import fcntl
 except ImportError:  # not POSIX: callers rely on atomic renames only
@@ -112,7 +114,7 @@ def parallel_imap(
             results: Iterable = map(fn, items)
             pool = None
         else:
-            pool = _mp_context().Pool(workers)
+            pool = _mp_context().Pool(workers, initializer=ignore_stop_signals)  # the tool decides (tool.py)
             results = pool.imap(fn, items, chunksize=chunksize)
         try:
             last = t0
@@ -183,3 +185,12 @@ def source_size(paths: Iterable[str]) -> int:
         except OSError:
             pass
     return total
+
+
+def require_source(src: Path) -> None:
+    """A packer's --src must be an ImageFolder root: say so, naming the flag, before anything else."""
+    from datamodules.index import DataError  # here: index.py imports this module
+
+    if not Path(src).is_dir():
+        raise DataError(f"--src {src} is not a folder: give the ImageFolder root that holds train/<class>/ and "
+                        "val/<class>/ (e.g. --src data/builtin/small, made by python -m datamodules.builtin).")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import signal
 from typing import Any
 
 from bench.cli import AddCommon, BenchError, Subparsers, columns_epilog
@@ -46,11 +45,6 @@ def add_parser(subparsers: Subparsers, common: AddCommon) -> argparse.ArgumentPa
     return no
 
 
-def _stop(signum: int, _frame: Any) -> None:
-    """SIGTERM/SIGHUP as Ctrl-C: the nodes are stopped, the namespaces removed."""
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The step times (or, with --accuracy, the accuracy runs), as {"kind": "nodes" | "nodes-accuracy", ...};
     BenchError where this machine cannot simulate the link or a flag is wrong."""
@@ -59,8 +53,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     why = netlink.unavailable()
     if why:
         raise BenchError(f"bench nodes: {why}.")
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _stop)
+    # SIGTERM and SIGHUP unwind as Ctrl-C does (python -m bench: datamodules/tool.py): the nodes are stopped and the
+    # namespaces removed on the way out
     if args.accuracy:
         from bench.nodes import accuracy as job
     else:

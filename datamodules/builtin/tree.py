@@ -34,6 +34,7 @@ from pathlib import Path
 
 from datamodules.builtin.draw import CLASSES, PRESETS, SPLITS, VERSION, Preset, render
 from datamodules.packing import file_lock, progress_display
+from datamodules.tool import ignore_stop_signals, tool_main
 
 __all__ = ["CLASSES", "DEFAULT_ROOT", "PRESETS", "VERSION", "Preset", "dataset_name", "ensure_builtin", "generate",
            "main", "render"]
@@ -141,7 +142,7 @@ def generate(
                 for c in chunks:
                     bar.update(_write_chunk(c))
             else:
-                with ProcessPoolExecutor(workers, mp_context=_mp_context()) as pool:
+                with ProcessPoolExecutor(workers, mp_context=_mp_context(), initializer=ignore_stop_signals) as pool:
                     for n in pool.map(_write_chunk, chunks):
                         bar.update(n)
         marker["seconds"] = round(time.perf_counter() - t0, 2)
@@ -203,6 +204,12 @@ def _preset_table() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`python -m datamodules.builtin`: bad input in one paragraph (exit 2), a stop in one line (tool.py)."""
+    tool_main("python -m datamodules.builtin", lambda: _main(argv),
+              on_stop="the dataset is marked complete only at its end: rerun the same command")
+
+
+def _main(argv: list[str] | None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m datamodules.builtin",
         description="Generate the built-in dataset: 10 procedurally drawn shape classes as JPEG "

@@ -27,8 +27,9 @@ from pathlib import Path
 from PIL import Image, ImageOps
 
 from datamodules.index import SPLITS, DataError, find_classes, load_indexes
-from datamodules.packing import file_lock, list_bad, parallel_imap
+from datamodules.packing import file_lock, list_bad, parallel_imap, require_source
 from datamodules.sample.images import check_bytes, is_image_name, to_rgb
+from datamodules.tool import tool_main
 
 PARAMS_FILE = ".downscale.json"
 MARKER = ".complete"
@@ -245,6 +246,12 @@ def ensure_downscaled(src: str | os.PathLike, dst: str | os.PathLike, max_size: 
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`python -m datamodules.downscale`: bad input in one paragraph (exit 2), a stop in one line (tool.py)."""
+    tool_main("python -m datamodules.downscale", lambda: _main(argv),
+              on_stop="rerun the same command: it redoes only what is missing")
+
+
+def _main(argv: list[str] | None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m datamodules.downscale",
         description="Write a copy of an ImageFolder tree whose images have their shorter side at most --max-size px "
@@ -260,12 +267,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    try:
-        out = downscale(a.src, a.dst, a.max_size, quality=a.quality, skip_invalid=a.skip_invalid,
-                        workers=a.workers, progress=not a.quiet)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
+    require_source(a.src)
+    out = downscale(a.src, a.dst, a.max_size, quality=a.quality, skip_invalid=a.skip_invalid,
+                    workers=a.workers, progress=not a.quiet)
     m = read_marker(out) or {}
     print(f"{out}: {m.get('counts')} images at most {a.max_size} px, {len(m.get('skipped_files', []))} skipped; "
           f"{time.perf_counter() - t0:.1f} s")

@@ -35,8 +35,9 @@ from datamodules.lmdb.format import (
     read_meta,
     sample_key,
 )
-from datamodules.packing import file_lock, list_bad, parallel_imap, source_size
+from datamodules.packing import file_lock, list_bad, parallel_imap, require_source, source_size
 from datamodules.sample.images import check_bytes, decode_rgb
+from datamodules.tool import tool_main
 
 COMMIT_EVERY = 1000  # images per write transaction
 COMMIT_BYTES = 128 << 20
@@ -255,6 +256,12 @@ def ensure_lmdb(src: str | os.PathLike, dst: str | os.PathLike, **kw) -> Path:
 # ------------------------------------------------------------------------------ CLI
 
 def main(argv: list[str] | None = None) -> None:
+    """`python -m datamodules.lmdb`: bad input in one paragraph (exit 2), a stop in one line (datamodules/tool.py)."""
+    tool_main("python -m datamodules.lmdb", lambda: _main(argv),
+              on_stop="rerun the same command to resume from its last commit")
+
+
+def _main(argv: list[str] | None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m datamodules.lmdb",
         description="Pack both splits of an ImageFolder tree (ROOT/train/<class>/*, ROOT/val/<class>/*) into one "
@@ -273,12 +280,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    try:
-        out = pack(a.src, a.dst, skip_invalid=a.skip_invalid, workers=a.workers, progress=not a.quiet,
-                   overwrite=a.overwrite, commit_every=max(1, a.commit_every))
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
+    require_source(a.src)
+    out = pack(a.src, a.dst, skip_invalid=a.skip_invalid, workers=a.workers, progress=not a.quiet,
+               overwrite=a.overwrite, commit_every=max(1, a.commit_every))
     meta = read_meta(out)
     counts = ", ".join(f"{s} {v['count']} (skipped {v['skipped']})" for s, v in meta["splits"].items())
     size = (out / "data.mdb").stat().st_size

@@ -26,13 +26,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from datamodules.index import SPLITS, DataError, Index, load_indexes
-from datamodules.packing import list_bad, parallel_imap
+from datamodules.packing import list_bad, parallel_imap, require_source
 from datamodules.sample.decode import decode  # imported before the pool forks: workers start at once
 from datamodules.sample.images import check_bytes
 from datamodules.shards.errors import as_data_error
 from datamodules.shards.layout import FORMAT, INDEX, ITEM, MARKER, PROGRESS, VERSION, chunk_name, read_meta
 from datamodules.shards.storage import is_remote
 from datamodules.shards.store import LocalStore, Store, open_store
+from datamodules.tool import tool_main
 
 DEFAULT_CHUNK_MB = 16  # small enough that every worker starts on its own chunk soon; large enough per GET
 DEFAULT_SEED = 0
@@ -280,17 +281,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`python -m datamodules.shards`: bad input in one paragraph (exit 2), a stop in one line (datamodules/tool.py)."""
+    tool_main("python -m datamodules.shards", lambda: _main(argv),
+              on_stop="nothing half-written is used: rerun the same command")
+
+
+def _main(argv: list[str] | None) -> None:
     a = build_parser().parse_args(argv)
     t0 = time.perf_counter()
     try:
         options = json.loads(a.storage_options) if a.storage_options else None
-        if options is not None and not isinstance(options, dict):
-            raise DataError(f"--storage-options must be a JSON object, got {a.storage_options!r}.")
-        meta = pack(a.src, a.dst, skip_invalid=a.skip_invalid, workers=a.workers, chunk_mb=a.chunk_mb, seed=a.seed,
-                    overwrite=a.overwrite, storage_options=options, progress=not a.quiet)
-    except ValueError as e:  # DataError, or --storage-options that is not JSON
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except ValueError as e:
+        raise DataError(f"--storage-options must be a JSON object, got {a.storage_options!r} ({e}).") from None
+    if options is not None and not isinstance(options, dict):
+        raise DataError(f"--storage-options must be a JSON object, got {a.storage_options!r}.")
+    require_source(a.src)
+    meta = pack(a.src, a.dst, skip_invalid=a.skip_invalid, workers=a.workers, chunk_mb=a.chunk_mb, seed=a.seed,
+                overwrite=a.overwrite, storage_options=options, progress=not a.quiet)
     counts = ", ".join(f"{s} {v['count']} in {v['chunks']} chunks (skipped {v['skipped']})"
                        for s, v in meta["splits"].items())
     size = sum(v["bytes"] for v in meta["splits"].values())

@@ -1,0 +1,101 @@
+"""Every command-line tool (`python -m datamodules.*`, `python -m bench`) ends bad input in one paragraph with exit
+status 2 and a stop signal in one line with 128 + its number, never with a traceback; a SIGTERM to the whole process
+group (the tool and its worker processes: what `timeout` and a container stop send) ends it once, and no process of
+the group survives it (datamodules/tool.py)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          check=False)
+
+
+def _bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
+    missing = tmp / "no-such-tree"
+    (tmp / "a-file").write_text("not a folder")
+    return [
+        (["-m", "datamodules.lmdb", "--src", str(missing), "--dst", str(tmp / "x.lmdb")], f"--src {missing} is not"),
+        (["-m", "datamodules.downscale", "--src", str(missing), "--dst", str(tmp / "d"), "--max-size", "64"],
+         f"--src {missing} is not"),
+        (["-m", "datamodules.shards", "--src", str(missing), "--dst", str(tmp / "s")], f"--src {missing} is not"),
+        (["-m", "datamodules.builtin", "--dst", str(tmp / "a-file" / "tiny"), "--preset", "tiny", "--quiet"],
+         str(tmp / "a-file")),
+        (["-m", "bench", "loaders", "--data-dir", str(missing), "--max-batches", "200", "--out", str(tmp / "o")],
+         f"--data-dir {missing} is not a folder"),
+        (["-m", "bench", "train", "--data-dir", str(missing), "--out", str(tmp / "o")],
+         f"--data-dir {missing} is not a folder"),
+        (["-m", "bench", "gpu", "--out", str(tmp / "o")], "no usable CUDA device"),
+    ]
+
+
+def test_bad_input_ends_in_one_paragraph_with_exit_2(tmp_path):
+    for args, named in _bad_inputs(tmp_path):
+        proc = _run(args)
+        tool = " ".join(args[1:3])
+        assert proc.returncode == 2, f"{tool}: exit {proc.returncode}\n{proc.stderr[-2000:]}"
+        assert named in proc.stderr, f"{tool}: {proc.stderr[-2000:]}"
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, f"{tool}: {proc.stderr}"
+    assert not (tmp_path / "o").exists() and not (tmp_path / "x.lmdb").exists()
+
+
+def _stop_midway(args: list[str], started: Path, sig: int = signal.SIGTERM) -> tuple[int, str]:
+    """Start the tool in a process group of its own, wait until `started` exists (it is working), signal the group."""
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not started.exists() and proc.poll() is None:
+        assert time.monotonic() < deadline, f"{args}: never started working ({started} never appeared)"
+        time.sleep(0.05)
+    assert proc.poll() is None, f"{args}: finished before it could be stopped"
+    time.sleep(0.5)
+    os.killpg(proc.pid, sig)
+    out, err = proc.communicate(timeout=120)
+    time.sleep(1)
+    with pytest.raises(ProcessLookupError):  # no worker of the tool outlives it
+        os.killpg(proc.pid, 0)
+    return proc.returncode, out + err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", ["lmdb", "downscale", "shards", "builtin", "bench loaders"])
+def test_a_sigterm_to_the_whole_group_stops_the_tool_in_one_line(tool, slow_tree, tmp_path):
+    dst = tmp_path / "out"
+    args, started = {
+        "lmdb": (["-m", "datamodules.lmdb", "--src", str(slow_tree), "--dst", str(dst), "--workers", "2",
+                  "--commit-every", "10", "--quiet"], tmp_path / ".out.partial"),
+        "downscale": (["-m", "datamodules.downscale", "--src", str(slow_tree), "--dst", str(dst), "--max-size", "64",
+                       "--workers", "2", "--quiet"], dst),
+        "shards": (["-m", "datamodules.shards", "--src", str(slow_tree), "--dst", str(dst), "--workers", "2",
+                    "--chunk-mb", "1", "--quiet"], dst),
+        "builtin": (["-m", "datamodules.builtin", "--dst", str(dst), "--preset", "small", "--workers", "2",
+                     "--quiet"], dst),
+        "bench loaders": (["-m", "bench", "loaders", "--data-dir", str(slow_tree), "--work-dir", str(tmp_path / "w"),
+                           "--num-workers", "2", "--batch-size", "8", "--out", str(dst)], tmp_path / "w"),
+    }[tool]
+    code, output = _stop_midway(args, started)
+    assert code == 128 + signal.SIGTERM, output[-3000:]
+    assert "stopped by SIGTERM" in output and "Traceback" not in output, output[-3000:]
+    assert sum("stopped by SIGTERM" in line for line in output.splitlines()) == 1, output[-3000:]
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_a_packer_stops_it_in_one_line_and_a_rerun_finishes(slow_tree, tmp_path):
+    dst = tmp_path / "out.lmdb"
+    args = ["-m", "datamodules.lmdb", "--src", str(slow_tree), "--dst", str(dst), "--workers", "2",
+            "--commit-every", "10", "--quiet"]
+    code, output = _stop_midway(args, tmp_path / ".out.lmdb.partial", signal.SIGINT)
+    assert code == 130 and "stopped by SIGINT; rerun the same command" in output, output[-3000:]
+    assert "Traceback" not in output and not dst.exists()
+    again = _run(args)
+    assert again.returncode == 0 and dst.is_dir(), again.stderr[-3000:]
