@@ -1,11 +1,11 @@
-"""The training core: the LightningModule, the CLI, callbacks, strategies, runs, predict and export."""
+"""The training core: the LightningModule, the CLI, callbacks/, strategies/, runs/, export (docs/design.md)."""
 from __future__ import annotations
 
 __all__ = ["ImageClassifier"]
 
 
 def __getattr__(name: str):
-    # imported on first use: `python -m netsim down` needs no torch
+    # imported on first use: what needs only lightning_app.runs or .errors (scripts/chaos_requeue.py) loads no torch
     if name == "ImageClassifier":
         from lightning_app.module import ImageClassifier
 
