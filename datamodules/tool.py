@@ -7,6 +7,7 @@ the tool once, and its pools and servers are torn down as the exception unwinds 
 """
 from __future__ import annotations
 
+import functools
 import signal
 import sys
 from collections.abc import Callable
@@ -57,12 +58,19 @@ def run_tool(name: str, main: Callable[[], int | None], on_stop: str = "",
             signal.signal(sig, handler)
 
 
-def tool_main(name: str, main: Callable[[], int | None], on_stop: str = "",
-              bad_input: tuple[type[BaseException], ...] | None = None) -> None:
-    """`run_tool`, then SystemExit with its status unless it is 0: a tool's `main(argv)`."""
-    code = run_tool(name, main, on_stop, bad_input)
-    if code:
-        raise SystemExit(code)
+def tool(name: str, on_stop: str = "") -> Callable:
+    """Decorates a tool's `main(argv)`: `run_tool` around it, then SystemExit with its status unless that is 0."""
+
+    def wrap(main: Callable[[list[str] | None], int | None]) -> Callable[[list[str] | None], None]:
+        @functools.wraps(main)
+        def run(argv: list[str] | None = None) -> None:
+            code = run_tool(name, lambda: main(argv), on_stop)
+            if code:
+                raise SystemExit(code)
+
+        return run
+
+    return wrap
 
 
 def describe(error: BaseException) -> str:

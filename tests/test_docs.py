@@ -29,8 +29,8 @@ import pytest
 from tests.helpers import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-CODE = ["main.py", "lightning_app", "datamodules", "models", "bench", "configs", "scripts",
-        "requirements.txt", "requirements-dev.txt"]
+CODE = ["main.py", "lightning_app", "datamodules", "models", "bench", "netsim", "configs", "scripts", "constraints",
+        "requirements.txt", "requirements-dev.txt", "requirements-dali-cu13.txt", "requirements-dali-cu12.txt"]
 SHORT_FIT = ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "2",
              "--data.builtin", "tiny", "--data.batch_size", "32", "--data.num_workers", "0",
              "--trainer.enable_progress_bar", "false"]

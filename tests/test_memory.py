@@ -77,9 +77,14 @@ class RingProbe(pl.Callback):
         self.ring = {s: -(-ring_buffer_bytes(batch, s) // page) * page for s in sizes}
         assert len(set(self.ring.values())) == len(sizes)  # each size's buffers are told apart by their length
         self.seen: list[tuple[int, dict[int, int]]] = []
+        self.others: set[int] = set()
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        # children of this process that are not this fit's workers (another test's, not yet collected)
+        self.others = set(_children(os.getpid()))
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        mapped = [n for pid in _children(os.getpid()) for n in _shared_mappings(pid)]
+        mapped = [n for pid in _children(os.getpid()) if pid not in self.others for n in _shared_mappings(pid)]
         self.seen.append((trainer.datamodule.train_size, {s: mapped.count(n) for s, n in self.ring.items()}))
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from datamodules.builtin.draw import CLASSES, PRESETS, SPLITS, VERSION, Preset, render
 from datamodules.packing import file_lock, progress_display
-from datamodules.tool import ignore_stop_signals, tool_main
+from datamodules.tool import ignore_stop_signals, tool
 
 __all__ = ["CLASSES", "DEFAULT_ROOT", "PRESETS", "VERSION", "Preset", "dataset_name", "ensure_builtin", "generate",
            "main", "render"]
@@ -203,13 +203,8 @@ def _preset_table() -> str:
     return "presets (10 classes each):\n" + "\n".join(rows)
 
 
+@tool("python -m datamodules.builtin", on_stop="the dataset is marked complete only at its end: rerun the same command")
 def main(argv: list[str] | None = None) -> None:
-    """`python -m datamodules.builtin`: bad input in one paragraph (exit 2), a stop in one line (tool.py)."""
-    tool_main("python -m datamodules.builtin", lambda: _main(argv),
-              on_stop="the dataset is marked complete only at its end: rerun the same command")
-
-
-def _main(argv: list[str] | None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m datamodules.builtin",
         description="Generate the built-in dataset: 10 procedurally drawn shape classes as JPEG "

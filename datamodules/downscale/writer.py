@@ -29,7 +29,7 @@ from PIL import Image, ImageOps
 from datamodules.index import SPLITS, DataError, find_classes, load_indexes
 from datamodules.packing import file_lock, list_bad, parallel_imap, require_source
 from datamodules.sample.images import check_bytes, is_image_name, to_rgb
-from datamodules.tool import tool_main
+from datamodules.tool import tool
 
 PARAMS_FILE = ".downscale.json"
 MARKER = ".complete"
@@ -245,13 +245,8 @@ def ensure_downscaled(src: str | os.PathLike, dst: str | os.PathLike, max_size: 
     return downscale(src, dst, max_size, **kw)
 
 
+@tool("python -m datamodules.downscale", on_stop="rerun the same command: it redoes only what is missing")
 def main(argv: list[str] | None = None) -> None:
-    """`python -m datamodules.downscale`: bad input in one paragraph (exit 2), a stop in one line (tool.py)."""
-    tool_main("python -m datamodules.downscale", lambda: _main(argv),
-              on_stop="rerun the same command: it redoes only what is missing")
-
-
-def _main(argv: list[str] | None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m datamodules.downscale",
         description="Write a copy of an ImageFolder tree whose images have their shorter side at most --max-size px "

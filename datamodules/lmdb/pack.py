@@ -37,7 +37,7 @@ from datamodules.lmdb.format import (
 )
 from datamodules.packing import file_lock, list_bad, parallel_imap, require_source, source_size
 from datamodules.sample.images import check_bytes, decode_rgb
-from datamodules.tool import tool_main
+from datamodules.tool import tool
 
 COMMIT_EVERY = 1000  # images per write transaction
 COMMIT_BYTES = 128 << 20
@@ -255,13 +255,8 @@ def ensure_lmdb(src: str | os.PathLike, dst: str | os.PathLike, **kw) -> Path:
 
 # ------------------------------------------------------------------------------ CLI
 
+@tool("python -m datamodules.lmdb", on_stop="rerun the same command to resume from its last commit")
 def main(argv: list[str] | None = None) -> None:
-    """`python -m datamodules.lmdb`: bad input in one paragraph (exit 2), a stop in one line (datamodules/tool.py)."""
-    tool_main("python -m datamodules.lmdb", lambda: _main(argv),
-              on_stop="rerun the same command to resume from its last commit")
-
-
-def _main(argv: list[str] | None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m datamodules.lmdb",
         description="Pack both splits of an ImageFolder tree (ROOT/train/<class>/*, ROOT/val/<class>/*) into one "

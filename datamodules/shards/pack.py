@@ -33,7 +33,7 @@ from datamodules.shards.errors import as_data_error
 from datamodules.shards.layout import FORMAT, INDEX, ITEM, MARKER, PROGRESS, VERSION, chunk_name, read_meta
 from datamodules.shards.storage import is_remote
 from datamodules.shards.store import LocalStore, Store, open_store
-from datamodules.tool import tool_main
+from datamodules.tool import tool
 
 DEFAULT_CHUNK_MB = 16  # small enough that every worker starts on its own chunk soon; large enough per GET
 DEFAULT_SEED = 0
@@ -280,13 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+@tool("python -m datamodules.shards", on_stop="nothing half-written is used: rerun the same command")
 def main(argv: list[str] | None = None) -> None:
-    """`python -m datamodules.shards`: bad input in one paragraph (exit 2), a stop in one line (datamodules/tool.py)."""
-    tool_main("python -m datamodules.shards", lambda: _main(argv),
-              on_stop="nothing half-written is used: rerun the same command")
-
-
-def _main(argv: list[str] | None) -> None:
     a = build_parser().parse_args(argv)
     t0 = time.perf_counter()
     try:
