@@ -1,9 +1,11 @@
 """How every command-line tool ends (`python -m datamodules.*`, `python -m bench`): bad input in one paragraph with
-exit status 2, a stop signal in one line with 128 + its number (130 for Ctrl-C, 143 for SIGTERM), never a traceback.
+exit status 2, Ctrl-C in one line with exit status 130, never a traceback.
 
-The tool's own process decides: its worker processes ignore the stop signals (`ignore_stop_signals`, a pool's
-initializer), so a signal sent to the whole process group (`timeout`, `kill -TERM -PGID`, a container stop) ends
-the tool once, and its pools and servers are torn down as the exception unwinds through their `with` blocks.
+Ctrl-C reaches the whole process group: the tool's worker processes ignore it (`ignore_stop_signals`, a pool's
+initializer), so the tool's own process stops once and tears its pools down as the KeyboardInterrupt unwinds
+through their `with` blocks (multiprocessing's Pool.terminate sends SIGTERM, which ends a worker at once).
+SIGTERM keeps its default action here: raising an exception from a SIGTERM handler at an arbitrary point was seen
+to be swallowed inside a lock release and to leave the tool waiting on workers the same signal had killed.
 """
 from __future__ import annotations
 
@@ -13,25 +15,14 @@ import sys
 from collections.abc import Callable
 
 EXIT_BAD_INPUT = 2
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-class Stopped(KeyboardInterrupt):
-    """A stop signal, raised in the main thread where it arrived: unwinds like Ctrl-C."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _raise_stopped(signum: int, frame) -> None:
-    raise Stopped(signum)
 
 
 def ignore_stop_signals() -> None:
-    """For a worker process: the tool's main process decides what a stop signal means."""
-    for sig in STOP_SIGNALS:
+    """For a worker process: Ctrl-C and SIGHUP are the main process's to decide, and SIGTERM ends the worker at
+    once, without a traceback (SIGTERM is also how multiprocessing's Pool.terminate stops its workers)."""
+    for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def run_tool(name: str, main: Callable[[], int | None], on_stop: str = "",
@@ -42,20 +33,18 @@ def run_tool(name: str, main: Callable[[], int | None], on_stop: str = "",
         from datamodules.index import DataError  # here: index.py itself imports the packing helpers
 
         bad_input = (DataError, OSError)
-    saved = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return int(main() or 0)
     except KeyboardInterrupt as stop:
-        signum = getattr(stop, "signum", signal.SIGINT)
-        print(f"{name}: stopped by {signal.Signals(signum).name}{'; ' + on_stop if on_stop else ''}.",
-              file=sys.stderr, flush=True)
+        # Ctrl-C, or a signal a tool turns into KeyboardInterrupt("SIGTERM") to unwind (bench nodes)
+        said = str(stop.args[0]) if stop.args else ""
+        signum = signal.Signals[said] if said in signal.Signals.__members__ else signal.SIGINT
+        print(f"{name}: stopped by {signum.name}{' (Ctrl-C)' if signum == signal.SIGINT else ''}"
+              f"{'; ' + on_stop if on_stop else ''}.", file=sys.stderr, flush=True)
         return 128 + signum
     except bad_input as error:
         print(f"{name}: {describe(error)}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
 
 
 def tool(name: str, on_stop: str = "") -> Callable:

@@ -1,7 +1,6 @@
 """Every command-line tool (`python -m datamodules.*`, `python -m bench`) ends bad input in one paragraph with exit
-status 2 and a stop signal in one line with 128 + its number, never with a traceback; a SIGTERM to the whole process
-group (the tool and its worker processes: what `timeout` and a container stop send) ends it once, and no process of
-the group survives it (datamodules/tool.py)."""
+status 2 and Ctrl-C in one line with exit status 130, never with a traceback; a Ctrl-C to the whole process group
+(the tool and its worker processes) ends it once, and no process of the group survives it (datamodules/tool.py)."""
 from __future__ import annotations
 
 import os
@@ -49,16 +48,29 @@ def test_bad_input_ends_in_one_paragraph_with_exit_2(tmp_path):
     assert not (tmp_path / "o").exists() and not (tmp_path / "x.lmdb").exists()
 
 
-def _stop_midway(args: list[str], started: Path, sig: int = signal.SIGTERM) -> tuple[int, str]:
-    """Start the tool in a process group of its own, wait until `started` exists (it is working), signal the group."""
+def _larger(tree: Path, root: Path, copies: int = 5) -> Path:
+    """`tree` `copies` times over, hard-linked (no new bytes): long enough to stop the fast tools midway."""
+    for image in tree.rglob("*.png"):
+        for k in range(copies):
+            target = root / image.relative_to(tree).with_name(f"{k}-{image.name}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.link(image, target)
+    return root
+
+
+def _stop_midway(args: list[str], started: Path | float, sig: int = signal.SIGINT) -> tuple[int, str]:
+    """Start the tool in a process group of its own, wait until `started` exists (it is working) or that many
+    seconds have passed, then signal the whole group."""
     proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     deadline = time.monotonic() + 120
-    while not started.exists() and proc.poll() is None:
+    if isinstance(started, float):
+        time.sleep(started)
+    while isinstance(started, Path) and not started.exists() and proc.poll() is None:
         assert time.monotonic() < deadline, f"{args}: never started working ({started} never appeared)"
         time.sleep(0.05)
+    time.sleep(0.2)  # its workers started
     assert proc.poll() is None, f"{args}: finished before it could be stopped"
-    time.sleep(0.5)
     os.killpg(proc.pid, sig)
     out, err = proc.communicate(timeout=120)
     time.sleep(1)
@@ -68,34 +80,32 @@ def _stop_midway(args: list[str], started: Path, sig: int = signal.SIGTERM) -> t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tool", ["lmdb", "downscale", "shards", "builtin", "bench loaders"])
-def test_a_sigterm_to_the_whole_group_stops_the_tool_in_one_line(tool, slow_tree, tmp_path):
-    dst = tmp_path / "out"
-    args, started = {
-        "lmdb": (["-m", "datamodules.lmdb", "--src", str(slow_tree), "--dst", str(dst), "--workers", "2",
-                  "--commit-every", "10", "--quiet"], tmp_path / ".out.partial"),
-        "downscale": (["-m", "datamodules.downscale", "--src", str(slow_tree), "--dst", str(dst), "--max-size", "64",
-                       "--workers", "2", "--quiet"], dst),
-        "shards": (["-m", "datamodules.shards", "--src", str(slow_tree), "--dst", str(dst), "--workers", "2",
-                    "--chunk-mb", "1", "--quiet"], dst),
-        "builtin": (["-m", "datamodules.builtin", "--dst", str(dst), "--preset", "small", "--workers", "2",
-                     "--quiet"], dst),
-        "bench loaders": (["-m", "bench", "loaders", "--data-dir", str(slow_tree), "--work-dir", str(tmp_path / "w"),
-                           "--num-workers", "2", "--batch-size", "8", "--out", str(dst)], tmp_path / "w"),
-    }[tool]
-    code, output = _stop_midway(args, started)
-    assert code == 128 + signal.SIGTERM, output[-3000:]
-    assert "stopped by SIGTERM" in output and "Traceback" not in output, output[-3000:]
-    assert sum("stopped by SIGTERM" in line for line in output.splitlines()) == 1, output[-3000:]
-
-
-@pytest.mark.slow
 def test_ctrl_c_to_a_packer_stops_it_in_one_line_and_a_rerun_finishes(slow_tree, tmp_path):
     dst = tmp_path / "out.lmdb"
     args = ["-m", "datamodules.lmdb", "--src", str(slow_tree), "--dst", str(dst), "--workers", "2",
             "--commit-every", "10", "--quiet"]
     code, output = _stop_midway(args, tmp_path / ".out.lmdb.partial", signal.SIGINT)
-    assert code == 130 and "stopped by SIGINT; rerun the same command" in output, output[-3000:]
+    assert code == 130 and "stopped by SIGINT (Ctrl-C); rerun the same command" in output, output[-3000:]
     assert "Traceback" not in output and not dst.exists()
     again = _run(args)
     assert again.returncode == 0 and dst.is_dir(), again.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", ["downscale", "shards", "builtin"])
+def test_ctrl_c_to_the_whole_group_stops_each_tool_in_one_line(tool, slow_tree, tmp_path):
+    dst, tree = tmp_path / "out", _larger(slow_tree, tmp_path / "tree")
+    args, started = {
+        "downscale": (["-m", "datamodules.downscale", "--src", str(tree), "--dst", str(dst), "--max-size", "64",
+                       "--workers", "2", "--quiet"], dst),
+        # the pack's folder appears with its last chunk: stop it after 2 s
+        "shards": (["-m", "datamodules.shards", "--src", str(tree), "--dst", str(dst), "--workers", "2",
+                    "--chunk-mb", "1", "--quiet"], 2.0),
+        # its folder is renamed into place when complete: stop it after 1 s
+        "builtin": (["-m", "datamodules.builtin", "--dst", str(dst), "--preset", "small", "--workers", "2",
+                     "--quiet"], 1.0),
+    }[tool]
+    code, output = _stop_midway(args, started, signal.SIGINT)
+    assert code == 130, output[-3000:]
+    assert sum("stopped by SIGINT (Ctrl-C)" in line for line in output.splitlines()) == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]

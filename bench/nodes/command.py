@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 from typing import Any
 
 from bench.cli import AddCommon, BenchError, Subparsers, columns_epilog
@@ -45,6 +46,11 @@ def add_parser(subparsers: Subparsers, common: AddCommon) -> argparse.ArgumentPa
     return no
 
 
+def _stop(signum: int, _frame: Any) -> None:
+    """SIGTERM/SIGHUP as Ctrl-C: the nodes are stopped, the namespaces removed."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The step times (or, with --accuracy, the accuracy runs), as {"kind": "nodes" | "nodes-accuracy", ...};
     BenchError where this machine cannot simulate the link or a flag is wrong."""
@@ -53,8 +59,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     why = netlink.unavailable()
     if why:
         raise BenchError(f"bench nodes: {why}.")
-    # SIGTERM and SIGHUP unwind as Ctrl-C does (python -m bench: datamodules/tool.py): the nodes are stopped and the
-    # namespaces removed on the way out
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop)
     if args.accuracy:
         from bench.nodes import accuracy as job
     else:
