@@ -47,18 +47,6 @@ def test_bench_memory_table_gives_each_rank_and_node():
 
 # -- old ring buffers after a size change ---------------------------------------------------
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    kids.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                pass
-    return kids
-
-
 def _shared_mappings(pid: int) -> list[int]:
     """Sizes of the torch shared-memory segments process `pid` has mapped (/dev/shm/torch_*, unlinked)."""
     sizes = []
@@ -77,14 +65,12 @@ class RingProbe(pl.Callback):
         self.ring = {s: -(-ring_buffer_bytes(batch, s) // page) * page for s in sizes}
         assert len(set(self.ring.values())) == len(sizes)  # each size's buffers are told apart by their length
         self.seen: list[tuple[int, dict[int, int]]] = []
-        self.others: set[int] = set()
-
-    def on_fit_start(self, trainer, pl_module) -> None:
-        # children of this process that are not this fit's workers (another test's, not yet collected)
-        self.others = set(_children(os.getpid()))
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        mapped = [n for pid in _children(os.getpid()) if pid not in self.others for n in _shared_mappings(pid)]
+        # this fit's train workers only: another test's idle workers (children of this process too) hold their own
+        workers = getattr(getattr(trainer.train_dataloader, "_iterator", None), "_workers", [])
+        assert workers, "the train loader's persistent workers were not found"
+        mapped = [n for worker in workers for n in _shared_mappings(worker.pid)]
         self.seen.append((trainer.datamodule.train_size, {s: mapped.count(n) for s, n in self.ring.items()}))
 
 

@@ -155,6 +155,14 @@ class TensorBoardPictures(pl.Callback):
                                                             dataformats="HWC"))
 
     # -- every picture written before the logger closes --------------------------------------
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        # what was logged before a checkpoint is on disk when the checkpoint is (lightning_app/runs/guard.py): a run
+        # killed after this save and resumed from it never validates that epoch again, so its pictures go now
+        self.drawer.wait()
+        writer = tensorboard(trainer)
+        if writer is not None:
+            writer.flush()
+
     def on_fit_end(self, trainer, pl_module) -> None:
         self.drawer.wait()
 
