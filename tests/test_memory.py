@@ -2,6 +2,7 @@
 DataModules' own sizing), and a real loader worker frees the ring buffers of an old train size."""
 from __future__ import annotations
 
+import collections
 import os
 from pathlib import Path
 
@@ -65,12 +66,18 @@ class RingProbe(pl.Callback):
         self.ring = {s: -(-ring_buffer_bytes(batch, s) // page) * page for s in sizes}
         assert len(set(self.ring.values())) == len(sizes)  # each size's buffers are told apart by their length
         self.seen: list[tuple[int, dict[int, int]]] = []
+        self.inherited: collections.Counter = collections.Counter()
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        # a forked worker inherits every shared mapping this process holds (another test's batches among them)
+        self.inherited = collections.Counter(_shared_mappings(os.getpid()))
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         # this fit's train workers only: another test's idle workers (children of this process too) hold their own
         workers = getattr(getattr(trainer.train_dataloader, "_iterator", None), "_workers", [])
         assert workers, "the train loader's persistent workers were not found"
-        mapped = [n for worker in workers for n in _shared_mappings(worker.pid)]
+        mapped = [n for worker in workers
+                  for n in (collections.Counter(_shared_mappings(worker.pid)) - self.inherited).elements()]
         self.seen.append((trainer.datamodule.train_size, {s: mapped.count(n) for s, n in self.ring.items()}))
 
 
