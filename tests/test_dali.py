@@ -3,6 +3,7 @@ epoch boundaries, bad files, LMDB via external_source, the missing-DALI message.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -18,9 +19,10 @@ from datamodules.dali.datamodule import DALIDataModule
 from datamodules.sample.transforms import IMAGENET_STD, normalize
 from tests.helpers import REPO
 from tests.helpers.cli import quick_args, run_main
+from tests.helpers.event_files import scalars
 from tests.helpers.optional import needs_dali, needs_gpus
-from tests.helpers.processes import free_port
-from tests.helpers.trees import copy_tree
+from tests.helpers.processes import free_port, in_processes
+from tests.helpers.trees import copy_tree, make_tree
 
 pytestmark = needs_dali  # in CI (FIC_REQUIRE_DALI=1) a missing DALI fails the run instead
 
@@ -441,3 +443,50 @@ def test_threads_are_shared_by_the_processes_on_the_node(tiny_data):
     dm = _dali(tiny_data, num_threads=None)
     dm.trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", num_nodes=2, logger=False)
     assert dm.pipeline_threads() == max(1, len(os.sched_getaffinity(0)) // 2)  # 2 processes here, 4 in all
+
+
+# ---------------------------------------------------------------------------- uneven val shards
+
+def _val_batches_of_rank(rank: int, data: str) -> dict:
+    """Two val epochs of rank `rank` of 2 (a DDP trainer's ranks, as Lightning's launcher sets them): the Index
+    positions of each batch, and the loader's length."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    dm = DALIDataModule(data_dir=data, batch_size=10, num_workers=0, image_size=32, val_crop_ratio=1.0,
+                        num_threads=1, dali_device="cpu")
+    dm.trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
+    dm.setup("fit")
+    loader = dm.val_dataloader()
+    epochs = []
+    for _ in range(2):
+        batches = []
+        for images, labels in loader:
+            assert len(images) == len(labels) == len(loader.last_indices)
+            batches.append(loader.last_indices.tolist())
+        epochs.append(batches)
+    return {"len": len(loader), "epochs": epochs}
+
+
+@pytest.mark.slow
+def test_uneven_val_shards_never_give_a_rank_an_empty_batch(tmp_path):
+    data = make_tree(tmp_path / "eleven", {"a": 6, "b": 5})  # 11 val images, 2 ranks of 5 per batch
+    ranks = in_processes(_val_batches_of_rank, 2, str(data), method="spawn", timeout=180)
+    for epoch in (0, 1):
+        seen = []
+        for got in ranks:
+            batches = got["epochs"][epoch]
+            assert all(batches), f"an empty batch: sizes {[len(b) for b in batches]}"
+            assert len(batches) == got["len"]  # what Lightning counts is what the rank runs
+            seen += [i for b in batches for i in b]
+        assert sorted(seen) == list(range(11))  # every val image once, over the ranks
+
+
+@pytest.mark.slow
+def test_ddp_fit_with_uneven_val_shards_logs_a_finite_val_loss(tmp_path):
+    data = make_tree(tmp_path / "eleven", {"a": 6, "b": 5})
+    args = ["fit", *quick_args(data, tmp_path, epochs=1, batch=10), "--config", "configs/data/dali.yaml",
+            "--data.num_threads", "1", "--trainer.strategy", "ddp", "--trainer.devices", "2",
+            "--trainer.num_sanity_val_steps", "0"]
+    proc = run_main(args, env={"MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    losses = scalars(tmp_path / "version_0", "val/loss")
+    assert len(losses) == 1 and math.isfinite(losses[0][1]), losses

@@ -10,11 +10,12 @@ a copy, with int64 labels:
 
 Threads, memory and epoch boundaries: `datamodules/dali/loader.py`.
 
-Sharding: shard_id = global rank, num_shards = world size, pad_last_batch, and
+Sharding: train reads with shard_id = global rank, num_shards = world size, pad_last_batch, and
 stick_to_shard=False: all ranks move to the next shard together each epoch, so shards stay
-disjoint within every epoch and each rank sees all the data over world-size epochs. Train
-uses DROP (every rank runs the steps of the smallest shard), val PARTIAL (each rank its
-exact shard, no duplicates).
+disjoint within every epoch and each rank sees all the data over world-size epochs; DROP (every
+rank runs the steps of the smallest shard). Val gives each rank its own slice of the files
+(every world-size-th, as the LMDB source) as one whole DALI shard, with PARTIAL: each rank its
+exact shard in its own number of batches, no duplicates and never an empty batch.
 
 CPU decoding: DALI reads, picks the random crop and decodes only that region; the sample
 path's resize kernel makes the batch (`loader.HostFinish`), because DALI's own CPU resize
@@ -220,6 +221,9 @@ class DALIDataModule(ImageDataModule):
         if train and n < self.batch_size:
             raise DataError(f"{split}/ of {self.root} has {n} images, fewer than one global batch "
                             f"({self.batch_size}); lower --data.batch_size.")
+        if not train and n < world:
+            raise DataError(f"{split}/ of {self.root} has {n} images, and each of the {world} processes needs at "
+                            "least one to validate on; add images or run fewer processes.")
         device = self._trainer_device()
         if self.decoder_device == "mixed" and device is not None and device.type != "cuda":
             raise DataError(f"data.dali_device gpu decodes onto a CUDA device, but the trainer runs on {device}; "
@@ -243,19 +247,32 @@ class DALIDataModule(ImageDataModule):
 
         if self.source == "folder":
             files = [index.path(i) for i in range(n)]
-            # Shuffled once (the same on every rank) so a contiguous shard mixes all classes;
-            # each epoch DALI's shuffle buffer reorders within the shard.
-            order = (torch.randperm(n, generator=torch.Generator().manual_seed(self.seed)).tolist() if train
-                     else range(n))
-            files = [files[i] for i in order]
-            positions = list(order)
+            if train:
+                # Shuffled once (the same on every rank) so a contiguous shard mixes all classes;
+                # each epoch DALI's shuffle buffer reorders within the shard.
+                positions = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed)).tolist()
+            else:
+                # Val: this rank's own slice, read as one whole DALI shard (the LMDB path's split below). Under
+                # DALI's sharding, pad_last_batch pads every shard to the batches of the largest one, and PARTIAL
+                # then hands a shorter shard an EMPTY last batch (nvidia/dali/plugin/base_iterator.py: `_size` is
+                # epoch_size_padded // shards, `_remove_padded` keeps shard size - counter + batch): 11 files,
+                # 2 shards, batch 5 gave rank 0 batches of [5, 0], and torchmetrics fails on the empty one.
+                positions = list(range(rank, n, world))
+            files = [files[i] for i in positions]
             policy = LastBatchPolicy.DROP if train else LastBatchPolicy.PARTIAL
-            # Every rank runs the steps of the smallest shard (what DALI's DROP does too).
-            steps = (n // world) // batch if train else math.ceil(math.ceil(n / world) / batch)
+            # Train: every rank runs the steps of the smallest shard (what DALI's DROP does too). Val: each rank
+            # its own shard's batches, so ranks may run different numbers of val steps. That is safe as long as
+            # each runs at least one: Lightning's evaluation loop ends on StopIteration (pytorch_lightning/loops/
+            # evaluation_loop.py, `run`) and syncs logged values once, at the epoch's end (trainer/connectors/
+            # logger_connector/result.py, `compute`: sum and count both reduced, so the mean stays per sample);
+            # DDP broadcasts buffers in the first no-grad forward only (torch/nn/parallel/distributed.py,
+            # `require_forward_param_sync`).
+            steps = (n // world) // batch if train else math.ceil(len(positions) / batch)
 
             def build(epoch: int):
                 spec = self._spec(train)
-                pipe = dp.file_pipeline(spec, files, positions, (rank + epoch) % world, world,
+                shard, shards = ((rank + epoch) % world, world) if train else (0, 1)
+                pipe = dp.file_pipeline(spec, files, positions, shard, shards,
                                         seed=self.seed + 1000 * epoch + rank, **common)
                 pipe.build()
                 return iterator(pipe, spec, False, reader_name=dp.READER_NAME, last_batch_policy=policy,
