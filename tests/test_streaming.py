@@ -447,3 +447,31 @@ def test_a_killed_pack_is_refused_then_resumed(shared_s3, slow_tree, tmp_path, c
                              image_size=32)
     dm.setup("fit")
     assert sorted(_epoch(dm.train_dataloader())[0]) == list(range(160))
+
+
+def _chunk_of_each_id(url: str, cache_dir: str) -> dict[int, int]:
+    """{Index id: the chunk of the pack holding it}, read in the pack's own order in one process."""
+    from datamodules.shards.loader import ShardDataset
+
+    dataset = ShardDataset(url, shuffle=False, drop_last=False, cache_dir=cache_dir)
+    ids = [int(item[3]) for item in dataset]
+    ends = [interval[2] for interval in dataset.cache.get_chunk_intervals()]
+    return {i: next(k for k, end in enumerate(ends) if position < end) for position, i in enumerate(ids)}
+
+
+@pytest.mark.slow
+def test_two_nodes_keep_later_epochs_on_the_chunks_each_node_holds(s3_pack, tmp_path):
+    """2 nodes of 1 process: LitData guesses 1 node without CUDA (the world over torch.cuda.device_count() with
+    it) and deals every epoch's chunks anew over all ranks. Told the trainer's 2 nodes, it keeps each later epoch
+    on the chunks its node read in the first (litdata/streaming/shuffle.py, FullShuffle): no new downloads."""
+    args = [*_record_args(s3_pack, tmp_path, tmp_path / "ids", epochs=2), "--trainer.strategy", "ddp",
+            "--trainer.devices", "1", "--trainer.num_nodes", "2", "--data.num_workers", "1"]
+    codes, outs = finish_all(start_nodes(args), timeout=280)
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    chunk_of = in_fork(_chunk_of_each_id, f"{s3_pack}/train", str(tmp_path / "pack-order"))
+    for rank in (0, 1):
+        epochs = [[ids for epoch, _, ids in read_records(str(tmp_path / "ids"), rank) if epoch == e] for e in (0, 1)]
+        assert len(epochs[0]) == len(epochs[1]) == 10  # 240 images, 12 per process and step
+        held = {chunk_of[i] for batch in epochs[0] for i in batch}
+        read_later = {chunk_of[i] for batch in epochs[1] for i in batch}
+        assert read_later <= held, f"rank {rank} read chunks {sorted(read_later - held)} its node never held"

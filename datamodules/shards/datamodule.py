@@ -119,7 +119,7 @@ class StreamingDataModule(ImageDataModule):
         budgets = self._cache_budgets() if remote else {"train": None, "val": None}
         common = {"cache_dir": self.cache_dir if remote else None, "storage_options": self.storage_options or None,
                   "max_pre_download": self.max_pre_download, "seed": int(os.environ.get("PL_GLOBAL_SEED", "0")),
-                  "endpoint": self.endpoint}
+                  "endpoint": self.endpoint, "ranks": self._ranks()}
         try:
             self.datasets = {  # made here, after the process group: LitData reads the rank and world size now
                 "train": ShardDataset(f"{self.url}/train", shuffle=True, drop_last=True,
@@ -134,6 +134,11 @@ class StreamingDataModule(ImageDataModule):
             if known is e:
                 raise
             raise known from e
+
+    def _ranks(self) -> tuple[int, int, int] | None:
+        """(world size, global rank, nodes) from the trainer, for LitData (loader.ShardDataset says why)."""
+        trainer = self.trainer
+        return (trainer.world_size, trainer.global_rank, trainer.num_nodes) if trainer is not None else None
 
     def _cache_budgets(self) -> dict[str, int | float | str | None]:
         """LitData's cache budget per split, so that both together stay within max_cache_size on this node.
@@ -204,7 +209,8 @@ class StreamingDataModule(ImageDataModule):
             f"{self.url}/val", source_root=self.meta.get("source_root", ""),
             total_items=self.meta["splits"]["val"]["count"], cache_dir=self.cache_dir if remote else None,
             storage_options=self.storage_options or None, max_pre_download=self.max_pre_download,
-            max_cache_size=self._cache_budgets()["val"] if remote else None, endpoint=self.endpoint)
+            max_cache_size=self._cache_budgets()["val"] if remote else None, endpoint=self.endpoint,
+            ranks=self._ranks())
         return self._stream("val", ValCrop(self.val_crop_ratio), self.val_image_size, dataset)
 
     def train_batches(self) -> int:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from litdata import StreamingDataLoader, StreamingDataset
+from litdata.utilities.env import _DistributedEnv
 
 from datamodules.index import DataError
 from datamodules.sample.batches import RING_SLOTS, RingBatch, give_back
@@ -43,12 +44,30 @@ def _our_litdata_parts() -> None:
 
 class ShardDataset(StreamingDataset):
     """One split of a pack. `batch_aligned=False` (validation) deals samples to ranks and workers one by
-    one, so under DDP every rank gets the same count and at most world_size - 1 samples are left out."""
+    one, so under DDP every rank gets the same count and at most world_size - 1 samples are left out.
 
-    def __init__(self, url: str, *, batch_aligned: bool = True, endpoint: str | None = None, **kwargs) -> None:
+    ranks: (world size, global rank, nodes) as the trainer knows them. LitData guesses the node count as
+    world size // torch.cuda.device_count(), and 1 without CUDA (litdata/utilities/env.py,
+    _DistributedEnv.detect): wrong for a job using some of a node's GPUs, and for every CPU job on several
+    nodes. It groups ranks into nodes by that count to keep later epochs on each node's chunks
+    (streaming/shuffle.py, FullShuffle) and to count a chunk's readers on a node (streaming/dataset.py,
+    __iter__), so the dataset and its reader get the trainer's numbers instead.
+    """
+
+    def __init__(self, url: str, *, batch_aligned: bool = True, endpoint: str | None = None,
+                 ranks: tuple[int, int, int] | None = None, **kwargs) -> None:
         _our_litdata_parts()
         self.url, self.endpoint, self.batch_aligned = url, endpoint, batch_aligned
         super().__init__(url, **kwargs)
+        if ranks is not None:  # read by __iter__, get_len and state_dict, in this process and (pickled) in workers
+            self.distributed_env = _DistributedEnv(*ranks)
+
+    def _create_cache(self, worker_env):
+        cache = super()._create_cache(worker_env)
+        # The Cache and its reader detect their own (litdata/streaming/cache.py, reader.py BinaryReader); the
+        # reader's node count decides whether chunks are deleted once read (PrepareChunksThread).
+        cache._distributed_env = cache._reader._distributed_env = self.distributed_env
+        return cache
 
     def __setstate__(self, state: dict) -> None:
         _our_litdata_parts()
