@@ -11,30 +11,62 @@ from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from lightning_app.callbacks import stop_signals
+
 
 class CheckpointOnSigterm(pl.Callback):
-    """On SIGTERM (what SLURM and Kubernetes send before preemption), save `last.ckpt` and exit 0.
+    """On a stop signal agreed by every rank (callbacks/stop_signals.py), save and exit 0.
 
-    Lightning 2.6 catches SIGTERM, finishes the running batch and raises SIGTERMException, but saves nothing:
-    this saves the state at that batch boundary as last.ckpt, so `--ckpt_path last` resumes from it. Only a fit
-    saves: an interrupted evaluation never replaces last.ckpt (docs/design.md, "Checkpoints").
+    - SIGTERM (what SLURM and Kubernetes send before preemption, to one process or to all): every rank stops at
+      the same batch and `last.ckpt` is saved, so `--ckpt_path last` resumes from it.
+    - SLURM's requeue signal (SIGUSR1, `--signal=SIGUSR1@120` in scripts/slurm/train.sbatch): the same stop,
+      saved as the run's `hpc_ckpt_K.ckpt`; then rank 0 runs `scontrol requeue`.
+
+    Lightning 2.6 raises SIGTERMException once `trainer.received_sigterm` is true (here: the agreed flag) but
+    saves nothing. Only a fit saves: an interrupted evaluation never replaces last.ckpt (docs/design.md,
+    "Checkpoints").
     """
 
     def __init__(self, filename: str = "last") -> None:
         self.filename = filename
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        stop_signals.install(trainer)  # before Trainer._run registers the signal handlers
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch,
+                           batch_idx: int) -> None:
+        if trainer.world_size > 1 and stop_signals.agreement_due(trainer):
+            stop_signals.install(trainer).agree()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.world_size > 1:  # Lightning's fit loop checks the flag right after this hook (fit_loop.py)
+            stop_signals.install(trainer).agree()
+
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
+            return
+        signals = stop_signals.install(trainer)
+        if signals.decision == stop_signals.REQUEUE:
+            path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+            trainer.save_checkpoint(path, weights_only=False)
+            self._say(trainer, "SLURM requeue signal", path)
+            if trainer.is_global_zero:
+                status = stop_signals.slurm_requeue()
+                rank_zero_info("Requeued the SLURM job." if status == 0 else
+                               f"`scontrol requeue` failed (exit status {status}): the job is not requeued.")
             return
         ckpt = trainer.checkpoint_callback
         dirpath = ckpt.dirpath if isinstance(ckpt, ModelCheckpoint) and ckpt.dirpath else os.path.join(
             trainer.default_root_dir, "checkpoints")
         path = os.path.join(dirpath, self.filename + ModelCheckpoint.FILE_EXTENSION)
         trainer.save_checkpoint(path, weights_only=False)
-        rank_zero_info(
-            f"SIGTERM: saved {path} in epoch {trainer.current_epoch + 1}, step {trainer.global_step}; "
-            "resume with --ckpt_path last."
-        )
+        self._say(trainer, "SIGTERM", path)
+
+    @staticmethod
+    def _say(trainer: pl.Trainer, what: str, path: str) -> None:
+        ranks = f" (all {trainer.world_size} processes stopped at this step)" if trainer.world_size > 1 else ""
+        rank_zero_info(f"{what}: saved {path} in epoch {trainer.current_epoch + 1}, step {trainer.global_step}"
+                       f"{ranks}; resume with --ckpt_path last.")
 
 
 class ResumableCheckpoint(ModelCheckpoint):

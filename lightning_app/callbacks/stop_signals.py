@@ -1,0 +1,127 @@
+"""Preemption agreed by every rank: a stop signal only sets a flag; the ranks compare flags at fixed steps and
+stop together.
+
+Lightning 2.6 does it otherwise (pytorch_lightning/trainer/connectors/signal_connector.py and
+loops/training_epoch_loop.py): its SIGTERM handler broadcasts from inside the handler, the loop broadcasts rank 0's
+flag (and reads it back with `.item()`) at the start of every batch, and raises on the *local* flag at the end of the
+batch. With the signal on one rank, or on each rank at a different moment, the ranks leave the loop at different
+batches; the save that follows is a collective (a barrier; PowerSGD's state), and the collectives pair up wrongly
+until the timeout. Its SLURM handler saves a checkpoint from inside the signal handler.
+
+Here (`StopSignals`, which takes the trainer's `_signal_connector` seat):
+- the handlers of SIGTERM, and of SLURM's requeue signal (SIGUSR1) under SLURM with auto-requeue, record the
+  signal and do nothing else;
+- the ranks agree with one `all_reduce(MAX)` of their flags on the steps that already sync for logging
+  (`trainer.log_every_n_steps`; every 50 steps when logging is off) and at the end of every training epoch;
+- `trainer.received_sigterm` is the *agreed* flag, so Lightning's own checks raise SIGTERMException on every rank
+  at the same batch; `CheckpointOnSigterm` then saves on every rank together (one `last.ckpt`, or for the requeue
+  signal one `hpc_ckpt_K.ckpt` and `scontrol requeue`) and the run exits 0;
+- Lightning's per-batch broadcast is switched off (the epoch loop's `_broadcast_sigterm_tensor`).
+
+With one process the flag is the decision, at the end of the running batch, as in Lightning.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from types import FrameType
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from lightning_fabric.plugins.environments import SLURMEnvironment
+from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnector
+from pytorch_lightning.trainer.states import TrainerFn
+
+AGREE_EVERY_WITHOUT_LOGGING = 50  # steps between agreements when trainer.log_every_n_steps is 0
+NONE, STOP, REQUEUE = 0, 1, 2  # what a rank asks for; the largest wins
+
+
+class StopSignals(_SignalConnector):
+    """The trainer's signal connector with flag-only handlers and an agreed `received_sigterm`."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self._agreed = NONE
+        super().__init__(trainer)
+        self.requested = NONE  # set by the handlers of this process only
+
+    # Lightning's loops read trainer.received_sigterm (this connector's attribute) to decide to stop
+    @property
+    def received_sigterm(self) -> bool:
+        return self.decision != NONE
+
+    @received_sigterm.setter
+    def received_sigterm(self, value: bool) -> None:  # _SignalConnector.__init__ and register_signal_handlers
+        self._agreed = STOP if value else NONE
+
+    @property
+    def decision(self) -> int:
+        """NONE, STOP or REQUEUE: what every rank does. With one process, or outside a fit (nothing is saved, so
+        a rank that stops alone leaves no collective behind it but the lost-peer error), what this one was asked."""
+        if self.trainer.world_size == 1 or self.trainer.state.fn != TrainerFn.FITTING:
+            return self.requested
+        return self._agreed
+
+    def requeue_signal(self) -> signal.Signals | None:
+        env = self.trainer._accelerator_connector.cluster_environment
+        if isinstance(env, SLURMEnvironment) and env.auto_requeue:
+            return env.requeue_signal
+        return None
+
+    def register_signal_handlers(self) -> None:
+        self._agreed, self.requested = NONE, NONE
+        self._original_handlers = self._get_current_signal_handlers()
+        self._register_signal(signal.SIGTERM, self._note)
+        requeue = self.requeue_signal()
+        if requeue is not None:
+            self._register_signal(requeue, self._note)
+        # the loop's broadcast of rank 0's flag before every batch (loops/training_epoch_loop.py, advance)
+        self.trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_broadcast
+
+    def _note(self, signum: int, _frame: FrameType | None) -> None:
+        asked = REQUEUE if signum == self.requeue_signal() else STOP
+        self.requested = max(self.requested, asked)
+
+    def agree(self) -> int:
+        """Every rank calls this at the same step: the largest request of any rank becomes the decision."""
+        if self.trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            flag = torch.tensor([self.requested], dtype=torch.int32, device=self.trainer.strategy.root_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            self._agreed = max(self._agreed, int(flag.item()))
+        return self.decision
+
+    def teardown(self) -> None:
+        super().teardown()
+        self.trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+
+
+def _no_broadcast() -> None:
+    return None
+
+
+def install(trainer: pl.Trainer) -> StopSignals:
+    """Put a StopSignals in the trainer's connector seat (before Trainer._run registers the handlers)."""
+    if not isinstance(trainer._signal_connector, StopSignals):
+        trainer._signal_connector = StopSignals(trainer)
+    return trainer._signal_connector
+
+
+def agreement_due(trainer: pl.Trainer) -> bool:
+    """Whether this training step is an agreement point: a step that logs, the same on every rank. Called in
+    on_train_batch_end, before Lightning counts the step (training_epoch_loop.py: `_batches_that_stepped` grows
+    in on_advance_end; logger_connector.py `should_update_logs` adds the same 1)."""
+    every = trainer.log_every_n_steps or AGREE_EVERY_WITHOUT_LOGGING
+    return (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0
+
+
+def slurm_requeue(job_id: str | None = None) -> int:
+    """`scontrol requeue JOB` (rank 0 only), as Lightning's own SLURM handler runs it; its exit status."""
+    import subprocess
+
+    if job_id is None:
+        array = os.environ.get("SLURM_ARRAY_JOB_ID")
+        job_id = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else os.environ["SLURM_JOB_ID"]
+    try:
+        return subprocess.call(["scontrol", "requeue", job_id])
+    except FileNotFoundError:
+        return 127
