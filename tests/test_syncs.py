@@ -13,6 +13,7 @@ checkpoints, SIGTERM) and logger; the data come from a real loader worker (anoth
 from __future__ import annotations
 
 import collections
+import os
 import sys
 
 import pytest
@@ -22,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_app.cli import ClassifierCLI
 from tests.helpers.cli import quick_args
+from tests.helpers.processes import free_port, in_processes
 
 SYNCING = {"aten::_local_scalar_dense", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
            "aten::nonzero", "aten::bincount", "aten::masked_select", "aten::lift_fresh",
@@ -89,6 +91,30 @@ class StepSyncs(pl.Callback):
 CUDA_16_MIXED = ["--trainer.accelerator", "gpu", "--trainer.devices", "1", "--trainer.precision", "16-mixed"]
 
 
+def _count(args: list[str]) -> tuple[dict[int, int], list[int]]:
+    """(syncing ops per training step, the steps that log) of a fit with the CLI's real trainer."""
+    cli = ClassifierCLI(args=args[1:], run=False)
+    counter = StepSyncs()
+    cli.trainer.callbacks.append(counter)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    return dict(counter.counts), counter.logged
+
+
+def _args(data, root, steps: int, *extra: str) -> list[str]:
+    return ["fit", *quick_args(data, root, batch=16, width=4), "--data.num_workers", "1",
+            "--data.image_size", "32", "--trainer.limit_train_batches", str(steps), "--trainer.limit_val_batches", "0",
+            "--trainer.num_sanity_val_steps", "0", "--trainer.log_every_n_steps", "3",
+            "--trainer.enable_progress_bar", "true", *extra]
+
+
+def _assert_quiet(counts: dict[int, int], logged: list[int], steps: int) -> None:
+    assert logged == [2, 5]  # log_every_n_steps 3: global steps 3 and 6
+    # step 0 does the fit's one-time work (it draws the augmented training batch); the last one ends the epoch
+    quiet = [k for k in range(1, steps - 1) if k not in logged]
+    assert {k: counts.get(k, 0) for k in quiet} == dict.fromkeys(quiet, 0)
+    assert all(counts.get(k, 0) > 0 for k in logged)  # the counter sees the syncs logging makes
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("device", [
     [],
@@ -97,16 +123,22 @@ CUDA_16_MIXED = ["--trainer.accelerator", "gpu", "--trainer.devices", "1", "--tr
 ], ids=["cpu", "cuda-16-mixed"])
 def test_no_host_sync_on_steps_that_do_not_log(tiny_data, tmp_path, device):
     steps = 8
-    args = ["fit", *quick_args(tiny_data, tmp_path, batch=16, width=4), "--data.num_workers", "1",
-            "--data.image_size", "32", "--trainer.limit_train_batches", str(steps), "--trainer.limit_val_batches", "0",
-            "--trainer.num_sanity_val_steps", "0", "--trainer.log_every_n_steps", "3",
-            "--trainer.enable_progress_bar", "true", *device]
-    cli = ClassifierCLI(args=args[1:], run=False)
-    counter = StepSyncs()
-    cli.trainer.callbacks.append(counter)
-    cli.trainer.fit(cli.model, cli.datamodule)
-    assert counter.logged == [2, 5]  # log_every_n_steps 3: global steps 3 and 6
-    # step 0 does the fit's one-time work (it draws the augmented training batch); the last one ends the epoch
-    quiet = [k for k in range(1, steps - 1) if k not in counter.logged]
-    assert {k: counter.counts[k] for k in quiet} == dict.fromkeys(quiet, 0)
-    assert all(counter.counts[k] > 0 for k in counter.logged)  # the counter sees the syncs logging makes
+    _assert_quiet(*_count(_args(tiny_data, tmp_path, steps, *device)), steps)
+
+
+def _one_of_two(rank: int, port: int, args: list[str]) -> tuple[dict[int, int], list[int]]:
+    # what Lightning's launcher gives a process it starts (LightningEnvironment: LOCAL_RANK set = launched outside)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    return _count(args)
+
+
+@pytest.mark.slow
+def test_no_host_sync_on_steps_that_do_not_log_with_two_ddp_processes(tiny_data, tmp_path):
+    # what a multi-GPU step adds: the stop-signal agreement (callbacks/stop_signals.py) only on logging steps, and
+    # no per-batch broadcast of a SIGTERM flag (Lightning's, loops/training_epoch_loop.py)
+    steps = 8
+    args = _args(tiny_data, tmp_path, steps, "--trainer.strategy", "ddp", "--trainer.devices", "2")
+    for counts, logged in in_processes(_one_of_two, 2, free_port(), args, timeout=300):
+        _assert_quiet(counts, logged, steps)
