@@ -135,10 +135,13 @@ def _one_of_two(rank: int, port: int, args: list[str]) -> tuple[dict[int, int], 
 
 
 @pytest.mark.slow
-def test_no_host_sync_on_steps_that_do_not_log_with_two_ddp_processes(tiny_data, tmp_path):
-    # what a multi-GPU step adds: the stop-signal agreement (callbacks/stop_signals.py) only on logging steps, and
-    # no per-batch broadcast of a SIGTERM flag (Lightning's, loops/training_epoch_loop.py)
+@pytest.mark.parametrize("extra", [[], ["--checkpoint.train_time_interval", "0:00:00.001"]],
+                         ids=["ddp", "ddp-time-saves"])
+def test_no_host_sync_on_steps_that_do_not_log_with_two_ddp_processes(tiny_data, tmp_path, extra):
+    # what a multi-GPU step adds: the stop-signal agreement (callbacks/stop_signals.py) and the decision of a
+    # time-interval save (ResumableCheckpoint) only on logging steps; no per-batch broadcast of either
+    # (Lightning's: loops/training_epoch_loop.py, callbacks/model_checkpoint.py)
     steps = 8
-    args = _args(tiny_data, tmp_path, steps, "--trainer.strategy", "ddp", "--trainer.devices", "2")
+    args = _args(tiny_data, tmp_path, steps, "--trainer.strategy", "ddp", "--trainer.devices", "2", *extra)
     for counts, logged in in_processes(_one_of_two, 2, free_port(), args, timeout=300):
         _assert_quiet(counts, logged, steps)

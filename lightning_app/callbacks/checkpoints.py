@@ -108,11 +108,13 @@ class ResumableCheckpoint(ModelCheckpoint):
     def _step_save_due(self, trainer: pl.Trainer) -> bool:
         """Lightning's every_n_train_steps / train_time_interval trigger (ModelCheckpoint.on_train_batch_end)."""
         due = self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
-        if self._train_time_interval is not None:
+        if self._train_time_interval is not None and (trainer.world_size == 1 or stop_signals.agreement_due(trainer)):
+            # with several processes, decided together on the steps that log (not Lightning's pickled broadcast at
+            # every batch, callbacks/model_checkpoint.py): the time save lands up to log_every_n_steps steps late
             now = time.monotonic()
             last = self._last_time_checked
             time_due = last is not None and now - last >= self._train_time_interval.total_seconds()
-            time_due = trainer.strategy.broadcast(time_due)  # one decision for every rank
+            time_due = bool(stop_signals.largest_of_all_ranks(trainer, int(time_due)))
             if time_due:
                 self._last_time_checked = now
             due = due or time_due

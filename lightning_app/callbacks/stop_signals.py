@@ -84,10 +84,8 @@ class StopSignals(_SignalConnector):
 
     def agree(self) -> int:
         """Every rank calls this at the same step: the largest request of any rank becomes the decision."""
-        if self.trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            flag = torch.tensor([self.requested], dtype=torch.int32, device=self.trainer.strategy.root_device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            self._agreed = max(self._agreed, int(flag.item()))
+        if self.trainer.world_size > 1:
+            self._agreed = max(self._agreed, largest_of_all_ranks(self.trainer, self.requested))
         return self.decision
 
     def teardown(self) -> None:
@@ -104,6 +102,16 @@ def install(trainer: pl.Trainer) -> StopSignals:
     if not isinstance(trainer._signal_connector, StopSignals):
         trainer._signal_connector = StopSignals(trainer)
     return trainer._signal_connector
+
+
+def largest_of_all_ranks(trainer: pl.Trainer, value: int) -> int:
+    """The largest `value` of all ranks: one all_reduce(MAX) of one integer and one host sync (a collective: every
+    rank calls it at the same point)."""
+    if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return value
+    flag = torch.tensor([value], dtype=torch.int32, device=trainer.strategy.root_device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
 
 
 def agreement_due(trainer: pl.Trainer) -> bool:
