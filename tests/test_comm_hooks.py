@@ -3,6 +3,7 @@ survives a checkpoint and a change of DDP's bucket layout, and settings a backen
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
 import shutil
@@ -97,7 +98,8 @@ def test_every_hook_trains_two_real_gloo_processes(tmp_path):
 @pytest.mark.slow
 def test_powersgd_resumes_with_its_state_to_the_weights_of_an_uninterrupted_run(tiny_data, tmp_path):
     # 240 train images, global batch 40: 6 steps an epoch; PowerSGD (rank 2) from step 3
-    every_epoch = ["--trainer.strategy.powersgd_start_iter", "3", "--checkpoint.save_top_k", "-1",
+    every_epoch = ["--trainer.strategy.powersgd_rank", "2", "--trainer.strategy.powersgd_start_iter", "3",
+                   "--checkpoint.save_top_k", "-1",
                    "--checkpoint.filename", "e{epoch}"]
     out = tmp_path / "probe"
     whole = run_main(_fit(tiny_data, tmp_path / "whole", "powersgd", epochs=3, extra=[*every_epoch, *_probe(out)]))
@@ -111,24 +113,89 @@ def test_powersgd_resumes_with_its_state_to_the_weights_of_an_uninterrupted_run(
     after_2 = torch.load(checkpoints / "e2.ckpt", map_location="cpu", weights_only=True)  # names count from 1
     saved = after_2[comm_hooks.CHECKPOINT_KEY]
     assert after_2["global_step"] == 12 and saved["iter"] == 12
-    assert len(saved["errors"]) == 2 and not torch.equal(saved["errors"][0], saved["errors"][1])  # one per process
+    assert saved["error"] and saved["world"] == 2  # rank 0's error feedback, per parameter
+    own = torch.load(f"{checkpoints / 'e2.ckpt'}.powersgd-rank1", weights_only=True)[comm_hooks.CHECKPOINT_KEY]
+    assert own["iter"] == 12 and set(own["error"]) == set(saved["error"])  # rank 1's, in a file of its own
+    assert any(not torch.equal(own["error"][k], saved["error"][k]) for k in saved["error"])
     assert saved["q"] and all(q.abs().sum() > 0 for q in saved["q"].values())
+    assert sorted(p.name for p in checkpoints.iterdir()) == [  # every checkpoint with its side file, and only those
+        *[n for e in (1, 2, 3) for n in (f"e{e}.ckpt", f"e{e}.ckpt.powersgd-rank1")], "last.ckpt",
+        "last.ckpt.powersgd-rank1"]
 
     resume_from = tmp_path / "copy" / "e2.ckpt"  # outside any run folder: the resumed run gets its own
     resume_from.parent.mkdir()
-    shutil.copy(checkpoints / "e2.ckpt", resume_from)
+    for name in ("e2.ckpt", "e2.ckpt.powersgd-rank1"):  # the side file travels with its checkpoint
+        shutil.copy(checkpoints / name, resume_from.parent / name)
     resumed = run_main(_fit(tiny_data, tmp_path / "resumed", "powersgd", epochs=3,
                             extra=[*every_epoch, "--ckpt_path", str(resume_from)]))
-    assert "PowerSGD state restored at its step 12 (error feedback, warm start)" in resumed.stdout
+    assert "PowerSGD state restored at its step 12 (error feedback, warm start)." in resumed.stdout
     a = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)
     b = torch.load(tmp_path / "resumed" / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu",
                    weights_only=True)
     assert a["global_step"] == b["global_step"] == 18
     for k in a["state_dict"]:
         torch.testing.assert_close(b["state_dict"][k], a["state_dict"][k], rtol=0, atol=1e-7, msg=f"{k} differs")
-    sa, sb = a[comm_hooks.CHECKPOINT_KEY], b[comm_hooks.CHECKPOINT_KEY]
-    for x, y in zip(sa["errors"], sb["errors"], strict=False):
-        torch.testing.assert_close(y, x, rtol=0, atol=1e-7)
+    torch.testing.assert_close(b[comm_hooks.CHECKPOINT_KEY]["error"], a[comm_hooks.CHECKPOINT_KEY]["error"],
+                               rtol=0, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_powersgd_checkpoint_is_the_same_size_with_2_and_4_processes(tiny_data, tmp_path):
+    sizes = {}
+    for n in (2, 4):
+        run_main(_fit(tiny_data, tmp_path / str(n), "powersgd", epochs=1, extra=[
+            "--trainer.devices", str(n), "--trainer.strategy.powersgd_start_iter", "2",
+            "--trainer.limit_val_batches", "0"]), env={"OMP_NUM_THREADS": "1"})
+        path = tmp_path / str(n) / "version_0" / "checkpoints" / "last.ckpt"
+        entry = torch.load(path, map_location="cpu", weights_only=True)[comm_hooks.CHECKPOINT_KEY]
+        assert entry["iter"] == 6  # 240 images, global batch 40: PowerSGD ran from step 2, its error is saved
+        buffer = io.BytesIO()
+        torch.save(entry, buffer)
+        sides = {p.stat().st_size for p in path.parent.glob("last.ckpt.powersgd-rank*")}
+        sizes[n] = (path.stat().st_size, buffer.tell(), sides)
+    assert sizes[4][1] == sizes[2][1], sizes  # the PowerSGD entry, to the byte
+    assert abs(sizes[4][0] - sizes[2][0]) < 1024, sizes  # the file: what else names the world size
+    assert len(sizes[4][2]) == 1 and sizes[4][2] == sizes[2][2], sizes  # each other rank's file: its own error
+
+
+def _overflow_once(rank: int, store_path: str, inf_step: int) -> dict:
+    """One of two gloo processes: PowerSGD from step 2 under a real GradScaler; at `inf_step` process 1's loss is inf
+    (what a GradScaler expects now and then under 16-mixed)."""
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    net = _net()
+    ddp = nn.parallel.DistributedDataParallel(net)
+    hook, state = comm_hooks.build("powersgd", rank=2, start_iter=2)
+    state.name_parameters(net)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=10_000)
+    state.loss_scale = lambda: scaler._scale  # what ClusterDDPStrategy hands it from Lightning's MixedPrecision
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)  # each process its own batch, the same every step
+    x, y = torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
+    out = {"loss": [], "finite": [], "scale": []}
+    for step in range(12):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        out["loss"].append(loss.item())
+        scaler.scale(loss * float("inf") if step == inf_step and rank == 1 else loss).backward()
+        out["finite"].append(all(bool(p.grad.isfinite().all()) for p in net.parameters()))
+        scaler.step(opt)
+        scaler.update()
+        out["scale"].append(scaler.get_scale())
+    ts = state.torch_state
+    out["state_finite"] = all(bool(t.isfinite().all()) for t in [*ts.error_dict.values(), *ts.q_memory_dict.values()])
+    dist.destroy_process_group()
+    return out
+
+
+def test_powersgd_state_stays_finite_after_a_gradscaler_overflow(tmp_path):
+    inf_step = 5  # PowerSGD runs from step 2
+    for got in in_processes(_overflow_once, 2, str(tmp_path / "store"), inf_step, method="spawn", timeout=120):
+        assert got["finite"][:inf_step] == [True] * inf_step and not got["finite"][inf_step]
+        assert all(got["finite"][inf_step + 1:]), got["finite"]  # every later all-reduced gradient is finite
+        assert got["scale"][-1] == 2.0 ** 9  # one skipped step: the scale halved once
+        assert got["state_finite"]
+        assert got["loss"][-1] < got["loss"][inf_step]  # and training goes on
 
 
 # ------------------------------------------------------------------------------ one process, in this one
@@ -200,6 +267,59 @@ def test_pq_layout_matches_the_memory_torch_allocates(one_process_group):
             assert sum(v[3] for v in layout.values()) == state.torch_state.q_memory_dict[key].numel()
             compressed |= set(layout)
     assert compressed == {f"{i}.weight" for i in (0, 2, 5, 7, 9, 11, 13, 15)}  # the biases go uncompressed
+
+
+def _train_scaled(scaler: torch.amp.GradScaler | None) -> tuple[dict, dict]:
+    net = _net()
+    state = comm_hooks.PowerSGDHookState(rank=2, start_iter=2)
+    ddp, opt = _powersgd_ddp(net, 25, state)
+    state.loss_scale = (lambda: scaler._scale) if scaler is not None else (lambda: None)
+    for step in range(8):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return net.state_dict(), state.export()["error"]
+
+
+def test_powersgd_error_feedback_does_not_depend_on_a_changing_loss_scale(one_process_group):
+    """A loss scale that doubles every step (a GradScaler growing after clean steps) trains the same weights, with
+    the same stored error feedback, as no loss scaling."""
+    plain, plain_error = _train_scaled(None)
+    growing = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_factor=2.0, growth_interval=1)
+    scaled, scaled_error = _train_scaled(growing)
+    assert growing.get_scale() == 2.0 ** 12 and plain_error
+    for k, v in plain.items():
+        torch.testing.assert_close(scaled[k], v, rtol=1e-4, atol=1e-6, msg=f"{k} differs")
+    for k, v in plain_error.items():
+        torch.testing.assert_close(scaled_error[k], v, rtol=1e-3, atol=1e-6, msg=f"error of {k} differs")
+
+
+@pytest.mark.parametrize(("hook", "precision", "scaled", "warned"), [
+    ("fp16", "bf16-mixed", False, True), ("fp16", "32-true", False, True), ("fp16", "16-mixed", True, False),
+    ("bf16", "bf16-mixed", False, False), ("powersgd", "32-true", False, False),
+])
+def test_fp16_hook_without_loss_scaling_is_warned_about(hook, precision, scaled, warned):
+    said = comm_hooks.precision_warning(hook, precision, scaled)
+    assert (said is not None) == warned
+    if warned:
+        assert "--trainer.strategy.comm_hook bf16" in said and "--trainer.precision 16-mixed" in said
+
+
+@pytest.mark.slow
+def test_fp16_hook_with_bf16_mixed_warns_once_from_the_cli(tiny_data, tmp_path):
+    proc = run_main(_fit(tiny_data, tmp_path, "fp16", epochs=1, extra=[
+        "--trainer.precision", "bf16-mixed", "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "0"]),
+        env={"OMP_NUM_THREADS": "1"})
+    said = proc.stdout + proc.stderr
+    assert said.count("comm_hook fp16 with precision bf16-mixed (no loss scaling)") == 1, said[-3000:]
 
 
 # ------------------------------------------------------------------------------ refusals

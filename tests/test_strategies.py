@@ -62,6 +62,14 @@ def test_ddp_options_and_timeout_reach_the_strategy(tiny_data, tmp_path, monkeyp
         ClusterDDPStrategy(timeout_s=0)
 
 
+def test_compile_with_a_bucket_below_1_mb_stops_the_cli_with_exit_2(tiny_data, tmp_path):
+    proc = run_main(["fit", "--config", "configs/ddp.yaml", *quick_args(tiny_data, tmp_path), "--trainer.devices", "1",
+                     "--model.compile", "true", "--trainer.strategy.bucket_cap_mb", "0.5"], check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--trainer.strategy.bucket_cap_mb 0.5 cannot be combined with --model.compile true" in proc.stderr
+    assert "DDPOptimizer" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_speed_flags_compose_from_yaml(tiny_data, tmp_path):
     before = torch.get_float32_matmul_precision()
     try:

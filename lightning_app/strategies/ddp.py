@@ -2,41 +2,49 @@
 compression (comm_hook) reachable from YAML."""
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 from typing import Any
 
+from lightning_fabric.utilities.cloud_io import get_filesystem
+from lightning_fabric.utilities.rank_zero import rank_prefixed_message
 from pytorch_lightning.strategies import DDPStrategy as _LightningDDP
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_app.errors import UserError
+from lightning_app.lr_schedule import total_steps
 from lightning_app.strategies import comm_hooks, peers
 from lightning_app.strategies.dp import DP_COMPILE_MESSAGE, DataParallelStrategy
 
+log = logging.getLogger("pytorch_lightning")  # Lightning's handler prints its INFO lines
 DEFAULT_DDP_TIMEOUT_S = 300.0  # torch's default is 30 min: far too long to notice a dead peer
+POWERSGD_START_FRACTION = 0.3  # powersgd_start_iter null: plain all-reduce for this share of the fit's steps
 
 
 def check_compile(strategy: Any) -> None:
-    """Refuse or warn before `compile` is combined with a strategy that would break or slow it.
+    """Refuse `compile` with a strategy that would break it.
 
     - dp: refused (DP_COMPILE_MESSAGE).
-    - ddp with more than one process: warned. The backbone is compiled inside the DDP wrapper, not around it, so
-      dynamo's DDPOptimizer (torch/_dynamo/backends/distributed.py, which splits a graph at DDP's bucket
-      boundaries) never sees DDP: the compiled backward hands every gradient over at its end, and the
-      all-reduce no longer overlaps the backward pass. With SyncBatchNorm, its all-gather inside an
-      autograd Function (torch/nn/modules/_functions.py) breaks the graph at every BatchNorm.
+    - ddp: nothing lost. The backbone compiles lazily at its first call, inside DistributedDataParallel.forward,
+      where DDP marks itself active (`_inside_ddp_forward`, torch/nn/parallel/distributed.py); dynamo then wraps
+      the backend in DDPOptimizer (torch/_dynamo/convert_frame.py, get_optimize_ddp_mode), which splits the graph
+      at DDP's bucket boundaries (torch/_dynamo/backends/distributed.py), so the all-reduce still overlaps the
+      backward. DDPOptimizer asserts that DDP's bucket is at least its 1 MiB first bucket
+      (dist._DEFAULT_FIRST_BUCKET_BYTES): bucket_cap_mb below 1 is refused.
     """
     if isinstance(strategy, DataParallelStrategy):
         raise UserError(DP_COMPILE_MESSAGE)
-    if isinstance(strategy, _LightningDDP) and strategy.world_size > 1:  # one process: no all-reduce to overlap
-        sync = getattr(strategy, "_layer_sync", None) is not None
-        rank_zero_warn(
-            "model.compile with DDP: the compiled backbone sits inside the DDP wrapper, so the gradient "
-            "all-reduce waits for the whole backward instead of overlapping it; compile still speeds up the "
-            "forward and backward, but on several GPUs measure both settings."
-            + (" With trainer.sync_batchnorm, every SyncBatchNorm also breaks the compiled graph (its "
-               "all-gather cannot be traced): prefer sync_batchnorm false or compile false." if sync else "")
-        )
+    cap = getattr(strategy, "bucket_cap_mb", None)
+    if cap is not None and cap < 1:
+        raise UserError(COMPILE_BUCKET_MESSAGE.format(cap=cap))
+
+
+COMPILE_BUCKET_MESSAGE = (
+    "--trainer.strategy.bucket_cap_mb {cap} cannot be combined with --model.compile true: torch.compile splits the "
+    "backbone's graph at DDP's gradient buckets (DDPOptimizer, torch/_dynamo/backends/distributed.py), and it "
+    "asserts that a bucket holds at least its 1 MiB first bucket. Set --trainer.strategy.bucket_cap_mb to 1 or "
+    "more (torch's default is 25), or --model.compile false.")
 
 
 class ClusterDDPStrategy(_LightningDDP):
@@ -53,10 +61,10 @@ class ClusterDDPStrategy(_LightningDDP):
         find_unused_parameters: needed only when some parameters get no gradient in a step.
         comm_hook: gradient compression on the wire: none, fp16 or bf16 (half the bytes), powersgd (a
             low-rank approximation with error feedback; configs/comm/*.yaml).
-            See lightning_app/strategies/comm_hooks.py.
-        powersgd_rank: rank of PowerSGD's approximation of each weight matrix (1, 2, 4: more is closer).
-        powersgd_start_iter: steps of plain all-reduce before PowerSGD starts (>= 2); null = the end of the
-            learning-rate warm-up (model.warmup_epochs).
+            fp16 with 16-mixed, bf16 otherwise (warned). See lightning_app/strategies/comm_hooks.py.
+        powersgd_rank: rank of PowerSGD's approximation of each weight matrix (1, 2, 4, 8: more is closer).
+        powersgd_start_iter: steps of plain all-reduce before PowerSGD starts (>= 2); null = 30% of the fit's
+            optimizer steps, never before the end of the learning-rate warm-up (model.warmup_epochs).
     """
 
     last_timeout_s: float | None = None
@@ -70,7 +78,7 @@ class ClusterDDPStrategy(_LightningDDP):
         static_graph: bool = False,
         find_unused_parameters: bool = False,
         comm_hook: comm_hooks.CommHook = "none",
-        powersgd_rank: int = 2,
+        powersgd_rank: int = 4,
         powersgd_start_iter: int | None = None,
         **kwargs: Any,
     ) -> None:
@@ -88,13 +96,15 @@ class ClusterDDPStrategy(_LightningDDP):
         kwargs.setdefault("start_method", "popen")
         super().__init__(timeout=timedelta(seconds=timeout_s), **{**ddp_kwargs, **kwargs})
         self.timeout_s = timeout_s
+        self.bucket_cap_mb = bucket_cap_mb
         self.comm_hook, self.powersgd_rank, self.powersgd_start_iter = comm_hook, powersgd_rank, powersgd_start_iter
         self._powersgd: comm_hooks.PowerSGDHookState | None = None
         self._saved_comm_state: dict | None = None
+        self._own_comm_state: dict | None = None  # this rank's side file (rank >= 1), read with the checkpoint
         ClusterDDPStrategy.last_timeout_s = timeout_s  # for the error message if a peer is lost
 
     @staticmethod
-    def check_settings(timeout_s: float | None = None, comm_hook: str = "none", powersgd_rank: int = 2,
+    def check_settings(timeout_s: float | None = None, comm_hook: str = "none", powersgd_rank: int = 4,
                        powersgd_start_iter: int | None = None, **kwargs: Any) -> None:
         """One paragraph (UserError) for a setting that cannot work; the CLI calls it before instantiating."""
         if timeout_s is not None and timeout_s <= 0:
@@ -121,34 +131,68 @@ class ClusterDDPStrategy(_LightningDDP):
         if isinstance(state, comm_hooks.PowerSGDHookState):
             state.name_parameters(self.model.module)
             state.one_bucket_at_a_time = self._process_group_backend != "nccl"
+            state.loss_scale = self._loss_scale
             self._powersgd = state
             self._restore_powersgd()
+        scaler = self._scaler()
+        warning = comm_hooks.precision_warning(self.comm_hook, str(self.precision_plugin.precision),
+                                               scaler is not None and scaler.is_enabled())
+        if warning:
+            rank_zero_warn(warning)
         self.model.register_comm_hook(state, hook)
         what = (f"PowerSGD rank {self.powersgd_rank}" if self.comm_hook == "powersgd"
                 else f"{self.comm_hook} compression")
         rank_zero_info(f"DDP gradients: {what} ({self._process_group_backend}).")
 
+    def _scaler(self) -> Any:
+        return getattr(self.precision_plugin, "scaler", None)  # MixedPrecision's GradScaler (16-mixed on CUDA)
+
+    def _loss_scale(self) -> Any:
+        # GradScaler keeps its scale as a device tensor, `_scale` (torch/amp/grad_scaler.py; get_scale() would
+        # sync with the host); it exists from the first scale() call, so during every backward
+        scaler = self._scaler()
+        return None if scaler is None or not scaler.is_enabled() else scaler._scale
+
     def setup(self, trainer) -> None:
         super().setup(trainer)
         if self._powersgd is not None and self.powersgd_start_iter is None:
-            # the module knows its warm-up once its optimizers exist (ImageClassifier.configure_optimizers)
-            warmup = getattr(self.lightning_module, "warmup_steps", None)
-            self._powersgd.set_start_iter(max(2, int(warmup or 0)))
+            # torch's advice (PowerSGDState's docstring in powerSGD_hook.py): plain all-reduce for about 10% of the
+            # steps and at least the warm-up, more where accuracy needs it; the quickstart needed 30%
+            # (bench/results/*nodes-accuracy*). The module knows its warm-up once its optimizers exist
+            # (ImageClassifier.configure_optimizers, which counts the steps with the same total_steps).
+            warmup = int(getattr(self.lightning_module, "warmup_steps", None) or 0)
+            self._powersgd.set_start_iter(max(2, warmup, int(POWERSGD_START_FRACTION * total_steps(trainer))))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        # Lightning calls this on every rank (Trainer.save_checkpoint), so each rank's error feedback can be
-        # gathered here; rank 0 writes the file. A weights-only checkpoint has no optimizer state and no hook state.
+        # Lightning calls this on every rank and rank 0 writes the file (Strategy.save_checkpoint, then a barrier in
+        # Trainer.save_checkpoint): rank 0's PowerSGD entry goes into it, every other rank writes its own error
+        # feedback beside it, so nothing here is a collective. A weights-only checkpoint has no hook state.
         if self._powersgd is not None and "optimizer_states" in checkpoint:
-            saved = comm_hooks.gather_state(self._powersgd, self.root_device, self.global_rank, self.world_size)
-            if saved is not None:
-                checkpoint[comm_hooks.CHECKPOINT_KEY] = saved
+            entry = comm_hooks.checkpoint_entry(self._powersgd, self.global_rank, self.world_size)
+            if self.global_rank == 0:
+                checkpoint[comm_hooks.CHECKPOINT_KEY] = entry
+            else:
+                self.checkpoint_io.save_checkpoint({comm_hooks.CHECKPOINT_KEY: entry},
+                                                   comm_hooks.side_path(filepath, self.global_rank))
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def remove_checkpoint(self, filepath) -> None:
+        # ModelCheckpoint removes an old checkpoint through this on every rank (_remove_checkpoint in
+        # pytorch_lightning/callbacks/model_checkpoint.py); rank 0 removes the file (Strategy.remove_checkpoint),
+        # each other rank its own side file (TorchCheckpointIO.remove_checkpoint: nothing if it is absent)
+        super().remove_checkpoint(filepath)
+        if self.global_rank != 0 and self.comm_hook == "powersgd":
+            self.checkpoint_io.remove_checkpoint(comm_hooks.side_path(filepath, self.global_rank))
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._saved_comm_state = checkpoint.get(comm_hooks.CHECKPOINT_KEY)
         if self._saved_comm_state is not None and self.comm_hook != "powersgd":
             rank_zero_info(f"The checkpoint holds PowerSGD state; comm_hook {self.comm_hook} does not use it.")
+        self._own_comm_state = None
+        side = comm_hooks.side_path(checkpoint_path, self.global_rank)
+        if self._saved_comm_state is not None and self.global_rank != 0 and get_filesystem(side).exists(side):
+            self._own_comm_state = self.checkpoint_io.load_checkpoint(side).get(comm_hooks.CHECKPOINT_KEY)
         self._restore_powersgd()  # the checkpoint is read before DDP is set up; in case it is not
         return checkpoint
 
@@ -157,6 +201,12 @@ class ClusterDDPStrategy(_LightningDDP):
         if saved is None or state is None:
             return
         self._saved_comm_state = None
-        lost = comm_hooks.restore_state(state, saved, self.global_rank, self.world_size)
-        rank_zero_info(f"PowerSGD state restored at its step {state.torch_state.iter}"
-                       + (f"; not restored: {', '.join(lost)}." if lost else " (error feedback, warm start)."))
+        lost = comm_hooks.restore_entry(state, saved, self.global_rank, self.world_size, self._own_comm_state)
+        said = (f"PowerSGD state restored at its step {state.torch_state.iter}"
+                + (f"; not restored: {', '.join(lost)}." if lost else " (error feedback, warm start).")
+                + (f" Saved by {saved['world']} processes, now {self.world_size}: the other ranks' error feedback "
+                   "restarts at zero." if saved.get("world", self.world_size) != self.world_size else ""))
+        if self.global_rank == 0:
+            rank_zero_info(said)
+        elif lost:
+            log.info(rank_prefixed_message(said, self.global_rank))
