@@ -51,7 +51,7 @@ def _one(pair: netlink.Link, hook, seed: int, settings: dict[str, Any], root: Pa
     if settings["batch_size"]:
         args += ["--data.batch_size", str(settings["batch_size"])]
     if hook.name == "powersgd":
-        args += ["--trainer.strategy.powersgd_rank", str(hook.rank)]  # starts at the end of the warm-up
+        args += ["--trainer.strategy.powersgd_rank", str(hook.rank)]  # starts where the config says (its default)
     t0 = time.perf_counter()
     nodes = Nodes(pair, args)
     try:

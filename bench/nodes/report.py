@@ -116,7 +116,7 @@ def accuracy_markdown(result: dict[str, Any]) -> str:
     head = ["hook", *(f"seed {x}: best (final) val/acc1" for x in s["seeds"]), "mean best", "vs none (points)",
             "seconds per run"]
     intro = (f"2-node fits on two simulated hosts (link {s['rate']}), `{s['config']}`, {s['epochs']} epochs, data "
-             f"{repo_relative(s['data_dir'])}; PowerSGD starts at the end of the learning-rate warm-up.")
+             f"{repo_relative(s['data_dir'])}; PowerSGD starts at its default (powersgd_start_iter null).")
     note = ("- Seeds differ by more than most hooks do at this budget: read a difference smaller than the seed "
             "spread as no difference.")
     return "\n".join([intro, "", markdown_table(head, table), "", note])
