@@ -2,17 +2,29 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import shlex
+from pathlib import Path
 
+import pytest
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
 
-from lightning_app.callbacks.memory_probe import StepEstimate, fitting_batch, host_memory_available, probe, verdict
+from lightning_app.callbacks.memory_probe import (
+    FREE_ENV,
+    StepEstimate,
+    fitting_batch,
+    host_memory_available,
+    probe,
+    verdict,
+)
 from lightning_app.cli import ClassifierCLI
 from lightning_app.module import ImageClassifier
 from tests.helpers import REPO
 from tests.helpers.cli import quick_args, run_main
+from tests.helpers.processes import finish_all, free_port, in_processes, start_main
 
 
 def test_verdict_stops_only_when_clearly_over_and_the_suggested_batch_fits():
@@ -71,3 +83,60 @@ def test_the_documented_recipe_smoke_test_fits_a_24_gb_machine(tiny_data):
     assert cli.model.hparams.arch == "resnet50" and size == 176
     estimate = probe(cli.model, cli.trainer, size=size, batch=batch)
     assert estimate.total < 0.4 * 24e9, estimate  # the recipe's own batch of 1024 needs about 55 GB
+
+
+def _two_nodes(data: Path, root: Path, free: tuple[str, str]) -> tuple[list[int], list[str]]:
+    """A 2-process fit (two nodes on 127.0.0.1, gloo) whose ranks see `free` bytes free (FIC_MEMORY_PROBE_FREE_BYTES):
+    exit statuses and outputs."""
+    args = ["fit", *quick_args(data, root, batch=40), "--trainer.strategy", "ddp", "--trainer.devices", "1",
+            "--trainer.num_nodes", "2", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "0",
+            "--trainer.num_sanity_val_steps", "0", "--model.pictures", "[]"]
+    common = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+              "PYTHONUNBUFFERED": "1", "FIC_DDP_TIMEOUT_S": "60"}
+    procs = [start_main(args, {**common, "NODE_RANK": str(rank), FREE_ENV: free[rank]}) for rank in (0, 1)]
+    return finish_all(procs, timeout=240)
+
+
+@pytest.mark.slow
+def test_one_rank_short_of_memory_stops_both_with_its_paragraph(tiny_data, tmp_path):
+    codes, outs = _two_nodes(tiny_data, tmp_path, free=(str(10**15), "1000"))  # rank 0 ok, rank 1 clearly short
+    assert codes == [2, 2], "\n\n".join(out[-3000:] for out in outs)
+    said = [line for line in outs[0].splitlines() if "--data.batch_size 40 (20 per process) needs about" in line]
+    assert len(said) == 1, outs[0][-3000:]
+    assert "free in host memory of rank 1: the step would not fit" in said[0]  # rank 1 measured it, rank 0 says it
+    assert not any("Traceback" in out for out in outs)
+    assert not list(tmp_path.glob("version_*/checkpoints/*.ckpt"))  # stopped before the first step
+
+
+@pytest.mark.slow
+def test_a_probe_that_fails_on_one_rank_lets_both_continue_and_says_so(tiny_data, tmp_path):
+    codes, outs = _two_nodes(tiny_data, tmp_path, free=(str(10**15), "unmeasurable"))
+    assert codes == [0, 0], "\n\n".join(out[-3000:] for out in outs)
+    said = [line for line in outs[1].splitlines() if line.startswith("Memory probe: no estimate on rank 1 of 2")]
+    assert len(said) == 1, outs[1][-3000:]
+    assert "counts as no verdict and the run goes on" in said[0]
+    assert "Memory probe" not in outs[0]
+
+
+def _probe_with_sync_batchnorm(rank: int, store: str) -> float:
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = ImageClassifier(arch="conv11", num_classes=10, image_size=32, arch_kwargs={"width": 8}, pictures=[])
+        plain = probe(model, pl.Trainer(accelerator="cpu", logger=False), size=32, batch=8).per_image
+        model.backbone = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model.backbone)
+        # rank 0 alone: a probe that all-gathered BatchNorm statistics would wait for rank 1 (or, on a CPU, refuse)
+        synced = probe(model, pl.Trainer(accelerator="cpu", logger=False), size=32, batch=8).per_image if rank == 0 \
+            else plain
+        assert all(type(m).forward is torch.nn.SyncBatchNorm.forward and "forward" not in vars(m)
+                   for m in model.backbone.modules() if isinstance(m, torch.nn.SyncBatchNorm))
+        dist.barrier()
+        return synced / plain
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_probe_runs_without_syncbatchnorm_collectives(tmp_path):
+    # spawn: forked from this process after the probes of the tests above ran in it, the two never finished
+    ratios = in_processes(_probe_with_sync_batchnorm, 2, str(tmp_path / "store"), method="spawn", timeout=180)
+    assert ratios == [1.0, 1.0]  # the same activations as plain BatchNorm

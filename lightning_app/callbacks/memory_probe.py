@@ -11,14 +11,27 @@ MemAvailable and the cgroup limit, shared by the training processes of the node)
 - clearly too much (estimate > STOP_FACTOR x free): the fit stops with one paragraph that names a
   --data.batch_size that fits (exit status 2);
 - close (estimate > WARN_FACTOR x free): a warning, and the fit goes on;
-- a probe that fails for any reason says nothing and blocks nothing.
+- a probe that fails for any reason blocks nothing: "no verdict", said in one line by the rank it failed on.
 
-The probe runs the backbone's own `forward` (not a `compile`d call: nothing is compiled for it), restores
-the BatchNorm statistics and random state it touched, and costs two small forward passes.
+The ranks decide together: each rank's verdict (no verdict < ok < warn < stop) goes into one all_reduce(MAX), so
+every rank takes the worst one, and the rank that measured it broadcasts its paragraph. Every rank reaches both
+collectives whatever its own probe did, so a stop ends every rank with the same paragraph (exit status 2) and
+none is left waiting in a collective for its timeout.
+
+The probe runs the backbone's own `forward` (not a `compile`d call: nothing is compiled for it), with every
+SyncBatchNorm normalising locally (a collective of one rank would otherwise wait for the others), restores the
+BatchNorm statistics and random state it touched, and costs two small forward passes.
+
+Tests set the free memory of a process with FIC_MEMORY_PROBE_FREE_BYTES (bytes); a value that is not a whole
+number makes the probe fail there, as a probe that cannot measure does.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +47,8 @@ WARN_FACTOR = 0.8
 FIT_SHARE = 0.7  # the suggested batch leaves this share of the free memory to the step
 STATE_COPIES = 3  # weights + gradients + SGD momentum, as float32
 GB = 1e9
+VERDICTS = ("no verdict", "ok", "warn", "stop")  # in the order all_reduce(MAX) picks the worst
+FREE_ENV = "FIC_MEMORY_PROBE_FREE_BYTES"
 
 
 @dataclass
@@ -65,6 +80,25 @@ def saved_bytes(forward, images: torch.Tensor) -> int:
     return sum(seen.values())
 
 
+@contextlib.contextmanager
+def local_batch_norm(net: torch.nn.Module) -> Iterator[None]:
+    """Every SyncBatchNorm in `net` runs BatchNorm's own forward meanwhile: statistics of this rank's batch only.
+
+    SyncBatchNorm.forward all-gathers the statistics in train mode whenever a process group is up
+    (torch/nn/modules/batchnorm.py, `need_sync`); BatchNorm2d.forward is the same normalisation without it
+    (a function of the module's own attributes, which SyncBatchNorm shares through _BatchNorm). An instance attribute
+    `forward` shadows the class's for nn.Module.__call__ until it is deleted again.
+    """
+    synced = [m for m in net.modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+    for m in synced:
+        m.forward = torch.nn.BatchNorm2d.forward.__get__(m)
+    try:
+        yield
+    finally:
+        for m in synced:
+            del m.forward
+
+
 def probe(module: pl.LightningModule, trainer: pl.Trainer, size: int, batch: int) -> StepEstimate:
     """Measure the activations per image of `module`'s backbone at `size` px under the trainer's precision."""
     backbone = module.backbone
@@ -75,7 +109,7 @@ def probe(module: pl.LightningModule, trainer: pl.Trainer, size: int, batch: int
     measured = []
     devices = [device.index or 0] if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), local_batch_norm(backbone):
             backbone.train()
             for n in PROBE_BATCHES:
                 images = torch.randn(n, 3, size, size, device=device)
@@ -118,7 +152,10 @@ def host_memory_available() -> int | None:
 
 
 def free_memory(device: torch.device, processes_on_node: int) -> int | None:
-    """Bytes free for this process's training step on `device`."""
+    """Bytes free for this process's training step on `device` (FIC_MEMORY_PROBE_FREE_BYTES: a test's value)."""
+    told = os.environ.get(FREE_ENV)
+    if told is not None:
+        return int(told)
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     available = host_memory_available()
@@ -158,23 +195,31 @@ def describe(estimate: StepEstimate, free: float, where: str, arch: str, size: i
 
 
 class MemoryProbe(pl.Callback):
-    """Estimates one training step's memory before the first step of a fit (see the module doc)."""
+    """One training step's memory, estimated before the first step of a fit and decided by all ranks (module doc)."""
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:
-            checked = self._check(trainer, pl_module)
-        except UserError:
-            raise
-        except Exception:  # noqa: BLE001 - an estimate that cannot be made never blocks a run
-            return
-        if checked:
-            rank_zero_warn(checked)
+            decision, said = self._check(trainer, pl_module)
+        except UserError as error:  # a setting the model refuses: its first step would stop the run the same way
+            decision, said = "stop", str(error)
+        except Exception as error:  # noqa: BLE001 - an estimate that cannot be made never blocks a run
+            decision, said = "no verdict", None
+            print(f"Memory probe: no estimate on rank {trainer.global_rank} of {trainer.world_size} "
+                  f"({type(error).__name__}: {error}); it counts as no verdict and the run goes on.",
+                  file=sys.stderr, flush=True)
+        worst, src = agree(trainer, pl_module.device, decision)
+        if worst in ("warn", "stop"):
+            said = trainer.strategy.broadcast(said, src=src)
+        if worst == "stop":
+            raise UserError(said)
+        if worst == "warn":
+            rank_zero_warn(said)
 
-    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[str, str | None]:
         dm = trainer.datamodule
         batch = getattr(dm, "batch_size", None)
         if not hasattr(pl_module, "backbone") or not isinstance(batch, int):
-            return None
+            return "no verdict", None
         processes = max(1, trainer.world_size)
         per_process = max(1, batch // processes)
         strategy = trainer.strategy
@@ -184,9 +229,11 @@ class MemoryProbe(pl.Callback):
         on_node = max(1, processes // max(1, trainer.num_nodes))
         free = free_memory(pl_module.device, on_node)
         if not free:
-            return None
+            return "no verdict", None
         where = (f"on {pl_module.device}" if pl_module.device.type == "cuda"
                  else f"in host memory{f' per training process ({on_node} on this node)' if on_node > 1 else ''}")
+        if processes > 1:
+            where += f" of rank {trainer.global_rank}"
         said = describe(estimate, free, where, pl_module.hparams.get("arch", "the model"), size, batch, processes,
                         split)
         fits = fitting_batch(estimate, free, processes * split)
@@ -196,8 +243,21 @@ class MemoryProbe(pl.Callback):
                 "smaller --data.image_size")
         decision = verdict(estimate.total, free)
         if decision == "stop":
-            raise UserError(f"{said}: the step would not fit and the run would be killed. {advice}{hint}. "
-                            f"(Estimated before the first step by lightning_app/callbacks/memory_probe.py.)")
+            return decision, (f"{said}: the step would not fit and the run would be killed. {advice}{hint}. "
+                              f"(Estimated before the first step by lightning_app/callbacks/memory_probe.py.)")
         if decision == "warn":
-            return f"{said}: the step may not fit. If the run is killed, {advice}{hint}."
-        return None
+            return decision, f"{said}: the step may not fit. If the run is killed, {advice}{hint}."
+        return decision, None
+
+
+def agree(trainer: pl.Trainer, device: torch.device, decision: str) -> tuple[str, int]:
+    """(the worst verdict over all ranks, the lowest rank that gave it), from one all_reduce(MAX) on every rank.
+
+    Each rank adds its verdict's index times the world size to its rank counted from the top, so the maximum
+    carries both. Strategy.reduce is a no-op in one process, an all_reduce under DDP (lightning_fabric/utilities/
+    distributed.py, `_sync_ddp`); the tensor lives on the module's device, where NCCL needs it.
+    """
+    world, rank = max(1, trainer.world_size), trainer.global_rank
+    mine = torch.tensor(VERDICTS.index(decision) * world + (world - 1 - rank), device=device)
+    best = int(trainer.strategy.reduce(mine, reduce_op="max"))
+    return VERDICTS[best // world], world - 1 - best % world
