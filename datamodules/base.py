@@ -24,6 +24,7 @@ from datamodules.sample.crop import Augment, TrainCrop, ValCrop
 from datamodules.sample.dataset import SampleDataset, Source
 from datamodules.sample.transforms import normalize
 from datamodules.sizing import LoaderSizing
+from datamodules.workers import leave_stop_signals_to_the_trainer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILTIN_ROOT = REPO_ROOT / "data" / "builtin"
@@ -242,6 +243,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
             pin_memory=self.pins_memory,
             persistent_workers=self.persistent_workers and workers > 0,
             prefetch_factor=sizing.prefetch if workers > 0 else None,
+            worker_init_fn=leave_stop_signals_to_the_trainer,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -265,7 +267,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
 
         dataset = PredictDataset(self.predict_dir, self.val_image_size, self.val_crop_ratio)
         return DataLoader(dataset, batch_size=self.per_process_batch_size, num_workers=self.workers(),
-                          pin_memory=self.pins_memory)
+                          pin_memory=self.pins_memory, worker_init_fn=leave_stop_signals_to_the_trainer)
 
     @property
     def pins_memory(self) -> bool:

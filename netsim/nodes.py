@@ -114,11 +114,10 @@ class Nodes:
                     pass
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGINT, as Ctrl-C in a terminal (Lightning stops without a collective), then SIGKILL after grace_s;
-        whole process groups. Not SIGTERM: Lightning 2.6 broadcasts from inside its SIGTERM handler
-        (trainer/connectors/signal_connector.py, _sigterm_notifier_fn) besides the broadcast of every step
-        (loops/training_epoch_loop.py, _broadcast_sigterm_tensor), and with the signal on every rank the two
-        collectives pair up differently on each rank: the run hangs until the collective timeout."""
+        """SIGINT, as Ctrl-C in a terminal (Lightning stops at once, without a collective or a checkpoint), then
+        SIGKILL after grace_s; whole process groups. Not SIGTERM: the nodes would stop at their next agreement
+        and save (lightning_app/callbacks/stop_signals.py), up to log_every_n_steps steps later, which on a
+        shaped link can be past the grace period."""
         if grace_s > 0:
             self.signal(signal.SIGINT)
             self.wait(grace_s)

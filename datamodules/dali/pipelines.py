@@ -24,6 +24,7 @@ from nvidia.dali import fn, pipeline_def, types
 
 from datamodules.dali.augment import dali_auto_augment
 from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
+from datamodules.workers import InWorkersOnly
 
 READER_NAME = "Reader"
 MEAN = [m * 255 for m in IMAGENET_MEAN]
@@ -132,6 +133,7 @@ class LMDBSampleSource:
         self.batch_size, self.steps, self.shuffle = batch_size, steps, shuffle
         self.seed, self.epoch_offset = seed, epoch_offset
         self._order: tuple[int, np.ndarray] | None = None
+        self._in_worker = InWorkersOnly()
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_order": None, "_reader": None}
@@ -151,6 +153,7 @@ class LMDBSampleSource:
         shard = self.shard(sample_info.epoch_idx + self.epoch_offset)
         i = int(shard[min(sample_info.idx_in_epoch, len(shard) - 1)])
         if self._reader is None:
+            self._in_worker()  # once per DALI worker process
             self._reader = _open_reader(self.path)
         data, label = self._reader.get(self.split, i)
         return np.frombuffer(data, dtype=np.uint8), np.array([i], dtype=np.int32), np.array([label], dtype=np.int32)

@@ -30,6 +30,7 @@ from datamodules.shards.loader import (
 )
 from datamodules.shards.storage import endpoint_of, is_remote, redact
 from datamodules.shards.store import open_store
+from datamodules.workers import leave_stop_signals_to_the_trainer
 
 
 class StreamingDataModule(ImageDataModule):
@@ -189,7 +190,7 @@ class StreamingDataModule(ImageDataModule):
         return (PredictShardLoader if predict else ShardLoader)(
             dataset or self.datasets[split], batch_size=self.per_process_batch_size, num_workers=workers,
             collate_fn=batches, pin_memory=self.pins_memory, persistent_workers=self.persistent_workers and workers > 0,
-            prefetch_factor=sizing.prefetch if workers > 0 else None)
+            prefetch_factor=sizing.prefetch if workers > 0 else None, worker_init_fn=leave_stop_signals_to_the_trainer)
 
     def train_dataloader(self) -> ShardLoader:
         return self._stream("train", TrainCrop(self.min_scale, self.train_augment), self._train_size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -209,21 +210,28 @@ class FlushLogs(pl.Callback):
 # -- real faults ---------------------------------------------------------------------------------
 
 class SignalAt(pl.Callback):
-    """Sends a real signal to this process when a training batch of `epoch`/`batch` starts.
+    """Sends a real signal to this process (with `group`, to its whole process group, as `kill -TERM -PGID`,
+    `timeout` or a container stop do) when a training batch of `epoch`/`batch` starts.
 
     batch 0 of an epoch is an epoch boundary: the checkpoint saved at the end of the previous
-    epoch is the newest. Only the process with global rank `rank` (all if -1) is signalled.
+    epoch is the newest. Only the process with global rank `rank` (all if -1) sends.
     """
 
     changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
 
-    def __init__(self, epoch: int, batch: int = 0, sig: str = "SIGKILL", rank: int = -1) -> None:
-        self.epoch, self.batch, self.sig, self.rank = epoch, batch, sig, rank
+    def __init__(self, epoch: int, batch: int = 0, sig: str = "SIGKILL", rank: int = -1, group: bool = False) -> None:
+        self.epoch, self.batch, self.sig, self.rank, self.group = epoch, batch, sig, rank, group
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if (trainer.current_epoch, batch_idx) == (self.epoch, self.batch) and self.rank in (-1, trainer.global_rank):
-            print(f"SignalAt: sending {self.sig} at epoch {self.epoch} batch {self.batch}", flush=True)
-            os.kill(os.getpid(), getattr(signal, self.sig))
+            whom = "its process group" if self.group else "itself"
+            print(f"SignalAt: sending {self.sig} to {whom} at epoch {self.epoch} batch {self.batch}", flush=True)
+            if self.group:  # every process of the group (the ranks Lightning started, every loader worker), sent
+                # as a shell's `kill -TERM -- -PGID` sends it: from a process that is no worker's parent (torch's
+                # worker handler exits quietly on a SIGTERM from its parent, torch/csrc/DataLoader.cpp)
+                subprocess.run(["kill", f"-{self.sig.removeprefix('SIG')}", "--", f"-{os.getpgid(0)}"], check=False)
+            else:
+                os.kill(os.getpid(), getattr(signal, self.sig))
 
 
 class SignalDuringValidation(pl.Callback):

@@ -28,19 +28,23 @@ def free_port() -> int:
 
 # -- command lines -------------------------------------------------------------------------------------------
 
-def start_command(cmd: list[str], env: dict[str, str] | None = None, *, log: Path | None = None) -> subprocess.Popen:
+def start_command(cmd: list[str], env: dict[str, str] | None = None, *, log: Path | None = None,
+                  session: bool = False) -> subprocess.Popen:
     """`cmd` started in the repository, not waited for: stdout and stderr together into a pipe (text) or the file
-    `log`. env: the whole environment (default: this process's, unbuffered)."""
+    `log`. env: the whole environment (default: this process's, unbuffered). session: in a session (and process
+    group) of its own, which a signal to the group reaches without reaching the tests."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env
     if log is None:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=session)
     with open(log, "w") as out:  # the child writes to its own copy
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=session)
 
 
-def start_main(args: list[str], env: dict[str, str] | None = None, *, log: Path | None = None) -> subprocess.Popen:
+def start_main(args: list[str], env: dict[str, str] | None = None, *, log: Path | None = None,
+               session: bool = False) -> subprocess.Popen:
     """`python main.py ARGS` started as a user starts it (cli.run_main is the same, waited for)."""
-    return start_command([sys.executable, "main.py", *args], env, log=log)
+    return start_command([sys.executable, "main.py", *args], env, log=log, session=session)
 
 
 def start_nodes(args: list[str] | Callable[[int], list[str]], nodes: int = 2, env: dict[str, str] | None = None, *,
