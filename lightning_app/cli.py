@@ -21,8 +21,10 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
+from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from lightning_app import runs
+from lightning_app.callbacks import stop_signals
 from lightning_app.callbacks.checkpoints import CheckpointOnSigterm, ResumableCheckpoint
 from lightning_app.callbacks.memory_probe import MemoryProbe
 from lightning_app.callbacks.progress import progress_callback
@@ -274,6 +276,8 @@ def default_config_kwargs(run: bool) -> dict:
 def main(args=None) -> ClassifierCLI:
     try:
         return ClassifierCLI(args=args)
+    except SIGTERMException:  # a stop signal, saved by CheckpointOnSigterm
+        raise SystemExit(stop_signals.EXIT_STATUS.get(stop_signals.last_decision, 0)) from None
     except Exception as error:
         user_error = find_user_error(error)
         if user_error is not None:

@@ -57,14 +57,19 @@ def _step(root: Path) -> int:
                       weights_only=False)["global_step"]
 
 
+SIGNALS = {"SIGTERM": (0, "SIGTERM: saved"), "SIGINT": (130, "Ctrl-C (SIGINT): saved")}  # docs/clusters.md, "Faults"
+
+
+@pytest.mark.parametrize("sig", list(SIGNALS))
 @pytest.mark.parametrize("backend", ["imagefolder", "lmdb", "downscaled", "streaming",
                                      pytest.param("dali-lmdb", marks=needs_dali)])
-def test_sigterm_to_the_group_saves_and_resumes(backend, tiny_data, tmp_path):
+def test_a_stop_signal_to_the_group_saves_and_resumes(backend, sig, tiny_data, tmp_path):
     root = tmp_path / "logs"
     data = _backend(backend, tiny_data, tmp_path)
-    code, out = _fit(tiny_data, root, *data, *_signal_group_at(1, 1))
-    assert code == 0, out[-4000:]
-    assert "SIGTERM: saved" in out and "killed by signal" not in out and "Traceback" not in out, out[-4000:]
+    code, out = _fit(tiny_data, root, *data, *_signal_group_at(1, 1, sig))
+    status, said = SIGNALS[sig]
+    assert code == status, out[-4000:]
+    assert said in out and "killed by signal" not in out and "Traceback" not in out, out[-4000:]
     assert _step(root) == 6 + 2  # 240 images at batch 40: the second batch of the second epoch finished
     code, out = _fit(tiny_data, root, *data, "--ckpt_path", "last")
     assert code == 0 and "Done: best val/acc1" in out, out[-4000:]

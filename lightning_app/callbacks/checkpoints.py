@@ -15,10 +15,10 @@ from lightning_app.callbacks import stop_signals
 
 
 class CheckpointOnSigterm(pl.Callback):
-    """On a stop signal agreed by every rank (callbacks/stop_signals.py), save and exit 0.
+    """On a stop signal agreed by every rank (callbacks/stop_signals.py), save and exit 0 (130 after Ctrl-C).
 
-    - SIGTERM (what SLURM and Kubernetes send before preemption, to one process or to all): every rank stops at
-      the same batch and `last.ckpt` is saved, so `--ckpt_path last` resumes from it.
+    - SIGTERM (what SLURM and Kubernetes send before preemption, to one process or to all) or Ctrl-C: every rank
+      stops at the same batch and `last.ckpt` is saved, so `--ckpt_path last` resumes from it.
     - SLURM's requeue signal (SIGUSR1, `--signal=SIGUSR1@120` in scripts/slurm/train.sbatch): the same stop,
       saved as the run's `hpc_ckpt_K.ckpt`; then rank 0 runs `scontrol requeue`.
 
@@ -45,11 +45,12 @@ class CheckpointOnSigterm(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
             return
-        signals = stop_signals.install(trainer)
-        if signals.decision == stop_signals.REQUEUE:
+        decision = stop_signals.install(trainer).decision
+        stop_signals.last_decision = decision
+        if decision == stop_signals.REQUEUE:
             path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
             trainer.save_checkpoint(path, weights_only=False)
-            self._say(trainer, "SLURM requeue signal", path)
+            self._say(trainer, stop_signals.NAMES[decision], path)
             if trainer.is_global_zero:
                 status = stop_signals.slurm_requeue()
                 rank_zero_info("Requeued the SLURM job." if status == 0 else
@@ -60,7 +61,7 @@ class CheckpointOnSigterm(pl.Callback):
             trainer.default_root_dir, "checkpoints")
         path = os.path.join(dirpath, self.filename + ModelCheckpoint.FILE_EXTENSION)
         trainer.save_checkpoint(path, weights_only=False)
-        self._say(trainer, "SIGTERM", path)
+        self._say(trainer, stop_signals.NAMES.get(decision, "SIGTERM"), path)
 
     @staticmethod
     def _say(trainer: pl.Trainer, what: str, path: str) -> None:

@@ -9,13 +9,13 @@ batches; the save that follows is a collective (a barrier; PowerSGD's state), an
 until the timeout. Its SLURM handler saves a checkpoint from inside the signal handler.
 
 Here (`StopSignals`, which takes the trainer's `_signal_connector` seat):
-- the handlers of SIGTERM, and of SLURM's requeue signal (SIGUSR1) under SLURM with auto-requeue, record the
-  signal and do nothing else;
+- the handlers of SIGTERM, SIGINT (Ctrl-C; a second one stops at once), and of SLURM's requeue signal (SIGUSR1)
+  under SLURM with auto-requeue, record the signal and do nothing else;
 - the ranks agree with one `all_reduce(MAX)` of their flags on the steps that already sync for logging
   (`trainer.log_every_n_steps`; every 50 steps when logging is off) and at the end of every training epoch;
 - `trainer.received_sigterm` is the *agreed* flag, so Lightning's own checks raise SIGTERMException on every rank
   at the same batch; `CheckpointOnSigterm` then saves on every rank together (one `last.ckpt`, or for the requeue
-  signal one `hpc_ckpt_K.ckpt` and `scontrol requeue`) and the run exits 0;
+  signal one `hpc_ckpt_K.ckpt` and `scontrol requeue`) and the run exits 0 (130 after Ctrl-C);
 - Lightning's per-batch broadcast is switched off (the epoch loop's `_broadcast_sigterm_tensor`).
 
 With one process the flag is the decision, at the end of the running batch, as in Lightning.
@@ -34,7 +34,10 @@ from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnect
 from pytorch_lightning.trainer.states import TrainerFn
 
 AGREE_EVERY_WITHOUT_LOGGING = 50  # steps between agreements when trainer.log_every_n_steps is 0
-NONE, STOP, REQUEUE = 0, 1, 2  # what a rank asks for; the largest wins
+NONE, INTERRUPT, STOP, REQUEUE = 0, 1, 2, 3  # what a rank asks for (Ctrl-C, SIGTERM, requeue); the largest wins
+EXIT_STATUS = {INTERRUPT: 130, STOP: 0, REQUEUE: 0}  # 130: a shell's `a && b` does not go on after a Ctrl-C
+NAMES = {INTERRUPT: "Ctrl-C (SIGINT)", STOP: "SIGTERM", REQUEUE: "SLURM requeue signal"}
+last_decision = NONE  # what stopped the last fit of this process (cli.main turns it into the exit status)
 
 
 class StopSignals(_SignalConnector):
@@ -72,6 +75,7 @@ class StopSignals(_SignalConnector):
         self._agreed, self.requested = NONE, NONE
         self._original_handlers = self._get_current_signal_handlers()
         self._register_signal(signal.SIGTERM, self._note)
+        self._register_signal(signal.SIGINT, self._note)
         requeue = self.requeue_signal()
         if requeue is not None:
             self._register_signal(requeue, self._note)
@@ -79,7 +83,16 @@ class StopSignals(_SignalConnector):
         self.trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_broadcast
 
     def _note(self, signum: int, _frame: FrameType | None) -> None:
-        asked = REQUEUE if signum == self.requeue_signal() else STOP
+        if signum == signal.SIGINT:
+            if self.requested == INTERRUPT:  # the second Ctrl-C: stop at once, without a checkpoint (Python's own)
+                raise KeyboardInterrupt
+            if self.requested == NONE and self.trainer.global_rank == 0:
+                # os.write: a handler may interrupt a print of the main thread, and print is not reentrant
+                os.write(2, b"\nCtrl-C: the run stops at the next step every process agrees on and saves last.ckpt;"
+                            b" press Ctrl-C again to stop at once without saving.\n")
+            asked = INTERRUPT
+        else:
+            asked = REQUEUE if signum == self.requeue_signal() else STOP
         self.requested = max(self.requested, asked)
 
     def agree(self) -> int:
