@@ -5,11 +5,17 @@ in litdata's RuntimeError), the file system, or a DataLoader whose worker died, 
 the endpoint unreachable or refusing, credentials refused, the bucket or prefix missing or not a
 pack, a chunk corrupt or truncated, the cache disk full, a worker killed. Errors it does not
 recognise are returned as None and travel on unchanged.
+
+The packer and training share these cases but not their flags: `side="packer"` words each paragraph with the
+packer's own (`--dst`, `--storage-options`, `--create-bucket`, the AWS_* variables boto3 reads), `side="training"`
+(the default) with training's (`--data.data_dir`, `--data.storage_options`, `--data.cache_dir`).
 """
 from __future__ import annotations
 
 import errno
 import re
+import tempfile
+from typing import Literal
 
 from datamodules.index import DataError
 
@@ -17,6 +23,12 @@ PACK_HINT = "python -m datamodules.shards --src ROOT --dst {url}"
 ENV_HINT = ("Set the endpoint and credentials with --data.storage_options "
             "'{endpoint_url: ..., region_name: ...}' or the standard variables AWS_ENDPOINT_URL, "
             "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary credentials).")
+# botocore reads these (botocore/configprovider.py); the packer passes --storage-options over them
+PACKER_ENV_HINT = ("The packer takes the endpoint from AWS_ENDPOINT_URL, the keys from AWS_ACCESS_KEY_ID and "
+                   "AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary credentials), the region from "
+                   "AWS_DEFAULT_REGION, or boto3 client arguments from --storage-options "
+                   "'{\"endpoint_url\": ...}'.")
+Side = Literal["training", "packer"]
 
 _UNREACHABLE = re.compile(
     r"EndpointConnectionError|Could not connect to the endpoint|Connection refused|ConnectTimeout|"
@@ -62,8 +74,11 @@ def _is_enospc(error: BaseException) -> bool:
     return bool(_NO_SPACE.search(_text(error)))
 
 
-def explain(error: BaseException, url: str, endpoint: str | None = None, cache_dir: str | None = None) -> str | None:
-    """One paragraph for a known failure reading the pack at `url`, else None."""
+def explain(error: BaseException, url: str, endpoint: str | None = None, cache_dir: str | None = None,
+            side: Side = "training") -> str | None:
+    """One paragraph for a known failure reading the pack at `url` (or, side="packer", writing it), else None."""
+    if side == "packer":
+        return _explain_packing(error, url, endpoint)
     text = _text(error)
     at = f" at {endpoint}" if endpoint else ""
     first = _root_cause(error)
@@ -79,8 +94,7 @@ def explain(error: BaseException, url: str, endpoint: str | None = None, cache_d
         return (f"The object store{at} refused the credentials for {url} ({first}). Check the access key, "
                 f"secret and session token in use, and that they may read this bucket. {ENV_HINT}")
     if _NO_BUCKET.search(text):
-        return (f"The bucket of {url} does not exist{at}. Check --data.data_dir and the endpoint, or pack the "
-                f"data there first: {PACK_HINT.format(url=url)}. {ENV_HINT}")
+        return missing_bucket(url, endpoint, side="training")
     if _UNREACHABLE.search(text):
         return (f"Cannot reach the object store{at} for {url}: the endpoint is unreachable or refused the "
                 f"connection ({first}). Check the endpoint URL (AWS_ENDPOINT_URL or --data.storage_options "
@@ -90,6 +104,45 @@ def explain(error: BaseException, url: str, endpoint: str | None = None, cache_d
         return (f"An object of the pack {url} is missing ({first}): the pack was changed or deleted while it "
                 f"was read, or is incomplete. Pack it again: {PACK_HINT.format(url=url)}")
     return None
+
+
+def _explain_packing(error: BaseException, url: str, endpoint: str | None) -> str | None:
+    text = _text(error)
+    at = f" at {endpoint}" if endpoint else ""
+    first = _root_cause(error)
+    if _is_enospc(error):
+        return (f"The disk is full while packing to {url} ({first}). A local --dst is built in a folder beside it; "
+                f"for an s3:// --dst each chunk is staged in the temporary folder first ({tempfile.gettempdir()}, "
+                "set by TMPDIR). Free space there or set TMPDIR to a disk with room; the chunks packed so far are "
+                "kept and reused.")
+    if _CREDENTIALS.search(text):
+        return (f"The object store{at} refused the credentials for --dst {url} ({first}). Check the keys in "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN), and that they may list and "
+                f"write this bucket (and create it, for --create-bucket). {PACKER_ENV_HINT}")
+    if _NO_BUCKET.search(text):
+        return missing_bucket(url, endpoint)
+    if _UNREACHABLE.search(text):
+        return (f"Cannot reach the object store{at} for --dst {url}: the endpoint is unreachable or refused the "
+                f"connection ({first}). Check the endpoint (AWS_ENDPOINT_URL, or endpoint_url in "
+                "--storage-options) and that its server is running and reachable from this machine; the chunks "
+                "packed so far are kept and reused.")
+    if _NOT_FOUND.search(text):
+        return (f"An object under --dst {url} disappeared while packing ({first}): something else writes or "
+                "deletes under that prefix. Give this pack a --dst of its own.")
+    return None
+
+
+def missing_bucket(url: str, endpoint: str | None, side: Side = "packer") -> str:
+    """The paragraph for an s3:// URL whose bucket does not exist at `endpoint`."""
+    at = f" at {endpoint}" if endpoint else ""
+    if side == "training":
+        return (f"The bucket of {url} does not exist{at}. Check --data.data_dir and the endpoint, or pack the "
+                f"data there first: {PACK_HINT.format(url=url)}. {ENV_HINT}")
+    bucket = url[len("s3://"):].split("/", 1)[0]
+    mb = f"aws s3 mb s3://{bucket}" + (f" --endpoint-url {endpoint}" if endpoint else "")
+    return (f"The bucket {bucket} of --dst {url} does not exist{at}. The packer creates it when given "
+            f"--create-bucket (with the same endpoint and credentials), or create it yourself: `{mb}`. Or check "
+            "--dst and AWS_ENDPOINT_URL, if this is not the store you meant.")
 
 
 def worker_died(url: str, detail: str) -> str:

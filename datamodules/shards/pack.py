@@ -1,6 +1,6 @@
 """Packing an ImageFolder tree into LitData shards, in a local folder or in object storage (layout.py).
 
-    python -m datamodules.shards --src ROOT --dst DIR|s3://bucket/prefix [--skip-invalid] [--chunk-mb 16]
+    python -m datamodules.shards --src ROOT --dst DIR|s3://bucket/prefix [--create-bucket] [--skip-invalid]
 
 Each split of the validated Index is shuffled with a fixed seed, cut into chunks of about
 --chunk-mb, and every file is read and decoded once (a file that fails is named, and left out
@@ -8,7 +8,8 @@ with --skip-invalid). A chunk is written by LitData's own BinaryWriter (litdata/
 fsynced, moved or uploaded into place, and only then recorded as done under `.pack/`: a killed pack,
 run again, redoes at most the chunks in flight. The splits' index.json files come after every
 chunk, and `fic-shards.json` last, so an incomplete pack is never taken for a finished one. A local
---dst is built in `.NAME.partial` beside it and renamed when complete.
+--dst is built in `.NAME.partial` beside it and renamed when complete. An s3:// --dst's bucket must exist, or
+--create-bucket makes it with the packer's own client.
 """
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ from datamodules.index import SPLITS, DataError, Index, load_indexes
 from datamodules.packing import list_bad, parallel_imap, require_source
 from datamodules.sample.decode import decode  # imported before the pool forks: workers start at once
 from datamodules.sample.images import check_bytes
-from datamodules.shards.errors import as_data_error
+from datamodules.shards.errors import as_data_error, missing_bucket
 from datamodules.shards.layout import FORMAT, INDEX, ITEM, MARKER, PROGRESS, VERSION, chunk_name, read_meta
 from datamodules.shards.storage import is_remote
-from datamodules.shards.store import LocalStore, Store, open_store
+from datamodules.shards.store import LocalStore, S3Store, Store, open_store
 from datamodules.tool import tool
 
 DEFAULT_CHUNK_MB = 16  # small enough that every worker starts on its own chunk soon; large enough per GET
@@ -220,8 +221,11 @@ def _pack(store: Store, src: Path, indexes: dict[str, Index], layout: dict, fp: 
 
 def pack(src: str | os.PathLike, dst: str, *, skip_invalid: bool = False, workers: int | None = None,
          chunk_mb: float = DEFAULT_CHUNK_MB, seed: int = DEFAULT_SEED, overwrite: bool = False,
-         storage_options: dict | None = None, progress: bool = True) -> dict:
-    """Pack both splits of `src` into `dst`; returns the pack's metadata. Resumes an interrupted run."""
+         storage_options: dict | None = None, progress: bool = True, create_bucket: bool = False) -> dict:
+    """Pack both splits of `src` into `dst`; returns the pack's metadata. Resumes an interrupted run.
+
+    create_bucket: an s3:// `dst` whose bucket is missing gets it made (said in one line on stderr); without
+    it, a missing bucket is a DataError saying how to make one."""
     src = Path(src).absolute()
     indexes = load_indexes(src)
     layout = plan(indexes, seed, int(chunk_mb * (1 << 20)))
@@ -237,6 +241,8 @@ def pack(src: str | os.PathLike, dst: str, *, skip_invalid: bool = False, worker
                             "another --dst.")
     store = LocalStore(final.parent / f".{final.name}.partial") if local else open_store(dst, storage_options)
     try:
+        if isinstance(store, S3Store):
+            _ensure_bucket(store, create_bucket)
         if _prepare(store, fp, overwrite, ours=local):
             meta = read_meta(store)  # finished earlier (a local pack killed before its rename)
         else:
@@ -244,7 +250,7 @@ def pack(src: str | os.PathLike, dst: str, *, skip_invalid: bool = False, worker
     except DataError:
         raise
     except Exception as e:  # an unreachable store, refused credentials: one paragraph
-        raise as_data_error(e, str(dst), endpoint=getattr(store, "endpoint", None)) from e
+        raise as_data_error(e, str(dst), endpoint=getattr(store, "endpoint", None), side="packer") from e
     if local:
         shutil.rmtree(Path(store.url) / PROGRESS, ignore_errors=True)
         if final.exists():
@@ -253,6 +259,16 @@ def pack(src: str | os.PathLike, dst: str, *, skip_invalid: bool = False, worker
             shutil.rmtree(old, ignore_errors=True)
         os.rename(store.url, final)
     return meta
+
+
+def _ensure_bucket(store: S3Store, create: bool) -> None:
+    if store.bucket_exists():
+        return
+    if not create:
+        raise DataError(missing_bucket(store.url, store.endpoint))
+    store.create_bucket()
+    print(f"created the bucket s3://{store.bucket}" + (f" at {store.endpoint}" if store.endpoint else ""),
+          file=sys.stderr, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -266,7 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "broken files are listed. Rerunning after an interruption resumes; the pack counts as finished "
                     f"only once DST/{MARKER} exists.")
     ap.add_argument("--src", required=True, type=Path, help="ImageFolder root holding train/ and val/")
-    ap.add_argument("--dst", required=True, help="output folder, or s3://bucket/prefix")
+    ap.add_argument("--dst", required=True, help="output folder, or s3://bucket/prefix (the bucket must exist)")
+    ap.add_argument("--create-bucket", action="store_true",
+                    help="make the bucket of an s3:// DST if it is missing (same endpoint and credentials)")
     ap.add_argument("--skip-invalid", action="store_true", help="leave undecodable files out (listed in the metadata)")
     ap.add_argument("--workers", type=int, default=None, help="decode processes (default: all usable CPUs)")
     ap.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_MB,
@@ -292,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
         raise DataError(f"--storage-options must be a JSON object, got {a.storage_options!r}.")
     require_source(a.src)
     meta = pack(a.src, a.dst, skip_invalid=a.skip_invalid, workers=a.workers, chunk_mb=a.chunk_mb, seed=a.seed,
-                overwrite=a.overwrite, storage_options=options, progress=not a.quiet)
+                overwrite=a.overwrite, storage_options=options, progress=not a.quiet, create_bucket=a.create_bucket)
     counts = ", ".join(f"{s} {v['count']} in {v['chunks']} chunks (skipped {v['skipped']})"
                        for s, v in meta["splits"].items())
     size = sum(v["bytes"] for v in meta["splits"].values())

@@ -110,6 +110,27 @@ class S3Store(Store):
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
+    def bucket_exists(self) -> bool:
+        """False when the endpoint says the bucket is missing; refused credentials or no endpoint raise."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchBucket", "NotFound"):
+                return False
+            raise
+        return True
+
+    def create_bucket(self) -> None:
+        """Make the bucket with this store's client: its endpoint, credentials and region."""
+        region = self.client.meta.region_name
+        # S3 rejects a LocationConstraint of us-east-1 and wants one for every other region
+        if region in (None, "us-east-1"):
+            self.client.create_bucket(Bucket=self.bucket)
+        else:
+            self.client.create_bucket(Bucket=self.bucket, CreateBucketConfiguration={"LocationConstraint": region})
+
     def read(self, key: str) -> bytes | None:
         from botocore.exceptions import ClientError
 
