@@ -3,6 +3,8 @@
 Classes are the sorted names of the non-hidden folders of train/; val/ must have the same
 folders. Hidden files and folders and non-image files are never samples. Files that fail
 the cheap checks of `images.check_file` are listed in `bad_files`, not in `samples`.
+train/ is listed class by class (every loader shuffles it); val/ is interleaved by class, one sample of
+each class in turn, so any prefix of it (`--trainer.limit_val_batches`, a smoke test) holds every class.
 Scans are cached, keyed by the modification time of every folder the walk entered (nested ones
 included), so a second start on a large tree costs one stat per folder and no per-file work.
 
@@ -30,7 +32,7 @@ from datamodules.packing import file_lock
 from datamodules.sample.images import check_file, is_image_name
 
 SPLITS = ("train", "val")
-CACHE_VERSION = 3
+CACHE_VERSION = 4  # 4: val interleaved by class
 # Reads in flight: a local disk gains little past 4 and more threads contend for the GIL; 8 keeps a
 # deeper queue for network storage, whose latency threads hide (python -m bench.scanbench measures yours).
 SCAN_THREADS = 8
@@ -192,22 +194,32 @@ def scan_split(root: str, split: str, classes: list[str], check: bool, threads: 
                     bar.update(min(SCAN_CHUNK, len(paths) - start))
 
                 list(pool.map(check_chunk, range(0, len(paths), SCAN_CHUNK)))
-    samples, bad, empty, k = [], [], [], 0
+    per_class: list[list[tuple[str, int]]] = []
+    bad, empty, k = [], [], 0
     for label, (name, files) in enumerate(zip(classes, listings, strict=False)):
         if not files:
             empty.append(name)
+        kept = []
         for path in files:
             rel = os.path.relpath(path, root).replace(os.sep, "/")
             if reasons[k]:
                 bad.append((rel, reasons[k]))
             else:
-                samples.append((rel, label))
+                kept.append((rel, label))
             k += 1
+        per_class.append(kept)
+    samples = [s for kept in per_class for s in kept] if split == "train" else interleave(per_class)
     seconds = time.perf_counter() - t0
     if check and seconds > 5 and not _tty(progress):  # one line in a log instead of a bar
         print(f"indexed {len(paths)} files of {os.path.join(root, split)} in {seconds:.0f} s "
               f"({len(paths) / seconds:,.0f} files/s, {threads} threads)", file=sys.stderr)
     return Index(root, split, list(classes), samples, bad, empty)
+
+
+def interleave(per_class: list[list[tuple[str, int]]]) -> list[tuple[str, int]]:
+    """Round-robin over the classes: the first sample of each class, then the second of each, and so on."""
+    longest = max((len(kept) for kept in per_class), default=0)
+    return [kept[i] for i in range(longest) for kept in per_class if i < len(kept)]
 
 
 def _tty(progress: bool | None) -> bool:

@@ -147,3 +147,26 @@ def test_threaded_scan_lists_the_same_samples_and_bad_files_as_one_thread(odd_tr
     many = ix.scan_split(root, "train", classes, True, threads=8)
     assert one == many
     assert [p for p, _ in many.bad_files] == ["train/bees/cut.jpg"]
+
+
+def test_val_is_interleaved_by_class_so_any_prefix_holds_every_class(tmp_path):
+    root = make_tree(tmp_path / "t", {"a": 5, "b": 2, "c": 3}, size=(8, 8))
+    labels = load_index(root, "val").labels
+    assert labels == [0, 1, 2, 0, 1, 2, 0, 2, 0, 0]
+    assert load_index(root, "train").labels == [0] * 5 + [1] * 2 + [2] * 3  # train: every loader shuffles it
+
+
+@pytest.mark.parametrize("backend", ["imagefolder", "lmdb", "downscaled"])
+def test_first_64_val_images_of_a_class_sorted_tree_hold_every_class(backend, tiny_data, tmp_path):
+    # what `--trainer.limit_val_batches 2` at batch 32 validates (docs/training.md's recipe smoke test)
+    from datamodules import DownscaledDataModule, ImageFolderDataModule, LMDBDataModule
+
+    common = {"batch_size": 32, "num_workers": 0, "image_size": 32}
+    dm = {"imagefolder": lambda: ImageFolderDataModule(str(tiny_data), **common),
+          "lmdb": lambda: LMDBDataModule(str(tiny_data), cache_dir=str(tmp_path / "tiny.lmdb"), **common),
+          "downscaled": lambda: DownscaledDataModule(str(tiny_data), max_size=24, cache_dir=str(tmp_path / "d"),
+                                                     **common)}[backend]()
+    dm.setup("validate")
+    loader = iter(dm.val_dataloader())
+    seen = {int(y) for _ in range(2) for y in next(loader)[1]}
+    assert seen == set(range(dm.num_classes)) and dm.num_classes == 10
