@@ -45,6 +45,7 @@ from lightning_app.module import ImageClassifier
 from lightning_app.runs.flags_over_checkpoint import network_settings
 from lightning_app.runs.guard import use_atomic_checkpoints
 from lightning_app.runs.identity import training_settings
+from lightning_app.runs.plan import discard_evaluation_folder
 from lightning_app.settings import check_settings, require_trained_weights
 from lightning_app.strategies import STRATEGY_HELP, ClusterDDPStrategy  # registers --trainer.strategy dp, ddp
 from lightning_app.strategies.peers import describe_distributed_failure
@@ -219,12 +220,15 @@ class ClassifierCLI(LightningCLI):
                 self.plan.lock.release()
 
     def _discard_failed_run(self) -> None:
-        """A fresh run that failed (a bad setting, say) before its first checkpoint leaves no folder behind."""
+        """A fresh run that failed (a bad setting, say) before its first checkpoint leaves no folder behind, and
+        so does a validate/test/predict that failed before its first result (a bad --data.predict_dir, say)."""
         plan = self.plan
         if plan is None:
             return
         if plan.lock is not None:
             plan.lock.release()
+        trainer = getattr(self, "trainer", None)
+        discard_evaluation_folder(plan, logged_metrics=bool(trainer is not None and trainer.logged_metrics))
         if plan.made_here and plan.run_dir is not None:
             ckpts = plan.run_dir / runs.CHECKPOINTS
             if not (ckpts.is_dir() and any(ckpts.iterdir())):

@@ -139,3 +139,17 @@ def test_predict_names_a_bad_image_once(tiny_data, tmp_path):
                             "--data.num_workers", "0", "--trainer.default_root_dir", str(tmp_path / "logs"),
                             "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false"])
     assert sum("broken.jpg" in str(w.message) for w in seen) == 1, [str(w.message) for w in seen]
+
+
+@pytest.mark.slow
+def test_failed_predict_leaves_no_folder_and_keeps_earlier_results(tiny_data, tmp_path):
+    _, _, _, ckpt = train_checkpoint(tiny_data, tmp_path / "run", epochs=1, batch=40)
+    logs = tmp_path / "logs"
+    failed = run_main(predict_args(ckpt, tmp_path / "nowhere", logs), check=False)
+    assert failed.returncode == 2 and "predict_dir" in failed.stderr and "Traceback" not in failed.stderr
+    assert not list(logs.glob("predict_*"))
+    run_main(predict_args(ckpt, tiny_data / "val" / "star", logs))
+    assert (logs / "predict_0" / "predictions.csv").is_file()  # the name docs/after-training.md shows
+    assert run_main(predict_args(ckpt, tmp_path / "nowhere", logs), check=False).returncode == 2
+    assert sorted(p.name for p in logs.glob("predict_*")) == ["predict_0"]
+    assert (logs / "predict_0" / "predictions.csv").is_file()

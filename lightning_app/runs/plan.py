@@ -3,16 +3,19 @@
 fit: a fresh ROOT/version_N (made, with its run.json, by the one launch-rank-zero process, which also takes
 its lock), or the run of the resolved checkpoint wherever its root is. validate/test/predict: a folder of
 their own, `<run>/<subcommand>_K`, under the checkpoint's run (ROOT/<subcommand>_K for a checkpoint outside
-any run), printed in one line.
+any run), printed in one line. One that fails before writing a result removes that folder again
+(discard_evaluation_folder), so the next one takes its name.
 """
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pytorch_lightning.utilities import rank_zero_info
 
+from lightning_app.callbacks.predictions import FILENAME as RESULT_FILE
 from lightning_app.runs import identity
 from lightning_app.runs.folders import RUN_PATTERN, new_run, new_subfolder
 from lightning_app.runs.guard import RunGuard
@@ -33,6 +36,7 @@ class RunPlan:
     made_here: bool = False  # a fresh run this process made (removed again if it fails before a checkpoint)
     guard: RunGuard | None = None
     lines: list[str] = field(default_factory=list)
+    evaluation_folder: Path | None = None  # validate/test/predict's own <subcommand>_K, made by this process
 
 
 def plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict, signature: ModelSignature) -> RunPlan:
@@ -48,7 +52,8 @@ def plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict,
         folder = new_subfolder(parent, subcommand)
         if subcommand != "predict":  # predict's line names its images too (lightning_app/callbacks/predictions.py)
             lines.append(f"{subcommand}: {_what(resolved.checkpoint)}; results in {folder}")
-        return RunPlan(resolved.checkpoint, parent, folder.name, resolved.run_dir, lines=lines)
+        return RunPlan(resolved.checkpoint, parent, folder.name, resolved.run_dir, lines=lines,
+                       evaluation_folder=folder)
 
     plan = RunPlan(resolved.checkpoint, root, None, resolved.run_dir, lines=lines)
     record = resolved.record
@@ -76,6 +81,16 @@ def plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict,
         os.path.realpath(plan.run_dir) if plan.run_dir else None, (record or {}).get("run_id"), plan.made_here,
         resumed=bool(resolved.checkpoint and resolved.run_dir))
     return plan
+
+
+def discard_evaluation_folder(plan: RunPlan, logged_metrics: bool) -> None:
+    """Remove the folder a failed validate/test/predict made unless it holds a result: logged metrics or
+    predictions.csv. config.yaml, hparams.yaml and an events file are written before the loop starts."""
+    folder = plan.evaluation_folder
+    if folder is None or logged_metrics or (folder / RESULT_FILE).exists():
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    plan.evaluation_folder = None
 
 
 def _lock(run_dir: Path, lines: list[str]) -> RunLock:
