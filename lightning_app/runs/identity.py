@@ -1,7 +1,8 @@
 """A run's identity: `version_N/run.json`, written when the run is made and updated at every resume.
 
 It holds the run's training settings (what `--ckpt_path last` compares), where and when it started,
-and every SLURM job that trained it (job id, array job and task id, restart count). `IGNORED` is the
+every SLURM job that trained it (job id, array job and task id, restart count) and every torchrun worker group
+(rendezvous run id, restart count). `IGNORED` is the
 one list of settings that do not change what a run learns: `last` ignores them, and a resumed fit
 changes them without a word.
 """
@@ -203,6 +204,46 @@ def command_line() -> str:
     return " ".join(words)
 
 
+# -- torchrun --------------------------------------------------------------------------------
+# torchrun's agent sets these in every worker (torch/distributed/elastic/agent/server/local_elastic_agent.py,
+# _start_workers): the rendezvous run id (--rdzv-id), how often the group was restarted, and the node count.
+NO_RUN_ID = ("", "none")  # torchrun's --rdzv-id default "none" (torch/distributed/run.py): shared by every job
+
+
+def elastic_run() -> dict:
+    """This process's torchrun worker group, or {} outside torchrun. `agent`: host and pid of the torchrun agent
+    that started it (the worker's parent: the agent Popens its workers and outlives their restarts,
+    torch/distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py)."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return {}
+    return {"run_id": env["TORCHELASTIC_RUN_ID"], "restart_count": int(env.get("TORCHELASTIC_RESTART_COUNT") or 0),
+            "max_restarts": int(env.get("TORCHELASTIC_MAX_RESTARTS") or 0),
+            "nodes": int(env.get("GROUP_WORLD_SIZE") or 1), "agent": f"{socket.gethostname()}:{os.getppid()}"}
+
+
+def elastic_key(run: dict) -> str | None:
+    """What identifies a torchrun job across its restarts: its rendezvous run id. Without one (--rdzv-id left at
+    "none") the agent on a single node, which every restart shares; on several nodes nothing (None)."""
+    if not run:
+        return None
+    if run.get("run_id") not in NO_RUN_ID:
+        return f"rdzv {run['run_id']}"
+    return f"agent {run['agent']}" if run.get("nodes") == 1 and run.get("agent") else None
+
+
+def is_elastic_restart(run: dict) -> bool:
+    return bool(run) and int(run.get("restart_count", 0)) > 0
+
+
+def last_elastic_attempt(record: dict, key: str) -> datetime.datetime | None:
+    """When torchrun job `key` last created or resumed the run; None if it never did. A job started again by
+    hand with the same --rdzv-id may resume an older run: the one it trained last is its own."""
+    times = [datetime.datetime.fromisoformat(a["at"]) for a in record.get("attempts", [])
+             if elastic_key(a.get("torchelastic") or {}) == key and a.get("at")]
+    return max(times, default=None)
+
+
 # -- run.json ------------------------------------------------------------------------------
 def now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -221,6 +262,8 @@ def read_run(run_dir: str | os.PathLike) -> dict | None:
 def _attempt(checkpoint: str | None, changed: list | None = None) -> dict:
     attempt = {"at": now(), "host": socket.gethostname(), "pid": os.getpid(), "command": command_line(),
                "checkpoint": checkpoint, "slurm": slurm_job()}
+    if elastic_run():
+        attempt["torchelastic"] = elastic_run()
     if changed:
         attempt["changed"] = [{"key": k, "from": o, "to": n} for k, o, n in changed]
     return attempt
@@ -228,7 +271,8 @@ def _attempt(checkpoint: str | None, changed: list | None = None) -> dict:
 
 def write_new_run(run_dir: str | os.PathLike, training: dict) -> dict:
     record = {"run_id": uuid.uuid4().hex, "created": now(), "host": socket.gethostname(),
-              "slurm": slurm_job(), "training": training, "attempts": [_attempt(None)]}
+              "slurm": slurm_job(), **({"torchelastic": elastic_run()} if elastic_run() else {}),
+              "training": training, "attempts": [_attempt(None)]}
     write_atomically(Path(run_dir) / RUN_JSON, json.dumps(record, indent=1).encode())
     return record
 

@@ -5,6 +5,9 @@ name exists, so two launches at the same instant cannot both hold it). While the
 refreshes the lock's mtime (its heartbeat). A lock is taken over, with one line saying so, when
 - its owner ran on this host and that process is gone;
 - SLURM requeued the job that holds it (the previous attempt is over);
+- torchrun restarted the worker group that holds it (the agents stop every worker of the group before the next
+  rendezvous, torch/distributed/elastic/agent/server/api.py `_restart_workers`, so its owner is gone even on
+  another host);
 - its heartbeat is older than STALE_S, from any host (a restarted pod, a node that died).
 Ages are measured against a file written just now in the same folder, so only the file server's clock counts.
 """
@@ -18,7 +21,16 @@ from pathlib import Path
 
 from lightning_app.errors import UserError
 from lightning_app.runs.folders import fsync_dir
-from lightning_app.runs.identity import command_line, is_requeued, job_key, now, slurm_job
+from lightning_app.runs.identity import (
+    command_line,
+    elastic_key,
+    elastic_run,
+    is_elastic_restart,
+    is_requeued,
+    job_key,
+    now,
+    slurm_job,
+)
 
 LOCK_NAME = ".lock"
 HEARTBEAT_S = 30.0
@@ -56,10 +68,12 @@ class RunLock:
         self._stop = threading.Event()
 
     def _record(self) -> dict:
-        job = slurm_job()
+        job, elastic = slurm_job(), elastic_run()
         return {"pid": os.getpid(), "host": socket.gethostname(), "pid_start": _process_start(os.getpid()),
                 "started": now(), "command": command_line(),
-                **({"slurm_job_id": job_key(job), "slurm_restart_count": job["restart_count"]} if job else {})}
+                **({"slurm_job_id": job_key(job), "slurm_restart_count": job["restart_count"]} if job else {}),
+                **({"torchelastic": elastic_key(elastic), "torchelastic_restart_count": elastic["restart_count"]}
+                   if elastic_key(elastic) else {})}
 
     def read(self, path: Path | None = None) -> dict | None:
         try:
@@ -99,6 +113,9 @@ class RunLock:
         who = f"process {pid} on host {host}" if pid else "an unreadable lock"
         if _requeued_after(owner):
             because = f"SLURM requeued job {owner.get('slurm_job_id')}; the lock was its previous attempt's"
+        elif _restarted_after(owner):
+            because = (f"torchrun restarted the worker group of {owner.get('torchelastic')}; the lock was its attempt "
+                       f"{owner.get('torchelastic_restart_count')}'s")
         elif isinstance(pid, int) and host == socket.gethostname():
             if _alive(pid, owner.get("pid_start")):
                 raise UserError(
@@ -158,3 +175,10 @@ def _requeued_after(owner: dict) -> bool:
     me = slurm_job()
     return is_requeued(me) and owner.get("slurm_job_id") == job_key(me) and \
         int(owner.get("slurm_restart_count", 0) or 0) < me["restart_count"]
+
+
+def _restarted_after(owner: dict) -> bool:
+    me = elastic_run()
+    key = elastic_key(me)
+    return is_elastic_restart(me) and key is not None and owner.get("torchelastic") == key and \
+        int(owner.get("torchelastic_restart_count", 0) or 0) < me["restart_count"]

@@ -5,6 +5,8 @@ lists what is not compared). A requeued SLURM job (SLURM_RESTART_COUNT > 0) resu
 and nothing else. The run's newest checkpoint (last.ckpt or Lightning's hpc_ckpt_K.ckpt) must be
 readable; otherwise the run is named with its best checkpoint, and no older run is ever taken instead.
 `hpc` is the same run, resumed from its newest hpc_ckpt_K.ckpt only.
+A fit whose torchrun worker group was restarted (TORCHELASTIC_RESTART_COUNT > 0) goes on with the run of its own
+torchrun job (identity.elastic_key), whatever --ckpt_path says, and with no other run.
 """
 from __future__ import annotations
 
@@ -28,6 +30,47 @@ class Resolved:
 
 
 def resolve(ckpt_path: str | None, root: Path, training: dict, subcommand: str) -> Resolved:
+    elastic = identity.elastic_run()
+    if subcommand == "fit" and identity.is_elastic_restart(elastic):
+        return _resolve_restart(ckpt_path, root, training, elastic)
+    return _resolve(ckpt_path, root, training, subcommand)
+
+
+def _resolve_restart(ckpt_path: str | None, root: Path, training: dict, run: dict) -> Resolved:
+    """torchrun restarts a group with the command line of its first attempt (torch/distributed/elastic/agent/server/
+    api.py, _restart_workers), so the command cannot say "resume": the run to go on with is the one whose run.json
+    records this torchrun job, from its newest checkpoint (as a requeued SLURM job's)."""
+    what = f"torchrun restarted the worker group (restart {run['restart_count']} of {run['max_restarts']}"
+    key = identity.elastic_key(run)
+    if key is None:
+        raise UserError(
+            f"{what}), but its rendezvous id is torchrun's default \"none\" on {run['nodes']} nodes, which every job "
+            "without --rdzv-id shares: which run is this job's own cannot be told, and no run is taken. Give torchrun "
+            "--rdzv-id JOB_ID, the same on every node (scripts/torchrun.sh does), and start the job again with "
+            "--ckpt_path last.")
+    what += f", {key})"
+    mine = sorted((at, n, d) for n, d in run_dirs(root)
+                  if (at := identity.last_elastic_attempt(identity.read_run(d) or {}, key)) is not None)
+    if not mine:
+        if ckpt_path not in (None, "last", "hpc"):  # a file the user named: the first attempt started from it too
+            resolved = _resolve(ckpt_path, root, training, "fit")
+            resolved.message = f"{what}: no run under {root} records it yet; starting again from {ckpt_path}."
+            return resolved
+        return Resolved(None, None, message=f"{what}: no run under {root} records it (its first attempt stopped "
+                                            "before making its run folder); starting a fresh run, no other run is "
+                                            "taken.")
+    run_dir = mine[-1][2]
+    record = identity.read_run(run_dir)
+    resolved = _checkpoint_of("last", run_dir, record, f"{what}: its own run {run_dir}", "fit")
+    if resolved.checkpoint is None and ckpt_path not in (None, "last", "hpc"):
+        resolved.checkpoint = str(ckpt_path)
+    resolved.changed = identity.differences(record["training"], training)
+    start = f"resuming {resolved.checkpoint}" if resolved.checkpoint else "starting it again in its folder"
+    resolved.message = f"{what}: {start} in its own run {run_dir}; no other run is taken."
+    return resolved
+
+
+def _resolve(ckpt_path: str | None, root: Path, training: dict, subcommand: str) -> Resolved:
     if ckpt_path in ("last", "hpc"):
         return _resolve_run(ckpt_path, root, training, subcommand)
     if ckpt_path is None or ckpt_path in ("best", "registry") or str(ckpt_path).startswith("registry:"):
