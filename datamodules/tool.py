@@ -1,18 +1,24 @@
 """How every command-line tool ends (`python -m datamodules.*`, `python -m bench`): bad input in one paragraph with
-exit status 2, Ctrl-C in one line with exit status 130, never a traceback.
+exit status 2, Ctrl-C in one line with exit status 130, SIGTERM in one line with exit status 143, never a traceback.
 
 Ctrl-C reaches the whole process group: the tool's worker processes ignore it (`ignore_stop_signals`, a pool's
 initializer), so the tool's own process stops once and tears its pools down as the KeyboardInterrupt unwinds
 through their `with` blocks (multiprocessing's Pool.terminate sends SIGTERM, which ends a worker at once).
-SIGTERM keeps its default action here: raising an exception from a SIGTERM handler at an arbitrary point was seen
-to be swallowed inside a lock release and to leave the tool waiting on workers the same signal had killed.
+SIGTERM does not unwind: raising an exception from a SIGTERM handler at an arbitrary point was seen to be swallowed
+inside a lock release and to leave the tool waiting on workers the same signal had killed. Its handler
+(`_end_on_sigterm`) takes no lock and waits for nothing: it SIGKILLs the tool's descendants (found in /proc), writes
+its line with os.write and leaves by os._exit(143). What the tools write is written atomically (a temporary name
+renamed into place, or a packer's resumable partial state), so a rerun never uses half of it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 EXIT_BAD_INPUT = 2
 
@@ -34,7 +40,8 @@ def run_tool(name: str, main: Callable[[], int | None], on_stop: str = "",
 
         bad_input = (DataError, OSError)
     try:
-        return int(main() or 0)
+        with _sigterm_ends(name, on_stop):
+            return int(main() or 0)
     except KeyboardInterrupt as stop:
         # Ctrl-C, or a signal a tool turns into KeyboardInterrupt("SIGTERM") to unwind (bench nodes)
         said = str(stop.args[0]) if stop.args else ""
@@ -69,3 +76,54 @@ def describe(error: BaseException) -> str:
     if isinstance(error, OSError) and error.filename:
         return f"cannot use {error.filename}: {error.strerror or error}."
     return str(error).strip() or type(error).__name__
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process below `pid` (children first), read from /proc/<pid>/stat's ppid field (man 5 proc)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fd = os.open(f"/proc/{entry}/stat", os.O_RDONLY)
+            try:
+                stat = os.read(fd, 1024)
+            finally:
+                os.close(fd)
+        except OSError:  # ended meanwhile
+            continue
+        ppid = int(stat.rsplit(b")", 1)[1].split()[1])  # after the command name, which may hold spaces
+        parents.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+@contextlib.contextmanager
+def _sigterm_ends(name: str, on_stop: str) -> Iterator[None]:
+    """While a tool runs in the main thread: SIGTERM ends it in one line with exit status 143 (module docstring)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    tool_pid = os.getpid()
+    line = f"{name}: stopped by SIGTERM{'; ' + on_stop if on_stop else ''}.\n".encode()
+
+    def _end_on_sigterm(signum: int, _frame: object) -> None:
+        if os.getpid() != tool_pid:  # a forked child that kept this handler: the default action, silently
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        for pid in descendants(tool_pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        os.write(2, line)
+        os._exit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _end_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,6 +1,7 @@
 """Every command-line tool (`python -m datamodules.*`, `python -m bench`) ends bad input in one paragraph with exit
-status 2 and Ctrl-C in one line with exit status 130, never with a traceback; a Ctrl-C to the whole process group
-(the tool and its worker processes) ends it once, and no process of the group survives it (datamodules/tool.py)."""
+status 2, Ctrl-C in one line with exit status 130 and SIGTERM in one line with exit status 143, never with a
+traceback; a Ctrl-C or a SIGTERM to the whole process group (the tool and its worker processes) ends it once, no
+process the tool started survives it (datamodules/tool.py), and a rerun completes."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from datamodules.tool import descendants
 from tests.helpers import REPO
+
+STOPPED = {signal.SIGINT: ("stopped by SIGINT (Ctrl-C)", 130), signal.SIGTERM: ("stopped by SIGTERM", 143)}
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
@@ -58,9 +62,10 @@ def _larger(tree: Path, root: Path, copies: int = 5) -> Path:
     return root
 
 
-def _stop_midway(args: list[str], started: Path | float, sig: int = signal.SIGINT) -> tuple[int, str]:
+def _stop_midway(args: list[str], started: Path | float, sig: int = signal.SIGINT,
+                 whole_group: bool = True) -> tuple[int, str]:
     """Start the tool in a process group of its own, wait until `started` exists (it is working) or that many
-    seconds have passed, then signal the whole group."""
+    seconds have passed, then signal the whole group (or the tool alone)."""
     proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     deadline = time.monotonic() + 120
@@ -71,29 +76,66 @@ def _stop_midway(args: list[str], started: Path | float, sig: int = signal.SIGIN
         time.sleep(0.05)
     time.sleep(0.2)  # its workers started
     assert proc.poll() is None, f"{args}: finished before it could be stopped"
-    os.killpg(proc.pid, sig)
+    started_by_it = descendants(proc.pid)
+    os.killpg(proc.pid, sig) if whole_group else os.kill(proc.pid, sig)
     out, err = proc.communicate(timeout=120)
     time.sleep(1)
-    with pytest.raises(ProcessLookupError):  # no worker of the tool outlives it
-        os.killpg(proc.pid, 0)
+    # no worker of the tool outlives it, nor anything it started elsewhere (zombies are dead: a container's PID 1
+    # may not reap what a SIGKILLed tool leaves it)
+    alive = [pid for pid in {*started_by_it, *_group(proc.pid)} if _alive(pid)]
+    assert not alive, f"{args}: {[_command(pid) for pid in alive]} outlived the tool\n{(out + err)[-2000:]}"
     return proc.returncode, out + err
 
 
+def _group(pgid: int) -> list[int]:
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(entry)) == pgid:
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return str(pid)
+
+
+def _stopped_once(code: int, output: str, sig: int) -> None:
+    said, status = STOPPED[sig]
+    assert code == status, output[-3000:]
+    assert sum(said in line for line in output.splitlines()) == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+
+
 @pytest.mark.slow
-def test_ctrl_c_to_a_packer_stops_it_in_one_line_and_a_rerun_finishes(slow_tree, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_signal_to_a_packer_stops_it_in_one_line_and_a_rerun_finishes(sig, slow_tree, tmp_path):
     dst = tmp_path / "out.lmdb"
     args = ["-m", "datamodules.lmdb", "--src", str(slow_tree), "--dst", str(dst), "--workers", "2",
             "--commit-every", "10", "--quiet"]
-    code, output = _stop_midway(args, tmp_path / ".out.lmdb.partial", signal.SIGINT)
-    assert code == 130 and "stopped by SIGINT (Ctrl-C); rerun the same command" in output, output[-3000:]
-    assert "Traceback" not in output and not dst.exists()
+    code, output = _stop_midway(args, tmp_path / ".out.lmdb.partial", sig)
+    _stopped_once(code, output, sig)
+    assert f"{STOPPED[sig][0]}; rerun the same command" in output and not dst.exists(), output[-3000:]
     again = _run(args)
     assert again.returncode == 0 and dst.is_dir(), again.stderr[-3000:]
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("tool", ["downscale", "shards", "builtin"])
-def test_ctrl_c_to_the_whole_group_stops_each_tool_in_one_line(tool, slow_tree, tmp_path):
+def test_a_stop_signal_to_the_whole_group_stops_each_tool_in_one_line(tool, sig, slow_tree, tmp_path):
     dst, tree = tmp_path / "out", _larger(slow_tree, tmp_path / "tree")
     args, started = {
         "downscale": (["-m", "datamodules.downscale", "--src", str(tree), "--dst", str(dst), "--max-size", "64",
@@ -105,7 +147,22 @@ def test_ctrl_c_to_the_whole_group_stops_each_tool_in_one_line(tool, slow_tree, 
         "builtin": (["-m", "datamodules.builtin", "--dst", str(dst), "--preset", "small", "--workers", "2",
                      "--quiet"], 1.0),
     }[tool]
-    code, output = _stop_midway(args, started, signal.SIGINT)
-    assert code == 130, output[-3000:]
-    assert sum("stopped by SIGINT (Ctrl-C)" in line for line in output.splitlines()) == 1, output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
+    code, output = _stop_midway(args, started, sig)
+    _stopped_once(code, output, sig)
+    again = _run(args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert dst.is_dir() and not list(tmp_path.glob(".*partial*")), list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_signal_to_bench_loaders_stops_its_s3_server_too(sig, tiny_data, tmp_path):
+    """The S3 row starts a moto_server (bench/loaders/streaming.py): the tool alone signalled while the server
+    runs (a signal to the group would reach the server directly) ends in one line, and the server with it."""
+    work = tmp_path / "work"
+    args = ["-m", "bench", "loaders", "--data-dir", str(tiny_data), "--backends", "streaming-s3", "--max-batches",
+            "2", "--rounds", "1", "--warm-epochs", "1", "--no-ceilings", "--num-workers", "1", "--image-size", "32",
+            "--work-dir", str(work), "--out", str(tmp_path / "o")]
+    code, output = _stop_midway(args, work / "moto.log", sig, whole_group=False)
+    _stopped_once(code, output, sig)
+    assert not (tmp_path / "o").exists(), output[-3000:]

@@ -102,12 +102,14 @@ def backend_rows(args, w: Workload, root: Path, ceiling: float | None) -> list[C
             row.status, row.verdict = "FAIL", f"{type(e).__name__}: {str(e)[:300]}"
             continue
         try:
-            row.images_s = train_through(prepared.datamodule, w)
+            with prepared:  # then stops what the backend started (the S3 row's moto_server)
+                try:
+                    row.images_s = train_through(prepared.datamodule, w)
+                finally:
+                    shutdown(prepared.datamodule)
         except Exception as e:  # noqa: BLE001
             row.status, row.verdict = "FAIL", f"{type(e).__name__}: {str(e)[:300]}"
             continue
-        finally:
-            shutdown(prepared.datamodule)
         share = row.images_s / ceiling if ceiling else None
         row.extra["share"] = share
         row.verdict = (f"end-to-end training, {w.steps} batches timed after {w.warmup}, {args.num_workers} workers"

@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 
 class Skip(Exception):
@@ -41,6 +41,13 @@ class Prepared:
     evict: Callable[[], str] | None = None       # how to make the next epoch cold, instead of evicting `files`
     io_ceiling: Callable[[], Any] | None = None  # the IO ceiling (a ceilings.Ceiling), instead of reading `files`
     close: Callable[[], None] | None = None      # after the run (a server this backend started)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.close is not None:
+            self.close()
 
 
 def datamodule_kwargs(cls: type, s: Settings, **extra: Any) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Self
 
 from bench.loaders import ceilings
 from bench.loaders.prepared import Prepared, Settings, Skip, datamodule_kwargs
@@ -54,19 +56,39 @@ def streaming_local(s: Settings) -> Prepared:
                     note=f"LitData shards in {dst.name} ({train['chunks']} chunks), read in place")
 
 
+def _die_with_parent() -> None:
+    """preexec_fn: SIGKILL this child when the thread that started it ends (prctl(PR_SET_PDEATHSIG), man 2 prctl),
+    even by SIGKILL, which no handler of the tool sees. Called in the child between fork and exec."""
+    import ctypes
+
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 class MotoServer:
-    """`moto_server -H 127.0.0.1 -p PORT`: an in-memory S3 endpoint on loopback for this run."""
+    """`moto_server -H 127.0.0.1 -p PORT`: an in-memory S3 endpoint on loopback for this run, stopped by `close()`
+    (or leaving its `with` block) on every way out: normal end, exception and Ctrl-C unwind to it; SIGTERM's
+    handler (datamodules/tool.py) kills the tool's descendants; and the server dies with its parent
+    (`_die_with_parent`). It stays in the tool's process group, so a signal to the group reaches it too."""
 
     def __init__(self, log: Path) -> None:
-        exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
-        if not Path(exe).exists():
+        exe = Path(sys.executable).parent / "moto_server"  # this environment's, before any on PATH
+        exe = str(exe) if exe.exists() else shutil.which("moto_server") or ""
+        if not exe:
             raise Skip("no S3 endpoint: set AWS_ENDPOINT_URL, or pip install 'moto[server]' for a local one")
         with socket.socket() as sock:  # a free port on loopback
             sock.bind(("127.0.0.1", 0))
             self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         with open(log, "wb") as out:
             self.proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", self.url.rsplit(":", 1)[1]], stdout=out,
-                                         stderr=subprocess.STDOUT)
+                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)  # noqa: PLW1509
+        try:
+            self._wait_listening(log)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_listening(self, log: Path) -> None:
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -76,14 +98,23 @@ class MotoServer:
                 return
             except OSError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.close()
                     raise Skip(f"moto_server did not start: {log.read_text()[-300:]}") from None
                 time.sleep(0.2)
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(10)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def streaming_s3(s: Settings) -> Prepared:
