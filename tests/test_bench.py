@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from bench.loaders.backends import BACKENDS
 from bench.loaders.report import classify
 from bench.train.rows import RowSpec, row_specs, skip_reason
 from datamodules.builtin.tree import generate
+from tests.helpers import REPO
 from tests.helpers.optional import needs_dali
 
 
@@ -212,6 +215,43 @@ def test_train_end_to_end(tmp_path, tiny_data):
     for r in rows[2:]:
         assert r["status"] == "skipped" and r["reason"], r
     assert "Template overhead" in md and "| baseline |" in md
+
+
+@pytest.mark.slow
+def test_train_says_every_few_seconds_which_row_and_step_it_is_at(tmp_path, tiny_data):
+    """FIC_PROGRESS_EVERY_S sets how often (default 15 s); written to a file, only these lines, no redrawn bar."""
+    proc = subprocess.run([sys.executable, "-m", "bench", "train", "--data-dir", str(tiny_data), "--rows",
+                           "baseline,plain-pytorch", "--epochs", "2", "--batch-size", "8", "--num-workers", "0",
+                           "--width", "8", "--overhead-pairs", "1", "--out", str(tmp_path / "out")],
+                          cwd=REPO, env={**os.environ, "FIC_PROGRESS_EVERY_S": "0.1"}, capture_output=True, text=True,
+                          timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = len(row_specs(torch.cuda.is_available()))
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("bench train: row ")]
+    assert any(line.startswith(f"bench train: row 1/{rows} baseline: ") for line in lines), proc.stderr[-3000:]
+    assert any(line.startswith(f"bench train: row 2/{rows} plain-pytorch (hand-written loop): ") for line in lines)
+    assert any(re.match(rf"bench train: row 1/{rows} baseline: epoch [12]/2, step \d+/30 \(\d+ s in this row\)$",
+                        line) for line in lines), lines[-20:]
+    assert "\r" not in proc.stderr
+
+
+def test_memory_says_which_cpus_it_sizes_for_and_no_lightning_warning(tmp_path):
+    from datamodules.cpus import cpu_share
+
+    def stderr(*extra: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "bench", "memory", "--config", "configs/default.yaml", "--ranks",
+                               "2", "--out", str(tmp_path / "out"), *extra], cwd=REPO, capture_output=True, text=True,
+                              timeout=300, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "LightningCLI's args parameter" not in proc.stderr, proc.stderr
+        return proc.stderr
+
+    here = cpu_share(1).cpus
+    said = [line for line in stderr().splitlines() if "sized for this machine's CPUs" in line]
+    line = (f"bench memory: sized for this machine's CPUs ({here}: {max(1, here // 2)} per rank of 2); for another "
+            "machine pass --cpus-per-rank (its CPUs / --ranks).")
+    assert said == [line], said
+    assert "sized for this machine" not in stderr("--cpus-per-rank", "4")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only skip reasons")

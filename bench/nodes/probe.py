@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 
+from bench.progress_bars import report_step, trainer_step
+
 OUT_ENV = "BENCH_NODES_OUT"
 
 
@@ -35,6 +37,8 @@ class StepProbe(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         self._mark()
         self.images = int(batch[0].shape[0])
+        if trainer.global_rank == 0:
+            report_step(trainer_step(trainer, batch_idx))
 
     def on_train_end(self, trainer, pl_module) -> None:
         out = os.environ.get(OUT_ENV)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.nodes.probe import OUT_ENV
+from bench.progress_bars import Progress
 from netsim import link as netlink
 from netsim.nodes import LAYOUT, Nodes
 
@@ -134,21 +135,24 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-nodes-"))
     rows: list[Row] = []
     try:
-        with netlink.simulated_link() as pair:  # the compute alone: two single-process fits side by side
-            half = args.batch_size // 2
-            got, why = _launch(pair, [fit_args(settings, tmp / f"local{n}", half) for n in (0, 1)], LOCAL_LAYOUT,
-                               tmp / "local", args.timeout)
-        local = Row("none (two single-process fits)", "no all-reduce")
-        if got is None:
-            local.status, local.reason = "failed", why
-        else:
-            local.step_times = read_marks(got[0]["marks"], args.warmup)[0]
-            local.step_s = statistics.median(local.step_times)
-            local.images_s = args.batch_size / local.step_s
-        for rate in rates:
-            with netlink.simulated_link(rate=rate) as pair:
-                for k, hook in enumerate(hooks):
-                    rows.append(_row(pair, rate, hook, settings, tmp / f"{rate}-{k}", args))
+        with Progress("bench nodes", 1 + len(rates) * len(hooks), tmp) as progress:
+            progress.row("compute alone (two single-process fits)", 1)
+            with netlink.simulated_link() as pair:  # the compute alone: two single-process fits side by side
+                half = args.batch_size // 2
+                got, why = _launch(pair, [fit_args(settings, tmp / f"local{n}", half) for n in (0, 1)], LOCAL_LAYOUT,
+                                   tmp / "local", args.timeout)
+            local = Row("none (two single-process fits)", "no all-reduce")
+            if got is None:
+                local.status, local.reason = "failed", why
+            else:
+                local.step_times = read_marks(got[0]["marks"], args.warmup)[0]
+                local.step_s = statistics.median(local.step_times)
+                local.images_s = args.batch_size / local.step_s
+            for r, rate in enumerate(rates):
+                with netlink.simulated_link(rate=rate) as pair:
+                    for k, hook in enumerate(hooks):
+                        progress.row(f"{rate} {hook.label}", 2 + r * len(hooks) + k)
+                        rows.append(_row(pair, rate, hook, settings, tmp / f"{rate}-{k}", args))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for rate in rates:

@@ -23,6 +23,7 @@ def plain_loop(spec: dict) -> dict:
     import numpy as np
     import torch.nn.functional as F
 
+    from bench.progress_bars import report_step
     from datamodules import ImageFolderDataModule
     from datamodules.sample.batches import SampleLoader, built_batch
     from datamodules.sample.transforms import normalize
@@ -63,10 +64,10 @@ def plain_loop(spec: dict) -> dict:
     torch.backends.cudnn.benchmark = spec["benchmark"]
     model.train()
     epochs = []
-    for _ in range(spec["epochs"]):
+    for epoch in range(spec["epochs"]):
         if device.type == "cuda":
             torch.cuda.synchronize()
-        t0, images, wait = time.perf_counter(), 0, 0.0
+        t0, images, wait, steps = time.perf_counter(), 0, 0.0, 0
         it = iter(loader)
         while True:
             t_wait = time.perf_counter()
@@ -89,6 +90,8 @@ def plain_loop(spec: dict) -> dict:
                 opt.step()
             sched.step()
             images += x.shape[0]
+            steps += 1
+            report_step(f"epoch {epoch + 1}/{spec['epochs']}, step {steps}/{len(loader)}")
         if device.type == "cuda":
             torch.cuda.synchronize()
         epochs.append({"seconds": time.perf_counter() - t0, "wait": wait, "images": images})

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
+from bench.progress_bars import Progress, report_step, trainer_step
 from bench.report import atomic_write, machine_info, machine_name, markdown_table
 from datamodules.base import REPO_ROOT
 
@@ -42,6 +43,10 @@ class AccuracyClock(pl.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_rank == 0:
+            report_step(trainer_step(trainer, batch_idx))
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or trainer.global_rank != 0 or "val/acc1" not in trainer.callback_metrics:
@@ -182,8 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     info = machine_info()
-    with tempfile.TemporaryDirectory(prefix="bench-progressive-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-progressive-") as tmp, \
+            Progress("python -m bench.progressive", 2, Path(tmp)) as progress:
+        progress.row("plain", 1)
         plain = train(args, "plain", False, Path(tmp))
+        progress.row("progressive", 2)
         prog = train(args, "progressive", True, Path(tmp))
     result = {"settings": {k: v for k, v in vars(args).items() if k != "extra"} | {"ramp": list(args.ramp)},
               "plain": plain, "progressive": prog, "comparison": compare(plain, prog), "machine": info,

@@ -25,6 +25,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from bench.progress_bars import Progress, report_step, trainer_step
 from bench.train.plain_loop import TIMES_ENV
 from bench.train.rows import RowSpec, is_input_bound, row_specs, skip_reason
 from datamodules.base import BUILTIN_ROOT, REPO_ROOT
@@ -72,6 +73,8 @@ class EpochTimer(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         self._images += int(batch[0].shape[0])
+        if trainer.global_rank == 0:
+            report_step(trainer_step(trainer, batch_idx))
         self._last = time.perf_counter()
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
@@ -199,26 +202,29 @@ def measure(args: argparse.Namespace, rows: list[str] | None = None) -> dict[str
         return [sys.executable, "-m", "bench.train.plain_loop", str(spec_file)]
 
     try:
-        bar = tqdm(specs, desc="train rows", unit="row", dynamic_ncols=True)
-        for k, spec in enumerate(bar):
-            bar.set_postfix_str(spec.name)
-            res = Result(spec.name, spec.strategy, spec.precision, spec.benchmark, spec.channels_last, spec.compile)
-            results.append(res)
-            short = spec.name.split(" (")[0]
-            why = skip_reason(spec)
-            if why:
-                res.status, res.reason = "skipped", why
-                continue
-            if rows is not None and short not in rows and short != "baseline":
-                res.status, res.reason = "skipped", "not selected (--rows)"
-                continue
-            commands[short if spec.strategy != "plain" else "plain"] = cmd = _command(spec, k)
-            data, res.wall_seconds, error = _run(cmd, tmp / f"row{k}.json", args.timeout)
-            if data is None:
-                res.status, res.reason = "failed", error
-                continue
-            _fill(res, data)
-        pairs = _overhead_pairs(results, commands, tmp, args)
+        with Progress("bench train", len(specs), tmp) as progress:
+            bar = tqdm(specs, desc="train rows", unit="row", dynamic_ncols=True)
+            for k, spec in enumerate(bar):
+                bar.set_postfix_str(spec.name)
+                res = Result(spec.name, spec.strategy, spec.precision, spec.benchmark, spec.channels_last,
+                             spec.compile)
+                results.append(res)
+                short = spec.name.split(" (")[0]
+                why = skip_reason(spec)
+                if why:
+                    res.status, res.reason = "skipped", why
+                    continue
+                if rows is not None and short not in rows and short != "baseline":
+                    res.status, res.reason = "skipped", "not selected (--rows)"
+                    continue
+                commands[short if spec.strategy != "plain" else "plain"] = cmd = _command(spec, k)
+                progress.row(spec.name, k + 1)
+                data, res.wall_seconds, error = _run(cmd, tmp / f"row{k}.json", args.timeout)
+                if data is None:
+                    res.status, res.reason = "failed", error
+                    continue
+                _fill(res, data)
+            pairs = _overhead_pairs(results, commands, tmp, args, progress)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     base = results[0].images_s
@@ -237,7 +243,8 @@ def measure(args: argparse.Namespace, rows: list[str] | None = None) -> dict[str
             "settings": {**cfg, "cuda": torch.cuda.is_available()}}
 
 
-def _overhead_pairs(results: list[Result], commands: dict[str, list[str]], tmp: Path, args) -> list[tuple]:
+def _overhead_pairs(results: list[Result], commands: dict[str, list[str]], tmp: Path, args,
+                    progress: Progress) -> list[tuple]:
     """(Lightning, hand-written) images/s pairs: the table's pair, then --overhead-pairs - 1 more, run back
     to back, so that a slow spell of the machine lands in one pair, not in the ratio. The extra pairs
     alternate which runs first (plain first, then baseline first, ...): a machine that speeds up or
@@ -249,6 +256,7 @@ def _overhead_pairs(results: list[Result], commands: dict[str, list[str]], tmp: 
     for i in range(max(1, args.overhead_pairs) - 1):
         got = {}
         for key in (("plain", "baseline") if i % 2 == 0 else ("baseline", "plain")):
+            progress.row(f"overhead pair {i + 2}/{max(1, args.overhead_pairs)} ({key})")
             data, _, _ = _run(commands[key], tmp / f"pair{i}-{key}.json", args.timeout)
             if data is None:
                 return pairs
