@@ -10,6 +10,7 @@ size's buffers are freed as they come back), so the largest size is what counts.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from bench.cli import AddCommon, BenchError, Subparsers
@@ -38,7 +39,12 @@ def add_parser(subparsers: Subparsers, common: AddCommon) -> argparse.ArgumentPa
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The memory plan of each row's config stack at --ranks x --nodes; BenchError without any config."""
-    cpus = args.cpus_per_rank or max(1, cpu_share(1).cpus // max(1, args.ranks))
+    cpus = args.cpus_per_rank
+    if cpus is None:
+        here = cpu_share(1).cpus
+        cpus = max(1, here // max(1, args.ranks))
+        print(f"bench memory: sized for this machine's CPUs ({here}: {cpus} per rank of {args.ranks}); for another "
+              "machine pass --cpus-per-rank (its CPUs / --ranks).", file=sys.stderr, flush=True)
     layout = Layout(world=args.ranks * args.nodes, ranks_per_node=args.ranks, cpus=cpus, cuda=not args.cpu)
     stacks = [[row, *args.config] for row in args.rows] if args.rows else [args.config]
     if not stacks[0]:

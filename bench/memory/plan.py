@@ -3,6 +3,7 @@ memory plan its DataModule class gives for a layout (`plan_for`, the code a run 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 from datamodules.memory import MemoryPlan
@@ -18,7 +19,11 @@ def parse_config(configs: list[str], extra: list[str]) -> dict[str, Any]:
             pass
 
     args = [a for c in configs for a in ("--config", c)] + [a for a in extra if a != "--"]
-    return ParseOnly(args=args, run=False).config.as_dict()
+    with warnings.catch_warnings():
+        # `python -m bench memory`'s own argv is in sys.argv: LightningCLI warns whenever both are given
+        # (pytorch_lightning/cli.py, LightningCLI.parse_arguments); these args are the config's, built here
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within")
+        return ParseOnly(args=args, run=False).config.as_dict()
 
 
 def train_sizes(config: dict[str, Any]) -> list[int]:
