@@ -1,8 +1,18 @@
 #!/bin/bash
-# Several nodes with torchrun: run this on EVERY node with the same NNODES, MASTER_ADDR and MASTER_PORT
-# and its own NODE_RANK (0 on the master). GPUS = GPUs per node = --trainer.devices.
-#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 scripts/torchrun.sh --config configs/ddp_amp.yaml
-#   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 scripts/torchrun.sh --config configs/ddp_amp.yaml
+# Several nodes with torchrun: run this on EVERY node with the same NNODES, MASTER_ADDR, MASTER_PORT and RDZV_ID
+# (the c10d rendezvous numbers the nodes: no node rank). GPUS = GPUs per node = --trainer.devices.
+#   NNODES=2 MASTER_ADDR=10.0.0.1 RDZV_ID=job42 scripts/torchrun.sh --config configs/ddp_amp.yaml
+# A dead worker makes torchrun stop and restart the whole group, up to MAX_RESTARTS (default 3) times; the restarted
+# group resumes its own run (the one whose run.json records RDZV_ID) from its newest checkpoint. The rendezvous is
+# c10d, hosted at MASTER_ADDR:MASTER_PORT by the agent there, and outlives a worker's death (the static one, which
+# --master_addr/--master_port select, cannot re-form the group). RDZV_ID names the job across restarts: the same on
+# every node, a new one per job (default: SLURM's job id, else MASTER_ADDR-MASTER_PORT; torchrun's own default
+# "none" is shared by every job).
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: by default the agent's one TCPStore serves the workers of every restart with
+# no per-attempt prefix (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py, next_rendezvous;
+# torch/distributed/rendezvous.py, _create_c10d_store), so a restarted rank reads the dead attempt's peer addresses
+# and fails to connect, or waits for peers that never come. With it set, each attempt's rank 0 hosts a fresh store
+# on a new port (torch/distributed/elastic/rendezvous/api.py, RendezvousStoreInfo.build).
 # Your arguments come FIRST and this script's --trainer.* flags LAST: jsonargparse applies them left
 # to right, so a --config of yours (devices: auto) cannot override the node layout torchrun starts.
 # The script sets only the layout (nodes, devices per node), never the strategy: a --trainer.strategy
@@ -11,12 +21,14 @@
 # DRY_RUN=1 prints the command instead of running it.
 set -euo pipefail
 NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-fic-$MASTER_ADDR-$MASTER_PORT}}
 GPUS=${GPUS:-$(python -c "import torch; print(max(1, torch.cuda.device_count()))")}
-CMD=(torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS"
-     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
+CMD=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+     torchrun --nnodes "$NNODES" --nproc_per_node "$GPUS"
+     --max-restarts "$MAX_RESTARTS" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
      main.py fit "$@" --trainer.num_nodes "$NNODES" --trainer.devices "$GPUS")
 if [ -n "${DRY_RUN:-}" ]; then printf '%q ' "${CMD[@]}"; echo; exit 0; fi
 exec "${CMD[@]}"
