@@ -13,13 +13,19 @@ later command finds what an earlier one made (`logs/version_0/...`, the packed L
 - script: a shell script run as written (netsim's `down`, which finds nothing to remove here).
 
 A command no rule matches fails the test: a new command in the docs needs a rule saying how it runs.
+
+A ```bash script block (a walk-through with a server in the background and exported variables) is not
+split into commands: it runs whole, as written, in bash -e (`test_script_blocks_run_as_written`).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO
+from tests.helpers.processes import free_port
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 CODE = ["main.py", "lightning_app", "datamodules", "models", "bench", "netsim", "configs", "scripts", "constraints",
@@ -179,3 +186,35 @@ def test_every_doc_command_runs_as_written_in_short_form(clone, monkeypatch, cap
         ran.append(written)
         capsys.readouterr()  # print_config's YAML: not needed once parsed
     assert len(ran) >= 25, ran
+
+
+def doc_scripts() -> list[tuple[str, str]]:
+    """(file name, text) of every ```bash script block, in document order."""
+    return [(path.name, block) for path in DOCS for block in re.findall(r"```bash script\n(.*?)```", path.read_text(),
+                                                                        re.DOTALL)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc, script", [pytest.param(d, s, id=f"{d}-{i}") for i, (d, s) in enumerate(doc_scripts())])
+def test_script_blocks_run_as_written(doc, script, clone, tmp_path):
+    """The block in a session of its own, port 9000 made a free port: the block's own last line must stop what
+    it started (the port answers no more), and the whole session is killed after it on every path."""
+    work, _ = clone
+    port = free_port()
+    script = re.sub(r"\b9000\b", str(port), script)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}  # only what the block exports
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}", HOME=str(tmp_path / "home"),
+               PYTHONUNBUFFERED="1")
+    log = tmp_path / "script.log"
+    with open(log, "w") as out:  # a file, not a pipe: a server left running would hold a pipe open
+        proc = subprocess.Popen(["bash", "-e", "-c", script], cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        proc.wait(timeout=400)
+        assert proc.returncode == 0, f"{doc}'s script block exited {proc.returncode}:\n{log.read_text()[-5000:]}"
+        with pytest.raises(ConnectionRefusedError):  # stopped by the block itself
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
