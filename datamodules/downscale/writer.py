@@ -119,7 +119,8 @@ def read_marker(dst: str | os.PathLike) -> dict | None:
 def _fingerprint(indexes) -> str:
     import hashlib
 
-    plan = [indexes["train"].classes, {s: indexes[s].samples for s in SPLITS}]
+    # sorted: the copy does not depend on the order the Index lists files in (val is interleaved by class)
+    plan = [indexes["train"].classes, {s: sorted(indexes[s].samples) for s in SPLITS}]
     return hashlib.sha1(json.dumps(plan).encode()).hexdigest()
 
 
