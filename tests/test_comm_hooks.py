@@ -184,7 +184,9 @@ def _overflow_once(rank: int, store_path: str, inf_step: int) -> dict:
         out["scale"].append(scaler.get_scale())
     ts = state.torch_state
     out["state_finite"] = all(bool(t.isfinite().all()) for t in [*ts.error_dict.values(), *ts.q_memory_dict.values()])
-    dist.destroy_process_group()
+    # no destroy_process_group: called right after the hook's last callbacks it has aborted a process
+    # (std::system_error "Resource deadlock avoided": a gloo thread joining itself); the group ends with the process
+    dist.barrier()
     return out
 
 
