@@ -25,10 +25,22 @@ EXIT_BAD_INPUT = 2
 
 def ignore_stop_signals() -> None:
     """For a worker process: Ctrl-C and SIGHUP are the main process's to decide, and SIGTERM ends the worker at
-    once, without a traceback (SIGTERM is also how multiprocessing's Pool.terminate stops its workers)."""
+    once, without a traceback (SIGTERM is also how multiprocessing's Pool.terminate stops its workers). The worker
+    dies with the tool (`die_with_parent`): one a pool forks in place of a dead one while the tool is ending
+    would otherwise outlive it."""
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    die_with_parent()
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when the thread that started it ends (prctl(PR_SET_PDEATHSIG), man 2 prctl), even by
+    SIGKILL, which no handler sees. For a child: a pool's initializer, or a subprocess's preexec_fn."""
+    import ctypes
+
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def run_tool(name: str, main: Callable[[], int | None], on_stop: str = "",
@@ -116,9 +128,13 @@ def _sigterm_ends(name: str, on_stop: str) -> Iterator[None]:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        for pid in descendants(tool_pid):
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        for _ in range(100):  # again until none is left: a pool's thread may fork a worker in place of a dead one
+            found = descendants(tool_pid)
+            for pid in found:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            if not found:
+                break
         os.write(2, line)
         os._exit(128 + signum)
 

@@ -65,10 +65,13 @@ def _larger(tree: Path, root: Path, copies: int = 5) -> Path:
 def _stop_midway(args: list[str], started: Path | float, sig: int = signal.SIGINT,
                  whole_group: bool = True) -> tuple[int, str]:
     """Start the tool in a process group of its own, wait until `started` exists (it is working) or that many
-    seconds have passed, then signal the whole group (or the tool alone)."""
+    seconds have passed since it started its workers, then signal the whole group (or the tool alone)."""
     proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     deadline = time.monotonic() + 120
+    while isinstance(started, float) and not descendants(proc.pid) and proc.poll() is None:
+        assert time.monotonic() < deadline, f"{args}: never started its workers"
+        time.sleep(0.05)
     if isinstance(started, float):
         time.sleep(started)
     while isinstance(started, Path) and not started.exists() and proc.poll() is None:
@@ -140,10 +143,10 @@ def test_a_stop_signal_to_the_whole_group_stops_each_tool_in_one_line(tool, sig,
     args, started = {
         "downscale": (["-m", "datamodules.downscale", "--src", str(tree), "--dst", str(dst), "--max-size", "64",
                        "--workers", "2", "--quiet"], dst),
-        # the pack's folder appears with its last chunk: stop it after 2 s
+        # the pack's folder appears with its last chunk: stop it 2 s after its workers started
         "shards": (["-m", "datamodules.shards", "--src", str(tree), "--dst", str(dst), "--workers", "2",
                     "--chunk-mb", "1", "--quiet"], 2.0),
-        # its folder is renamed into place when complete: stop it after 1 s
+        # its folder is renamed into place when complete: stop it 1 s after its workers started
         "builtin": (["-m", "datamodules.builtin", "--dst", str(dst), "--preset", "small", "--workers", "2",
                      "--quiet"], 1.0),
     }[tool]

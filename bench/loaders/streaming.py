@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from typing import Self
 
 from bench.loaders import ceilings
 from bench.loaders.prepared import Prepared, Settings, Skip, datamodule_kwargs
+from datamodules.tool import die_with_parent
 
 BUCKET = "fic-bench"
 MOTO_ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1",
@@ -56,20 +56,11 @@ def streaming_local(s: Settings) -> Prepared:
                     note=f"LitData shards in {dst.name} ({train['chunks']} chunks), read in place")
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: SIGKILL this child when the thread that started it ends (prctl(PR_SET_PDEATHSIG), man 2 prctl),
-    even by SIGKILL, which no handler of the tool sees. Called in the child between fork and exec."""
-    import ctypes
-
-    pr_set_pdeathsig = 1  # <linux/prctl.h>
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
 class MotoServer:
     """`moto_server -H 127.0.0.1 -p PORT`: an in-memory S3 endpoint on loopback for this run, stopped by `close()`
     (or leaving its `with` block) on every way out: normal end, exception and Ctrl-C unwind to it; SIGTERM's
     handler (datamodules/tool.py) kills the tool's descendants; and the server dies with its parent
-    (`_die_with_parent`). It stays in the tool's process group, so a signal to the group reaches it too."""
+    (`die_with_parent`). It stays in the tool's process group, so a signal to the group reaches it too."""
 
     def __init__(self, log: Path) -> None:
         exe = Path(sys.executable).parent / "moto_server"  # this environment's, before any on PATH
@@ -81,7 +72,7 @@ class MotoServer:
             self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         with open(log, "wb") as out:
             self.proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", self.url.rsplit(":", 1)[1]], stdout=out,
-                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)  # noqa: PLW1509
+                                         stderr=subprocess.STDOUT, preexec_fn=die_with_parent)  # noqa: PLW1509
         try:
             self._wait_listening(log)
         except BaseException:
