@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytorch_lightning as pl
 import torch
 
 from tests.helpers import REPO
-from tests.helpers.cli import quick_args
+from tests.helpers.cli import quick_args, run_main
 from tests.helpers.event_files import scalars
 from tests.helpers.processes import finish, free_port, start_command
 
@@ -104,3 +105,46 @@ def test_the_torchrun_script_restarts_the_group_on_a_c10d_rendezvous():
     ids = {c[c.index("--rdzv-id") + 1] for c in nodes}
     assert len(ids) == 1 and "none" not in ids  # one id per job, the same on every node
     assert nodes[0][nodes[0].index("--max-restarts") + 1] == "1"
+
+
+# What torchrun's agent sets in a restarted worker (torch/distributed/elastic/agent/server/local_elastic_agent.py),
+# given by hand to one `python main.py fit`: the run it picks is decided before any process group starts.
+def _restarted(run_id: str, restart: int = 1, nodes: int = 1) -> dict[str, str]:
+    return {"TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": str(restart),
+            "TORCHELASTIC_MAX_RESTARTS": "3", "GROUP_WORLD_SIZE": str(nodes)}
+
+
+def _fit(data: Path, root: Path, epochs: int, *extra: str) -> list[str]:
+    return ["fit", *quick_args(data, root, epochs=epochs, batch=40), "--trainer.num_sanity_val_steps", "0", *extra]
+
+
+def _attempts(run: Path) -> list[dict]:
+    return json.loads((run / "run.json").read_text())["attempts"]
+
+
+@pytest.mark.slow
+def test_a_restart_with_no_run_of_its_own_takes_no_other_run(tiny_data, tmp_path):
+    run_main(_fit(tiny_data, tmp_path, 1), env={"TORCHELASTIC_RUN_ID": "job-a", "TORCHELASTIC_RESTART_COUNT": "0"})
+    proc = run_main(_fit(tiny_data, tmp_path, 1, "--ckpt_path", "last"), env=_restarted("job-b"))
+    out = proc.stdout + proc.stderr
+    assert "restart 1 of 3, rdzv job-b): no run under" in out and "starting a fresh run" in out, out[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("version_*")) == ["version_0", "version_1"]
+    assert len(_attempts(tmp_path / "version_0")) == 1  # job-a's run was not touched
+
+
+@pytest.mark.slow
+def test_without_a_rendezvous_id_a_restart_on_one_node_finds_its_run_by_its_torchrun(tiny_data, tmp_path):
+    # both processes are children of this one, as the workers of every attempt are children of one torchrun
+    run_main(_fit(tiny_data, tmp_path, 1), env=_restarted("none", restart=0))
+    proc = run_main(_fit(tiny_data, tmp_path, 2), env=_restarted("none", restart=1))
+    out = proc.stdout + proc.stderr
+    assert f"agent {socket.gethostname()}:{os.getpid()}): resuming" in out, out[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("version_*")) == ["version_0"]
+    assert [a["torchelastic"]["restart_count"] for a in _attempts(tmp_path / "version_0")] == [0, 1]
+
+
+def test_without_a_rendezvous_id_a_restart_on_several_nodes_stops_with_one_paragraph(tiny_data, tmp_path):
+    proc = run_main(_fit(tiny_data, tmp_path, 1), env=_restarted("none", nodes=2), check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "which run is this job's own cannot be told, and no run is taken" in proc.stderr
+    assert not list(tmp_path.glob("version_*"))
