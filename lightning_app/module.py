@@ -17,6 +17,7 @@ from lightning_app.callbacks.predictions import PredictionsCSV
 from lightning_app.errors import UserError
 from lightning_app.log_steps import logs_this_step
 from lightning_app.lr_schedule import total_steps, warmup_cosine
+from lightning_app.settings import arch_problems
 from models import create_model
 
 
@@ -24,7 +25,11 @@ class ImageClassifier(pl.LightningModule):
     """Image classification with any registered backbone.
 
     Args:
-        arch: backbone name in the `models` registry (conv11, resnet50, vgg11, vgg16).
+        arch: backbone name in the `models` registry: ours (conv11, resnet50, vgg11, vgg16, with small-image stems)
+            or any torchvision classification builder by its name (models/torchvision_zoo.py): resnet18/34/101/152,
+            resnext, wide_resnet, regnet, efficientnet(_v2), mobilenet_v2/v3, mnasnet, shufflenet_v2, convnext,
+            densenet, squeezenet, alexnet, googlenet, inception_v3, vgg*_bn, swin(_v2), vit (224 px only), maxvit_t
+            (224, 448... px). Its last layer is built for num_classes; an unknown name gets the closest ones.
         num_classes: linked from the data; never set by hand.
         image_size: linked from the data (small inputs change ResNet's stem).
         global_batch_size: linked from data.batch_size (the global batch).
@@ -217,6 +222,12 @@ class ImageClassifier(pl.LightningModule):
     # -- starting weights, fine-tuning, class names in the checkpoint -----------------------
     def setup(self, stage: str) -> None:
         datamodule = self.trainer.datamodule if self._trainer is not None else None
+        if datamodule is not None and getattr(datamodule, "image_size", None):
+            # the parse-time check again, for a model built in Python rather than by the CLI (a ViT at 32 px)
+            found = arch_problems(dict(self.hparams), {"image_size": datamodule.image_size,
+                                                       "val_image_size": getattr(datamodule, "val_image_size", None)})
+            if found:
+                raise UserError("; ".join(found) + ".")
         if datamodule is not None and getattr(datamodule, "classes", None) and not self.class_names:
             self.class_names = list(datamodule.classes)
             self.inference_settings = inference_settings(datamodule)
@@ -234,7 +245,9 @@ class ImageClassifier(pl.LightningModule):
         return report
 
     def backbone_body_modules(self) -> list[torch.nn.Module]:
-        """The backbone's parameterised leaf modules minus the head: what fine-tuning freezes."""
+        """What fine-tuning freezes, for any arch: every module holding parameters (or a leaf) except the head that
+        weights_lib.head_name finds (the last nn.Linear) and its children. Modules holding parameters of their own
+        besides children count too (ViT's class_token and pos_embedding, swin's position-bias tables)."""
         head = weights_lib.head_name(self.backbone)
         return [m for n, m in self.backbone.named_modules()
                 if (m._parameters or not list(m.children())) and n != head and not n.startswith(head + ".")]
@@ -270,7 +283,8 @@ class ImageClassifier(pl.LightningModule):
         self.inference_settings = dict(checkpoint.get("inference") or self.inference_settings)
 
     def backbone_num_classes(self) -> int:
-        return dict(self.backbone.named_modules())[weights_lib.head_name(self.backbone)].out_features
+        head = dict(self.backbone.named_modules())[weights_lib.head_name(self.backbone)]
+        return head.out_features if isinstance(head, torch.nn.Linear) else head.out_channels  # squeezenet: a Conv2d
 
 
 def inference_settings(datamodule) -> dict:

@@ -6,11 +6,16 @@
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+
 from lightning_app.errors import UserError
+from lightning_app.weights import weights_arch_problem
+from models import create_model, list_models, registry, torchvision_zoo
 
 Rule = tuple[str, Callable[[Any], bool], str]
 
@@ -79,6 +84,48 @@ def problems(model: Any, data: Any, trainer: Any) -> list[str]:
         for key, ok, must in rules:
             if key in values and not ok(values[key]):
                 found.append(f"--{section}.{key} {values[key]!r} must be {must}")
+    if not found:  # the sizes are sane: now whether the arch exists and takes them
+        found += arch_problems(_as_dict(model), data)
+    return found
+
+
+def arch_problems(model: Mapping, data: Mapping) -> list[str]:
+    """Why --model.arch (with its arch_kwargs, the data's image sizes and --model.weights) cannot be built: the
+    closest names for an unknown arch, the size a fixed-size model needs, unknown builder arguments, weights of
+    another architecture. Checked on the meta device (shapes only): nothing is allocated."""
+    arch = model.get("arch")
+    if arch is None:
+        return []
+    if isinstance(arch, str) and arch.startswith("timm/"):
+        if importlib.util.find_spec("timm") is None:
+            return [(f"--model.arch {arch} is a timm model and timm is not installed: pip install timm (or pick a "
+                    "torchvision name, e.g. resnet18)")]
+        return [(f"--model.arch {arch}: timm models are not wired into this template yet; pick one of ours or a "
+                "torchvision name (e.g. resnet18, convnext_tiny)")]
+    if arch not in list_models():
+        return [registry.unknown_arch_message(arch).rstrip(".")]
+    kwargs = dict(model.get("arch_kwargs") or {})
+    size = data.get("image_size", model.get("image_size", 224))
+    sizes = [size, data.get("val_image_size") or size]
+    if not all(isinstance(s, int) for s in sizes):
+        return []
+    found = []
+    if arch in list_models(origin="torchvision"):
+        problem = torchvision_zoo.size_problem(arch, sizes, **{k: v for k, v in kwargs.items() if k != "blurpool"})
+        if problem:
+            found.append(f"--model.arch {problem}")
+    if not found:
+        try:
+            with torch.device("meta"):
+                create_model(arch, num_classes=2, image_size=sizes[0], **kwargs)
+        except (TypeError, ValueError) as e:
+            found.append(f"--model.arch_kwargs {kwargs} cannot build {arch}: {str(e).rstrip('.')}")
+        except NotImplementedError:  # an init that copies data (regnet): meta tensors have none; built later
+            pass
+    weights = model.get("weights")
+    problem = weights_arch_problem(arch, weights) if weights else None
+    if problem:
+        found.append(problem)
     return found
 
 

@@ -145,6 +145,27 @@ def torchvision_cache_path(name: str) -> tuple[Path, str]:
     return Path(torch.hub.get_dir()) / "checkpoints" / filename, weights.url
 
 
+def weights_arch_problem(arch: str, source: str) -> str | None:
+    """Why torchvision weights `source` do not fit torchvision arch `arch` (None when they do, or when either is
+    not torchvision's: a file is checked layer by layer when it loads)."""
+    from torchvision.models import get_model_weights, get_weight
+
+    if not TORCHVISION_NAME.match(source) or Path(source).exists():
+        return None
+    try:
+        weights = get_weight(source)
+    except (ValueError, KeyError, AttributeError):
+        return f"--model.weights {source} is not a torchvision weights name (e.g. ResNet18_Weights.IMAGENET1K_V1)"
+    try:
+        enum = get_model_weights(arch)
+    except (ValueError, KeyError):
+        return None  # conv11: no torchvision weights; loading says which layers match
+    if isinstance(weights, enum):
+        return None
+    return (f"--model.weights {source} are weights of another architecture than --model.arch {arch}, whose "
+            f"torchvision weights are {', '.join(f'{enum.__name__}.{w.name}' for w in enum)}")
+
+
 def read_state_dict(source: str) -> tuple[dict[str, torch.Tensor], str]:
     """The backbone state_dict of `source` and a word saying what it was."""
     if TORCHVISION_NAME.match(source) and not Path(source).exists():
@@ -179,14 +200,19 @@ def strip_prefixes(key: str) -> str:
 
 
 def head_name(backbone: nn.Module) -> str:
-    """The classifier head: the last nn.Linear (fc for conv11 and resnet50, classifier.1 for VGG)."""
-    name = None
+    """The classifier head: the last nn.Linear in module order, which is the layer torchvision's builders size with
+    num_classes (fc for resnet/resnext/regnet and conv11, classifier.N for VGG, efficientnet, mobilenet, convnext,
+    head for swin, heads.head for ViT, classifier.5 for maxvit). Without any Linear, the last Conv2d (squeezenet's
+    1x1 classifier.1)."""
+    name = conv = None
     for n, m in backbone.named_modules():
         if isinstance(m, nn.Linear):
             name = n
-    if name is None:
+        elif isinstance(m, nn.Conv2d):
+            conv = n
+    if name is None and conv is None:
         raise WeightsError(f"{type(backbone).__name__} has no nn.Linear head to replace.")
-    return name
+    return name if name is not None else conv
 
 
 @dataclass

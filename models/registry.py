@@ -1,6 +1,11 @@
-"""A tiny timm-style model registry: ``@register_model("name")`` and ``create_model``."""
+"""A tiny timm-style model registry: ``@register_model("name")`` and ``create_model``.
+
+Our four archs (models/conv11.py, resnet.py, vgg.py) register first; models/torchvision_zoo.py then registers every
+other classification builder of torchvision under its own name.
+"""
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import Any
 
@@ -9,23 +14,43 @@ from torch import nn
 ModelFactory = Callable[..., nn.Module]
 
 _REGISTRY: dict[str, ModelFactory] = {}
+_ORIGIN: dict[str, str] = {}  # name -> "ours" | "torchvision"
 
 
-def register_model(name: str) -> Callable[[ModelFactory], ModelFactory]:
+def register_model(name: str, origin: str = "ours") -> Callable[[ModelFactory], ModelFactory]:
     """Register ``fn(num_classes: int, image_size: int, **kwargs) -> nn.Module`` under ``name``."""
 
     def decorator(fn: ModelFactory) -> ModelFactory:
         if name in _REGISTRY:
             raise ValueError(f"model {name!r} is already registered")
         _REGISTRY[name] = fn
+        _ORIGIN[name] = origin
         return fn
 
     return decorator
 
 
-def list_models() -> list[str]:
-    """Sorted names of all registered architectures."""
-    return sorted(_REGISTRY)
+def is_registered(name: str) -> bool:
+    return name in _REGISTRY
+
+
+def closest_names(name: str, n: int = 5) -> list[str]:
+    """The registered names most like ``name`` (difflib), for "did you mean"."""
+    return difflib.get_close_matches(name, list(_REGISTRY), n=n, cutoff=0.5)
+
+
+def unknown_arch_message(arch: str) -> str:
+    close = closest_names(str(arch))
+    hint = f"the closest names are {', '.join(close)}" if close else "no known name is close"
+    return (f"--model.arch {arch!r} is not a known architecture: {hint}. The names are ours (conv11, resnet50, vgg11, "
+            "vgg16) and torchvision's classification builders (torchvision.models.list_models(); "
+            "`python main.py fit --help` lists the families).")
+
+
+def list_models(origin: str | None = None) -> list[str]:
+    """Sorted names of the registered architectures: all of them (what create_model accepts), or those of one
+    origin: "ours" (conv11, resnet50, vgg11, vgg16) or "torchvision"."""
+    return sorted(n for n in _REGISTRY if origin is None or _ORIGIN[n] == origin)
 
 
 def create_model(arch: str, num_classes: int, image_size: int = 224, **kwargs: Any) -> nn.Module:
@@ -37,7 +62,5 @@ def create_model(arch: str, num_classes: int, image_size: int = 224, **kwargs: A
     try:
         factory = _REGISTRY[arch]
     except KeyError:
-        raise ValueError(
-            f"unknown arch {arch!r}; known archs: {', '.join(list_models())}"
-        ) from None
+        raise ValueError(unknown_arch_message(arch)) from None
     return factory(num_classes=num_classes, image_size=image_size, **kwargs)
