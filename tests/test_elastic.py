@@ -148,3 +148,16 @@ def test_without_a_rendezvous_id_a_restart_on_several_nodes_stops_with_one_parag
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "which run is this job's own cannot be told, and no run is taken" in proc.stderr
     assert not list(tmp_path.glob("version_*"))
+
+
+@pytest.mark.slow
+def test_a_restart_takes_over_the_lock_its_earlier_attempt_left_on_another_host(tiny_data, tmp_path):
+    run_main(_fit(tiny_data, tmp_path, 1), env=_restarted("job-c", restart=0))
+    run = tmp_path / "version_0"
+    # what the first attempt's rank 0 leaves when its node dies: a fresh heartbeat, from a host this one cannot check
+    (run / ".lock").write_text(json.dumps({"pid": 4242, "host": "node-that-died", "started": "earlier",
+                                           "torchelastic": "rdzv job-c", "torchelastic_restart_count": 0}))
+    proc = run_main(_fit(tiny_data, tmp_path, 2), env=_restarted("job-c", restart=1))
+    out = proc.stdout + proc.stderr
+    assert "took over the lock of" in out and "torchrun restarted the worker group of rdzv job-c" in out, out[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("version_*")) == ["version_0"]
