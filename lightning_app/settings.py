@@ -119,7 +119,9 @@ def arch_problems(model: Mapping, data: Mapping) -> list[str]:
             with torch.device("meta"):
                 create_model(arch, num_classes=2, image_size=sizes[0], **kwargs)
         except (TypeError, ValueError) as e:
-            found.append(f"--model.arch_kwargs {kwargs} cannot build {arch}: {str(e).rstrip('.')}")
+            hint = (" (configs/default.yaml sets {width: 16} for conv11: pass --model.arch_kwargs '{}' with another "
+                    "arch)" if "width" in kwargs and arch != "conv11" else "")
+            found.append(f"--model.arch_kwargs {kwargs} cannot build {arch}: {str(e).rstrip('.')}{hint}")
         except NotImplementedError:  # an init that copies data (regnet): meta tensors have none; built later
             pass
     weights = model.get("weights")

@@ -93,7 +93,7 @@ def _runs_at(name: str, size: int, kwargs: dict[str, Any]) -> bool | None:
     try:
         with torch.no_grad():
             model.eval()(torch.empty(1, 3, size, size, device="meta"))
-    except RuntimeError:
+    except (RuntimeError, AssertionError, ValueError):  # a map shrunk to nothing; torch._assert on a shape
         return False
     return True
 

@@ -100,7 +100,7 @@ def test_weights_of_another_arch_are_refused_in_one_paragraph():
 @pytest.mark.slow
 def test_vit_at_32_px_is_refused_with_the_size_it_needs(tiny_data, tmp_path):
     proc = run_main(["fit", *quick_args(tiny_data, tmp_path / "logs", width=None), "--model.arch", "vit_b_16",
-                     "--data.image_size", "32"], check=False)
+                     "--model.arch_kwargs", "{}", "--data.image_size", "32"], check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     message = proc.stderr.strip().splitlines()[-1]
     assert "--model.arch vit_b_16 takes only 224 px images" in message
@@ -129,6 +129,11 @@ def test_unknown_arch_gets_the_closest_names():
 def test_timm_names_without_timm_say_how_to_install_it():
     with pytest.raises(UserError, match="timm is not installed: pip install timm"):
         check_settings({"arch": "timm/resnet18"}, {"image_size": 32}, {})
+
+
+def test_conv11_width_from_the_default_config_gets_a_hint():
+    with pytest.raises(UserError, match=r"cannot build resnet18: .*'width'.* pass --model.arch_kwargs '\{\}'"):
+        check_settings({"arch": "resnet18", "arch_kwargs": {"width": 16}}, {"image_size": 32}, {})
 
 
 def test_blurpool_is_refused_where_it_does_not_apply_and_applied_where_it_does():
