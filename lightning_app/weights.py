@@ -30,6 +30,10 @@ from torch import nn
 from lightning_app.errors import UserError
 
 TORCHVISION_NAME = re.compile(r"^[A-Za-z0-9_]+_Weights\.[A-Za-z0-9_]+$")
+# torchvision's DenseNet files keep old keys (denselayer1.norm.1.weight for norm1.weight); its builder renames them
+# (torchvision/models/densenet.py, _load_state_dict), and so does read_state_dict.
+_DENSENET_OLD_KEY = re.compile(
+    r"^(.*denselayer\d+\.(?:norm|relu|conv))\.((?:[12])\.(?:weight|bias|running_mean|running_var))$")
 # Prefixes that wrappers add to state-dict keys: ours (the LightningModule), DDP / DataParallel, torch.compile.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 LISTED = 8  # names shown per list in the report
@@ -177,6 +181,8 @@ def read_state_dict(source: str) -> tuple[dict[str, torch.Tensor], str]:
                 f"(torch.hub.get_dir() is $TORCH_HOME/hub, by default ~/.cache/torch/hub)."
             )
         obj, kind = safe_load(cached, f"torchvision weights {source}"), "torchvision weights"
+        if source.startswith("DenseNet") and isinstance(obj, dict):
+            obj = {_DENSENET_OLD_KEY.sub(r"\1\2", k): v for k, v in obj.items()}
     else:
         obj, kind = safe_load(source, "model.weights file"), "state_dict"
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):

@@ -91,6 +91,24 @@ def test_fine_tune_resnet18_from_a_weights_enum_in_the_hub_cache(tiny_data, tmp_
     torch.testing.assert_close(model.backbone.conv1.weight, source["conv1.weight"], rtol=0, atol=0)  # frozen body
 
 
+def test_densenet_weights_with_torchvision_old_keys_load_whole(tmp_path, monkeypatch):
+    """torchvision's DenseNet files name norm1 'norm.1' (its builder renames them when it loads): every tensor loads."""
+    import re
+
+    from torchvision.models import densenet121
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    cached, _ = torchvision_cache_path("DenseNet121_Weights.IMAGENET1K_V1")
+    cached.parent.mkdir(parents=True)
+    old_style = {re.sub(r"(denselayer\d+\.(?:norm|relu|conv))([12])\.(weight|bias|running_mean|running_var)$",
+                        r"\1.\2.\3", k): v for k, v in densenet121(weights=None).state_dict().items()}
+    assert "features.denseblock1.denselayer1.norm.1.weight" in old_style
+    torch.save(old_style, cached)
+    model = ImageClassifier(arch="densenet121", num_classes=10, image_size=32, pictures=[])
+    report = model.load_weights("DenseNet121_Weights.IMAGENET1K_V1")
+    assert "new 0, ignored 0; head classifier replaced (1000 classes there, 10 here)" in str(report), report
+
+
 def test_weights_of_another_arch_are_refused_in_one_paragraph():
     with pytest.raises(UserError) as refused:
         check_settings({"arch": "resnet18", "weights": "ResNet50_Weights.IMAGENET1K_V2"}, {"image_size": 32}, {})
