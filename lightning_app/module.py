@@ -224,8 +224,10 @@ class ImageClassifier(pl.LightningModule):
         datamodule = self.trainer.datamodule if self._trainer is not None else None
         if datamodule is not None and getattr(datamodule, "image_size", None):
             # the parse-time check again, for a model built in Python rather than by the CLI (a ViT at 32 px)
-            found = arch_problems(dict(self.hparams), {"image_size": datamodule.image_size,
-                                                       "val_image_size": getattr(datamodule, "val_image_size", None)})
+            # (callbacks' setup ran first: a ProgressiveResizing schedule's sizes are known)
+            sizes = {"image_size": datamodule.image_size, "val_image_size": getattr(datamodule, "val_image_size", None),
+                     "scheduled_train_sizes": list(getattr(datamodule, "scheduled_train_sizes", None) or [])}
+            found = arch_problems(dict(self.hparams), sizes)
             if found:
                 raise UserError("; ".join(found) + ".")
         if datamodule is not None and getattr(datamodule, "classes", None) and not self.class_names:

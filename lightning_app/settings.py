@@ -106,7 +106,8 @@ def arch_problems(model: Mapping, data: Mapping) -> list[str]:
         return [registry.unknown_arch_message(arch).rstrip(".")]
     kwargs = dict(model.get("arch_kwargs") or {})
     size = data.get("image_size", model.get("image_size", 224))
-    sizes = [size, data.get("val_image_size") or size]
+    # train sizes (a ProgressiveResizing schedule's, when known: lightning_app/module.py passes them), then val
+    sizes = [*dict.fromkeys([size, *(data.get("scheduled_train_sizes") or [])]), data.get("val_image_size") or size]
     if not all(isinstance(s, int) for s in sizes):
         return []
     found = []

@@ -99,13 +99,14 @@ def _runs_at(name: str, size: int, kwargs: dict[str, Any]) -> bool | None:
 
 
 def size_problem(name: str, sizes: list[int], **kwargs: Any) -> str | None:
-    """Why torchvision's ``name`` cannot take these input sizes (train, val), saying what it needs; None if it can."""
+    """Why torchvision's ``name`` cannot take these input sizes (every train size, then val), saying what it needs;
+    None if it can."""
     fixed = fixed_size(name)
     if fixed is not None:
         if all(s == fixed for s in sizes):
             return None
         return (f"{name} takes only {fixed} px images (its position embeddings are sized when it is built; "
-                f"torchvision's forward asserts the size), not {'/'.join(map(str, sizes))} px (train/val): set "
+                f"torchvision's forward asserts the size), not {'/'.join(map(str, sizes))} px (train, val): set "
                 f"--data.image_size {fixed} and --data.val_image_size {fixed}")
     if name.startswith("maxvit"):
         if len(set(sizes)) == 1 and _maxvit_ok(sizes[0]):
@@ -113,7 +114,7 @@ def size_problem(name: str, sizes: list[int], **kwargs: Any) -> str | None:
         legal = [s for s in range(32, MAX_PROBED_SIZE + 1, 32) if _maxvit_ok(s)]
         return (f"{name} is built for one input size whose stages (the size halved 2, 3, 4 and 5 times) are all "
                 f"multiples of its partition size {MAXVIT_PARTITION}, such as {', '.join(map(str, legal))} px; got "
-                f"{'/'.join(map(str, sizes))} px (train/val): set --data.image_size and --data.val_image_size to "
+                f"{'/'.join(map(str, sizes))} px (train, val): set --data.image_size and --data.val_image_size to "
                 "one of those")
     for size in sorted(set(sizes)):
         if _runs_at(name, size, kwargs) is False:

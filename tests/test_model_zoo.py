@@ -127,6 +127,17 @@ def test_vit_at_32_px_is_refused_with_the_size_it_needs(tiny_data, tmp_path):
     assert not (tmp_path / "logs").exists() or not list((tmp_path / "logs").rglob("*.ckpt"))
 
 
+def test_vit_with_progressive_resizing_is_refused_at_setup(tiny_data, tmp_path):
+    """The train sizes of a ProgressiveResizing schedule count too: a ViT would stop at the first epoch below 224."""
+    from lightning_app.callbacks.progressive_resizing import ProgressiveResizing
+
+    trainer, model, dm = fit(tiny_data, tmp_path, "vit_b_32", 224, epochs=2)
+    trainer.callbacks.append(ProgressiveResizing(start_size=160, end_size=224, start_epoch=0, end_epoch=1))
+    with pytest.raises(UserError, match=r"vit_b_32 takes only 224 px images .*, not 224/160/224 px \(train, val\)"):
+        trainer.fit(model, dm)
+    assert trainer.global_step == 0
+
+
 def test_maxvit_and_alexnet_say_which_sizes_they_take():
     with pytest.raises(UserError, match=r"maxvit_t is built for one input size .* such as 224, 448"):
         check_settings({"arch": "maxvit_t"}, {"image_size": 64}, {})
