@@ -30,9 +30,6 @@ from models import conv11, resnet, vgg  # noqa: F401  (registered first, so thei
 from models.blurpool import apply_blurpool
 from models.registry import is_registered, register_model
 
-# The families `fit --help` (lightning_app/module.py) and docs/training.md name.
-FAMILIES = ("resnet, resnext, wide_resnet, regnet, efficientnet(_v2), mobilenet_v2/v3, mnasnet, shufflenet_v2, "
-            "convnext, densenet, squeezenet, alexnet, googlenet, inception_v3, vgg*_bn, swin(_v2), vit, maxvit_t")
 MAXVIT_PARTITION = 7  # torchvision maxvit_t's partition_size
 MAX_PROBED_SIZE = 1024
 
