@@ -35,7 +35,6 @@ from lightning_app.cli_parser import ClassifierArgumentParser
 from lightning_app.devices import refuse_unusable_gpu
 from lightning_app.errors import (
     EXIT_USER_ERROR,
-    UserError,
     find_user_error,
     paragraph,
     show_traceback,
@@ -128,13 +127,7 @@ class ClassifierCLI(LightningCLI):
             model[key] = value
 
     def before_instantiate_classes(self) -> None:
-        from models import list_models
-
         model = self._get(self.config, "model")
-        arch = model.get("arch")
-        if arch not in list_models():
-            raise UserError(f"--model.arch {arch!r} is not a known architecture; choose one of "
-                            f"{', '.join(list_models())} (or a configs/model/*.yaml).")
         check_settings(model, self._get(self.config, "data"), self._get(self.config, "trainer"))
         if self.subcommand not in (None, "fit"):
             require_trained_weights(self.subcommand, self._get(self.config, "ckpt_path"), model.get("weights"))

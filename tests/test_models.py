@@ -8,7 +8,7 @@ from torch import nn
 from models import create_model, list_models, register_model
 
 NUM_CLASSES = 5
-ARCHS = list_models()
+ARCHS = list_models(origin="ours")
 
 
 def _convs(model: nn.Module) -> list[nn.Conv2d]:
