@@ -81,6 +81,22 @@ def test_a_restarted_group_resumes_its_own_run_to_the_end(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_plain_torchrun_restart_on_the_agents_shared_store_resumes_too(tiny_data, tmp_path):
+    # torchrun without the script: its agent's one TCPStore serves every attempt (TORCHELASTIC_USE_AGENT_STORE);
+    # the restarted group must not read the dead attempt's process-group keys (ClusterDDPStrategy's attempt prefix)
+    cmd = [TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "plain-test", "main.py", "fit",
+           *_user_args(tiny_data, tmp_path), "--trainer.devices", "2"]
+    env = {k: v for k, v in _env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    rc, out = finish(start_command(cmd, env), timeout=480)
+    assert rc == 0, out[-6000:]
+    assert "KillOnce: SIGKILL" in out and "restart 1 of 1, rdzv plain-test" in out, out[-4000:]
+    assert sorted(p.name for p in tmp_path.glob("version_*")) == ["version_0"], out[-4000:]
+    final = torch.load(tmp_path / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert final["global_step"] == 18
+
+
+@pytest.mark.slow
 def test_without_restarts_the_job_ends_with_the_lost_peer_paragraph(tiny_data, tmp_path):
     cmd = [TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
            f"127.0.0.1:{free_port()}", "main.py", "fit", *_user_args(tiny_data, tmp_path), "--trainer.devices", "2"]

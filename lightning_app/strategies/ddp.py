@@ -2,13 +2,16 @@
 compression (comm_hook) reachable from YAML."""
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
 from lightning_fabric.utilities.cloud_io import get_filesystem
 from lightning_fabric.utilities.rank_zero import rank_prefixed_message
+from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.strategies import DDPStrategy as _LightningDDP
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
@@ -45,6 +48,24 @@ COMPILE_BUCKET_MESSAGE = (
     "backbone's graph at DDP's gradient buckets (DDPOptimizer, torch/_dynamo/backends/distributed.py), and it "
     "asserts that a bucket holds at least its 1 MiB first bucket. Set --trainer.strategy.bucket_cap_mb to 1 or "
     "more (torch's default is 25), or --model.compile false.")
+
+
+def elastic_attempt_store(timeout: timedelta) -> dist.Store | None:
+    """Under torchrun's shared agent store, a client of it with a prefix of this restart's own; else None.
+
+    torchrun's agent serves one TCPStore for every rendezvous round (TORCHELASTIC_USE_AGENT_STORE; it is rebuilt
+    only when `_bootstrap_store_info is None`, torch/distributed/elastic/rendezvous/dynamic_rendezvous.py), and
+    torch's env:// rendezvous adds no prefix per attempt (torch/distributed/rendezvous.py, `_create_c10d_store`).
+    A restarted group would read the process group's keys of the attempt that died (distributed_c10d.py,
+    `default_pg/0/...`): the dead peers' addresses, then a connection refused, and a peer left waiting until the
+    collective timeout. `scripts/torchrun.sh` avoids the shared store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1); this
+    covers a plain `torchrun --max-restarts N`.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/fic/attempt_{attempt}", agent)
 
 
 class ClusterDDPStrategy(_LightningDDP):
@@ -115,7 +136,18 @@ class ClusterDDPStrategy(_LightningDDP):
 
     def setup_distributed(self) -> None:
         ClusterDDPStrategy.last_rank = (self.global_rank, self.world_size)
-        super().setup_distributed()
+        store = elastic_attempt_store(self._timeout)
+        if store is None:
+            super().setup_distributed()
+        else:  # Lightning's DDPStrategy.setup_distributed (pytorch_lightning/strategies/ddp.py), with the store
+            reset_seed()
+            self.set_world_ranks()
+            self._process_group_backend = self._get_process_group_backend()
+            device = self.root_device if self.root_device.type != "cpu" else None
+            dist.init_process_group(self._process_group_backend, rank=self.global_rank, world_size=self.world_size,
+                                    store=store, timeout=self._timeout, device_id=device)
+            if self._process_group_backend == "nccl":  # as Lightning's _init_dist_connection does
+                atexit.register(dist.destroy_process_group)
         peers.exchange(self.global_rank, self.world_size)  # who is where, for the message if one is lost
 
     # -- gradient compression ------------------------------------------------------------------
