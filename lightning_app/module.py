@@ -208,7 +208,7 @@ class ImageClassifier(pl.LightningModule):
         total = total_steps(self.trainer)  # not estimated_stepping_batches: lightning_app/lr_schedule.py says why
         epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
         warmup = min(total - 1, int(self.hparams.warmup_epochs * total / epochs))
-        self.warmup_steps = warmup  # PowerSGD starts after it by default (ClusterDDPStrategy.powersgd_start_iter)
+        self.warmup_steps = warmup  # PowerSGD never starts before it (ClusterDDPStrategy.powersgd_start_iter)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
