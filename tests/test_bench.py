@@ -16,6 +16,7 @@ from bench.loaders.backends import BACKENDS
 from bench.loaders.report import classify
 from bench.train.rows import RowSpec, row_specs, skip_reason
 from datamodules.builtin.tree import generate
+from netsim import link as netlink
 from tests.helpers import REPO
 from tests.helpers.optional import needs_dali
 
@@ -391,3 +392,17 @@ def test_help_explains_every_column_of_the_nodes_table(capsys):
     from bench.nodes.report import to_markdown
 
     assert _unexplained(to_markdown(_nodes_result(6.0, 2.4)), _help("nodes", capsys)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(netlink.unavailable() is not None, reason=f"netsim: {netlink.unavailable()}")
+def test_nodes_accuracy_says_every_few_seconds_which_run_and_step_it_is_at(tmp_path, tiny_data):
+    proc = subprocess.run([sys.executable, "-m", "bench", "nodes", "--accuracy", "--hooks", "none", "--seeds", "1",
+                           "--epochs", "2", "--data-dir", str(tiny_data), "--config", "configs/ddp.yaml",
+                           "--batch-size", "40", "--out", str(tmp_path / "out")],
+                          cwd=REPO, env={**os.environ, "FIC_PROGRESS_EVERY_S": "0.5"}, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("bench nodes --accuracy: row 1/1 ")]
+    assert any(re.match(r"bench nodes --accuracy: row 1/1 no compression, seed 1: epoch [12]/2, step \d+/\d+ ",
+                        line) for line in lines), proc.stderr[-3000:]

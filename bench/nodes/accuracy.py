@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.nodes.steps import parse_hooks
+from bench.progress_bars import Progress
 from netsim import link as netlink
 from netsim.nodes import Nodes
 
@@ -35,9 +36,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     runs = []
     tmp = Path(tempfile.mkdtemp(prefix="bench-nodes-accuracy-"))
     try:
-        with netlink.simulated_link(rate=rate) as pair:
+        with netlink.simulated_link(rate=rate) as pair, \
+                Progress("bench nodes --accuracy", len(hooks) * len(seeds), tmp) as progress:
             for hook in hooks:
                 for seed in seeds:
+                    progress.row(f"{hook.label}, seed {seed}", len(runs) + 1)
                     runs.append(_one(pair, hook, seed, settings, tmp / f"{hook.label}-{seed}", args.timeout))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -47,7 +50,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def _one(pair: netlink.Link, hook, seed: int, settings: dict[str, Any], root: Path, timeout_s: int) -> dict[str, Any]:
     args = ["fit", "--config", settings["config"], *hook.config_args(), "--seed_everything", str(seed),
             "--data.data_dir", settings["data_dir"], "--trainer.max_epochs", str(settings["epochs"]),
-            "--trainer.default_root_dir", str(root)]
+            "--trainer.default_root_dir", str(root), "--trainer.callbacks+=bench.nodes.probe.ReportSteps"]
     if settings["batch_size"]:
         args += ["--data.batch_size", str(settings["batch_size"])]
     if hook.name == "powersgd":

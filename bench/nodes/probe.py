@@ -23,6 +23,16 @@ def _counter(name: str) -> int:
         return 0
 
 
+class ReportSteps(pl.Callback):
+    """Rank 0 says the step its fit reached, for the suite's progress line (bench/progress_bars.py)."""
+
+    changes_training = False  # lightning_app/runs/identity.py leaves it out of a run's training settings
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_rank == 0:
+            report_step(trainer_step(trainer, batch_idx))
+
+
 class StepProbe(pl.Callback):
     def __init__(self) -> None:
         self.marks: list[tuple[float, int, int]] = []  # (seconds, tx bytes, rx bytes) at the start, then per step
