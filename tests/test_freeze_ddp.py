@@ -73,3 +73,32 @@ def test_a_run_resumed_after_the_frozen_epoch_unfreezes_on_both_processes(tiny_d
     assert not differ, f"the ranks hold different parameters after the resumed epoch: {differ}"
     body = [name for name in saved if not name.startswith(head)]
     assert all(not torch.equal(final[0][name], saved[name]) for name in body), "not unfrozen after the resume"
+
+
+class BackwardThroughTheBody(pl.Callback):
+    """Counts, per epoch, the gradients autograd computes for the backbone's body (hooks on its parameters)."""
+
+    def __init__(self) -> None:
+        self.per_epoch: dict[int, int] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        head = head_name(pl_module.backbone)
+        for name, p in pl_module.backbone.named_parameters():
+            if not name.startswith(head + "."):
+                p.register_hook(lambda grad, t=trainer: self._count(t) or grad)
+
+    def _count(self, trainer: pl.Trainer) -> None:
+        self.per_epoch[trainer.current_epoch] = self.per_epoch.get(trainer.current_epoch, 0) + 1
+
+
+def test_one_process_does_no_backward_through_the_frozen_body(tiny_data, tmp_path):
+    from lightning_app.cli import ClassifierCLI
+
+    cli = ClassifierCLI(args=[*quick_args(tiny_data, tmp_path, epochs=2, batch=40), "--model.pictures", "[]",
+                              "--model.freeze_backbone_epochs", "1", "--trainer.limit_train_batches", "2",
+                              "--trainer.limit_val_batches", "0"], run=False)
+    counter = BackwardThroughTheBody()
+    cli.trainer.callbacks.append(counter)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert counter.per_epoch.get(0, 0) == 0  # frozen: the backward pass ends at the head
+    assert counter.per_epoch.get(1, 0) > 0

@@ -21,12 +21,17 @@ the module Lightning's DDPStrategy wrapped (`_setup_model`) mid-fit, registering
 (`_register_ddp_hooks`), new buckets, which PowerSGD's state is keyed by (lightning_app/strategies/comm_hooks.py),
 and a recompile of a compiled backbone inside DDP, whose graph breaks follow the buckets. Here the buckets, the comm
 hook's state and the compiled graph stay as built; the cost is that a frozen epoch takes as long as a trained one.
-One path for every strategy: single-process runs drop the gradients in the same way.
+
+Without DDP (one process, or DataParallel, whose replicas are copied from the module at every forward) nothing is
+registered ahead, so the frozen part simply stops requiring gradients: the backward pass ends at the head, and a frozen
+epoch costs a forward pass through the backbone. A compiled backbone recompiles once at the unfreeze (dynamo guards
+on requires_grad).
 """
 from __future__ import annotations
 
 import pytorch_lightning as pl
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 
 class FreezeBackboneEpochs(pl.Callback):
@@ -47,7 +52,12 @@ class FreezeBackboneEpochs(pl.Callback):
         for module in modules:
             if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
                 module.track_running_stats = not freeze
-        self.frozen = [p for m in modules for p in m.parameters(recurse=False)] if freeze else []
+        params = [p for m in modules for p in m.parameters(recurse=False)]
+        if isinstance(trainer.strategy.model, DistributedDataParallel):
+            self.frozen = params if freeze else []  # registered with DDP: their gradients are dropped after it
+        else:
+            for p in params:
+                p.requires_grad_(not freeze)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for p in self.frozen:
