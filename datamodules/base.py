@@ -24,7 +24,7 @@ from datamodules.sample.crop import Augment, TrainCrop, ValCrop
 from datamodules.sample.dataset import SampleDataset, Source
 from datamodules.sample.transforms import normalize
 from datamodules.sizing import LoaderSizing
-from datamodules.workers import leave_stop_signals_to_the_trainer
+from datamodules.workers import end_stuck_workers_at_exit, leave_stop_signals_to_the_trainer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILTIN_ROOT = REPO_ROOT / "data" / "builtin"
@@ -233,6 +233,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
             dataset.decode_threads = max(1, self.cpus() // max(1, workers))
             dataset.ring_slots = sizing.ring_slots
         loader = SampleLoader if isinstance(dataset, SampleDataset) else DataLoader
+        end_stuck_workers_at_exit()
         return loader(
             dataset,
             batch_size=batch_size,

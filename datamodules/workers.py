@@ -11,16 +11,52 @@ ends at its next check (worker.py, `ManagerWatchdog`).
 """
 from __future__ import annotations
 
+import atexit
+import multiprocessing
 import os
 import signal
+import time
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+EXIT_JOIN_S = 2.0  # what a worker gets to end by itself when the training process exits
+_exit_guard = False
 
 
-def leave_stop_signals_to_the_trainer(_worker_id: int | None = None) -> None:
-    """A DataLoader's `worker_init_fn` (or the first call of a worker's callback): ignore the stop signals."""
+def leave_stop_signals_to_the_trainer(worker_id: int | None = None) -> None:
+    """A DataLoader's `worker_init_fn` (or the first call of a worker's callback): ignore the stop signals.
+
+    Lightning adds its own `pl_worker_init_function` (each worker's seed) only to a loader without a
+    `worker_init_fn` (lightning_fabric/utilities/data.py, `_auto_add_worker_init_fn`): called here instead.
+    """
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    if worker_id is not None and int(os.environ.get("PL_SEED_WORKERS", "0")):
+        from lightning_fabric.utilities.seed import pl_worker_init_function
+
+        pl_worker_init_function(worker_id)
+
+
+def end_stuck_workers_at_exit() -> None:
+    """In the training process: at exit, a loader worker still alive after EXIT_JOIN_S is SIGKILLed.
+
+    multiprocessing's own exit handler ends daemonic children with SIGTERM, then joins them without a timeout
+    (multiprocessing/util.py, `_exit_function`), and so does DataLoader's shutdown for a worker that does not end
+    (dataloader.py, `_shutdown_workers`): a worker that ignores SIGTERM and is stuck in a read would hold the exit
+    for ever. atexit runs the handlers last registered first, so this runs before multiprocessing's.
+    """
+    global _exit_guard
+    if not _exit_guard:
+        _exit_guard = True
+        atexit.register(_end_stuck_workers)
+
+
+def _end_stuck_workers() -> None:
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.join(max(0.0, deadline - time.monotonic()))
+            if child.is_alive():
+                child.kill()
 
 
 class InWorkersOnly:

@@ -274,7 +274,7 @@ def main(args=None) -> ClassifierCLI:
     try:
         return ClassifierCLI(args=args)
     except SIGTERMException:  # a stop signal, saved by CheckpointOnSigterm
-        raise SystemExit(stop_signals.EXIT_STATUS.get(stop_signals.last_decision, 0)) from None
+        raise SystemExit(stop_signals.exit_status()) from None
     except Exception as error:
         user_error = find_user_error(error)
         if user_error is not None:

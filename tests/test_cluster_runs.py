@@ -306,6 +306,7 @@ def test_sigterm_during_validate_leaves_last_ckpt_byte_identical(tiny_data, trai
     out = proc.stdout + proc.stderr
     assert "sending SIGTERM at validation batch 1" in out, out[-3000:]
     assert "SIGTERM: saved" not in out
+    assert proc.returncode == 143  # stopped by the signal, not finished
     assert last.read_bytes() == before
 
 

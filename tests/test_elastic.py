@@ -177,3 +177,16 @@ def test_a_restart_takes_over_the_lock_its_earlier_attempt_left_on_another_host(
     out = proc.stdout + proc.stderr
     assert "took over the lock of" in out and "torchrun restarted the worker group of rdzv job-c" in out, out[-3000:]
     assert sorted(p.name for p in tmp_path.glob("version_*")) == ["version_0"]
+
+
+def test_restarts_on_several_nodes_over_the_agents_shared_store_are_refused_in_one_paragraph(monkeypatch):
+    from datetime import timedelta
+
+    from lightning_app.errors import UserError
+    from lightning_app.strategies.ddp import elastic_attempt_store
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    with pytest.raises(UserError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        elastic_attempt_store(timedelta(seconds=5))

@@ -14,7 +14,10 @@ import pytest
 import torch
 
 from tests.helpers.cli import quick_args
+from tests.helpers.event_files import scalars
+from tests.helpers.optional import needs_dali
 from tests.helpers.processes import finish, finish_all, free_port, start_main
+from tests.helpers.trees import make_tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 TIMEOUT_S = "60"  # the collective timeout: a hang would end here, with exit 1
@@ -107,3 +110,18 @@ def test_slurm_requeue_signal_saves_an_hpc_checkpoint_on_every_rank_and_requeues
     assert codes == [0, 0], "\n".join(o[-3000:] for o in outs)
     assert "Done: best val/acc1" in outs[0]
     assert _saved(run / "checkpoints" / "last.ckpt")["global_step"] == 18
+
+
+@needs_dali
+def test_a_stop_agreed_before_a_validation_of_uneven_rank_lengths_waits_for_its_end(tmp_path):
+    # DALI's per-rank val slices: 6 and 5 files at batch 5 are 2 batches on one rank, 1 on the other. The stop is
+    # agreed at the end of the epoch's only step (log_every_n_steps 1), right before the epoch's validation: cut at
+    # its first batch on one rank and run to its end (a collective) on the other, the ranks would wait on each other
+    data = make_tree(tmp_path / "eleven", {"a": 6, "b": 5})
+    args = ["fit", *quick_args(data, tmp_path, epochs=2, batch=10), "--config", "configs/data/dali.yaml",
+            "--data.num_threads", "1", "--trainer.strategy", "ddp", "--trainer.devices", "2",
+            "--trainer.num_sanity_val_steps", "0", "--trainer.log_every_n_steps", "1",
+            *_signal_at(0, 0, "SIGTERM", 1)]
+    code, out = _fit(args, _env(MASTER_PORT=str(free_port()), FIC_DDP_TIMEOUT_S="30"))
+    assert code == 0 and "SIGTERM: saved" in out, out[-4000:]
+    assert len(scalars(tmp_path / "version_0", "val/loss")) == 1  # the validation ran to its end, once

@@ -30,7 +30,7 @@ from datamodules.shards.loader import (
 )
 from datamodules.shards.storage import endpoint_of, is_remote, redact
 from datamodules.shards.store import open_store
-from datamodules.workers import leave_stop_signals_to_the_trainer
+from datamodules.workers import end_stuck_workers_at_exit, leave_stop_signals_to_the_trainer
 
 
 class StreamingDataModule(ImageDataModule):
@@ -182,6 +182,7 @@ class StreamingDataModule(ImageDataModule):
     def _stream(self, split: str, crop, size, dataset: ShardDataset | None = None) -> ShardLoader:
         plan = self.memory_plan(fit=True if split == "train" else None)  # workers and batches in flight: the budget's
         self._show_plan(plan)
+        end_stuck_workers_at_exit()
         sizing = plan.loader(split)
         workers = sizing.workers
         predict = isinstance(dataset, PredictShardDataset)

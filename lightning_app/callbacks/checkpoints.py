@@ -43,14 +43,18 @@ class CheckpointOnSigterm(pl.Callback):
             stop_signals.install(trainer).agree()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
+        if not isinstance(exception, SIGTERMException):
             return
         decision = stop_signals.install(trainer).decision
-        stop_signals.last_decision = decision
+        stop_signals.last_decision, stop_signals.last_saved = decision, False
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
         if decision == stop_signals.REQUEUE:
-            path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+            # one name for every rank: each would list the folder on its own (checkpoint_connector.hpc_save_path)
+            path = trainer.strategy.broadcast(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
             trainer.save_checkpoint(path, weights_only=False)
             self._say(trainer, stop_signals.NAMES[decision], path)
+            stop_signals.last_saved = True
             if trainer.is_global_zero:
                 status = stop_signals.slurm_requeue()
                 rank_zero_info("Requeued the SLURM job." if status == 0 else
@@ -62,6 +66,7 @@ class CheckpointOnSigterm(pl.Callback):
         path = os.path.join(dirpath, self.filename + ModelCheckpoint.FILE_EXTENSION)
         trainer.save_checkpoint(path, weights_only=False)
         self._say(trainer, stop_signals.NAMES.get(decision, "SIGTERM"), path)
+        stop_signals.last_saved = True
 
     @staticmethod
     def _say(trainer: pl.Trainer, what: str, path: str) -> None:

@@ -35,9 +35,16 @@ from pytorch_lightning.trainer.states import TrainerFn
 
 AGREE_EVERY_WITHOUT_LOGGING = 50  # steps between agreements when trainer.log_every_n_steps is 0
 NONE, INTERRUPT, STOP, REQUEUE = 0, 1, 2, 3  # what a rank asks for (Ctrl-C, SIGTERM, requeue); the largest wins
-EXIT_STATUS = {INTERRUPT: 130, STOP: 0, REQUEUE: 0}  # 130: a shell's `a && b` does not go on after a Ctrl-C
 NAMES = {INTERRUPT: "Ctrl-C (SIGINT)", STOP: "SIGTERM", REQUEUE: "SLURM requeue signal"}
-last_decision = NONE  # what stopped the last fit of this process (cli.main turns it into the exit status)
+last_decision, last_saved = NONE, False  # what stopped this process's last run, and whether it saved (cli.main)
+
+
+def exit_status() -> int:
+    """A fit stopped and saved: 0 (130 after Ctrl-C, so a shell's `fit && test` does not go on); an evaluation
+    stopped: 128 + the signal, as the shell reports a process a signal ended."""
+    if last_decision == INTERRUPT:
+        return 130
+    return 0 if last_saved else 128 + signal.SIGTERM
 
 
 class StopSignals(_SignalConnector):
@@ -51,7 +58,15 @@ class StopSignals(_SignalConnector):
     # Lightning's loops read trainer.received_sigterm (this connector's attribute) to decide to stop
     @property
     def received_sigterm(self) -> bool:
+        # With several processes a validation inside the fit is never cut: its ranks may run different numbers of
+        # batches (DALI's per-rank val slices) and its end is a collective; the stop follows it, where Lightning's
+        # epoch loop checks the flag again (loops/training_epoch_loop.py, on_advance_end).
+        if self.trainer.world_size > 1 and self.trainer.validating and self._fitting():
+            return False
         return self.decision != NONE
+
+    def _fitting(self) -> bool:
+        return self.trainer.state.fn == TrainerFn.FITTING
 
     @received_sigterm.setter
     def received_sigterm(self, value: bool) -> None:  # _SignalConnector.__init__ and register_signal_handlers
@@ -61,7 +76,7 @@ class StopSignals(_SignalConnector):
     def decision(self) -> int:
         """NONE, STOP or REQUEUE: what every rank does. With one process, or outside a fit (nothing is saved, so
         a rank that stops alone leaves no collective behind it but the lost-peer error), what this one was asked."""
-        if self.trainer.world_size == 1 or self.trainer.state.fn != TrainerFn.FITTING:
+        if self.trainer.world_size == 1 or not self._fitting():
             return self.requested
         return self._agreed
 
@@ -74,17 +89,22 @@ class StopSignals(_SignalConnector):
     def register_signal_handlers(self) -> None:
         self._agreed, self.requested = NONE, NONE
         self._original_handlers = self._get_current_signal_handlers()
-        self._register_signal(signal.SIGTERM, self._note)
-        self._register_signal(signal.SIGINT, self._note)
-        requeue = self.requeue_signal()
-        if requeue is not None:
-            self._register_signal(requeue, self._note)
+        if self.trainer.state.fn != TrainerFn.PREDICTING:  # Lightning's predict loop never reads the flag
+            self._register_signal(signal.SIGTERM, self._note)
+        if self._fitting():  # outside a fit nothing is saved: Ctrl-C stops at once, as Lightning's own path does
+            self._register_signal(signal.SIGINT, self._note)
+            requeue = self.requeue_signal()
+            if requeue is not None:
+                self._register_signal(requeue, self._note)
         # the loop's broadcast of rank 0's flag before every batch (loops/training_epoch_loop.py, advance)
         self.trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_broadcast
 
     def _note(self, signum: int, _frame: FrameType | None) -> None:
         if signum == signal.SIGINT:
             if self.requested == INTERRUPT:  # the second Ctrl-C: stop at once, without a checkpoint (Python's own)
+                launcher = self.trainer.strategy.launcher  # the ranks it started may wait in a collective: end them
+                if launcher is not None:
+                    launcher.kill(signal.SIGKILL)
                 raise KeyboardInterrupt
             if self.requested == NONE and self.trainer.global_rank == 0:
                 # os.write: a handler may interrupt a print of the main thread, and print is not reentrant

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 from lightning_fabric.utilities.cloud_io import get_filesystem
+from lightning_fabric.utilities.distributed import _destroy_dist_connection
 from lightning_fabric.utilities.rank_zero import rank_prefixed_message
 from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.strategies import DDPStrategy as _LightningDDP
@@ -59,10 +60,19 @@ def elastic_attempt_store(timeout: timedelta) -> dist.Store | None:
     A restarted group would read the process group's keys of the attempt that died (distributed_c10d.py,
     `default_pg/0/...`): the dead peers' addresses, then a connection refused, and a peer left waiting until the
     collective timeout. `scripts/torchrun.sh` avoids the shared store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1); this
-    covers a plain `torchrun --max-restarts N`.
+    covers a plain `torchrun --max-restarts N` on one node. On several nodes the restart counts can differ (each
+    agent counts its own restarts; a node whose workers were alive restarts on a membership change without counting,
+    torch/distributed/elastic/agent/server/api.py), so no prefix would pair them: that is refused in one paragraph.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1") or 1)
+    if nodes > 1 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
+        raise UserError(
+            f"torchrun --max-restarts on {nodes} nodes shares its agent's store across restarts, and a restarted group "
+            "would read the dead attempt's connection details (then wait until the collective timeout). Start torchrun "
+            "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (scripts/torchrun.sh sets it), or use the "
+            "script.")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     return dist.PrefixStore(f"/fic/attempt_{attempt}", agent)
@@ -136,7 +146,7 @@ class ClusterDDPStrategy(_LightningDDP):
 
     def setup_distributed(self) -> None:
         ClusterDDPStrategy.last_rank = (self.global_rank, self.world_size)
-        store = elastic_attempt_store(self._timeout)
+        store = None if dist.is_initialized() else elastic_attempt_store(self._timeout)
         if store is None:
             super().setup_distributed()
         else:  # Lightning's DDPStrategy.setup_distributed (pytorch_lightning/strategies/ddp.py), with the store
@@ -147,7 +157,7 @@ class ClusterDDPStrategy(_LightningDDP):
             dist.init_process_group(self._process_group_backend, rank=self.global_rank, world_size=self.world_size,
                                     store=store, timeout=self._timeout, device_id=device)
             if self._process_group_backend == "nccl":  # as Lightning's _init_dist_connection does
-                atexit.register(dist.destroy_process_group)
+                atexit.register(_destroy_dist_connection)
         peers.exchange(self.global_rank, self.world_size)  # who is where, for the message if one is lost
 
     # -- gradient compression ------------------------------------------------------------------
