@@ -18,9 +18,11 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 EXIT_BAD_INPUT = 2
+QUIET_S = 0.25  # no descendant seen for this long: none is being forked any more
 
 
 def ignore_stop_signals() -> None:
@@ -128,13 +130,20 @@ def _sigterm_ends(name: str, on_stop: str) -> Iterator[None]:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        for _ in range(100):  # again until none is left: a pool's thread may fork a worker in place of a dead one
+        # again until none has been left for QUIET_S: a pool's thread forks a worker in place of a dead one
+        # (multiprocessing/pool.py, _handle_workers -> _maintain_pool), and one forked after the last look would
+        # write into the pipe of a tool that is gone and print a BrokenPipeError traceback
+        deadline, quiet_since = time.monotonic() + 2.0, None
+        while time.monotonic() < deadline:
             found = descendants(tool_pid)
             for pid in found:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-            if not found:
+            now = time.monotonic()
+            quiet_since = None if found else (quiet_since or now)
+            if quiet_since is not None and now - quiet_since >= QUIET_S:
                 break
+            time.sleep(0.02)
         os.write(2, line)
         os._exit(128 + signum)
 

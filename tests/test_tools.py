@@ -52,7 +52,7 @@ def test_bad_input_ends_in_one_paragraph_with_exit_2(tmp_path):
     assert not (tmp_path / "o").exists() and not (tmp_path / "x.lmdb").exists()
 
 
-def _larger(tree: Path, root: Path, copies: int = 5) -> Path:
+def _larger(tree: Path, root: Path, copies: int = 20) -> Path:
     """`tree` `copies` times over, hard-linked (no new bytes): long enough to stop the fast tools midway."""
     for image in tree.rglob("*.png"):
         for k in range(copies):
