@@ -74,6 +74,17 @@ def _is_enospc(error: BaseException) -> bool:
     return bool(_NO_SPACE.search(_text(error)))
 
 
+def _kind(error: BaseException, text: str) -> str | None:
+    """Which known failure `error` is, in the order both sides check it; each side words its own paragraph."""
+    if _is_enospc(error):
+        return "disk full"
+    for kind, pattern in (("credentials", _CREDENTIALS), ("no bucket", _NO_BUCKET), ("unreachable", _UNREACHABLE),
+                          ("not found", _NOT_FOUND)):
+        if pattern.search(text):
+            return kind
+    return None
+
+
 def explain(error: BaseException, url: str, endpoint: str | None = None, cache_dir: str | None = None,
             side: Side = "training") -> str | None:
     """One paragraph for a known failure reading the pack at `url` (or, side="packer", writing it), else None."""
@@ -85,22 +96,23 @@ def explain(error: BaseException, url: str, endpoint: str | None = None, cache_d
     died = _WORKER_DIED.search(text)
     if died:
         return worker_died(url, died.group(0))
-    if _is_enospc(error):
+    kind = _kind(error, text)
+    if kind == "disk full":
         where = cache_dir or "the chunk cache (--data.cache_dir)"
         return (f"The disk holding {where} is full while streaming {url}. Point --data.cache_dir at a disk with "
                 "room, or lower --data.max_cache_size to what that disk can hold (at least a few chunks per "
                 "worker); then resume with --ckpt_path last.")
-    if _CREDENTIALS.search(text):
+    if kind == "credentials":
         return (f"The object store{at} refused the credentials for {url} ({first}). Check the access key, "
                 f"secret and session token in use, and that they may read this bucket. {ENV_HINT}")
-    if _NO_BUCKET.search(text):
+    if kind == "no bucket":
         return missing_bucket(url, endpoint, side="training")
-    if _UNREACHABLE.search(text):
+    if kind == "unreachable":
         return (f"Cannot reach the object store{at} for {url}: the endpoint is unreachable or refused the "
                 f"connection ({first}). Check the endpoint URL (AWS_ENDPOINT_URL or --data.storage_options "
                 "endpoint_url), that the server is running and reachable from this machine; then rerun (a fit "
                 "resumes with --ckpt_path last).")
-    if _NOT_FOUND.search(text):
+    if kind == "not found":
         return (f"An object of the pack {url} is missing ({first}): the pack was changed or deleted while it "
                 f"was read, or is incomplete. Pack it again: {PACK_HINT.format(url=url)}")
     return None
@@ -110,23 +122,24 @@ def _explain_packing(error: BaseException, url: str, endpoint: str | None) -> st
     text = _text(error)
     at = f" at {endpoint}" if endpoint else ""
     first = _root_cause(error)
-    if _is_enospc(error):
+    kind = _kind(error, text)
+    if kind == "disk full":
         return (f"The disk is full while packing to {url} ({first}). A local --dst is built in a folder beside it; "
                 f"for an s3:// --dst each chunk is staged in the temporary folder first ({tempfile.gettempdir()}, "
                 "set by TMPDIR). Free space there or set TMPDIR to a disk with room; the chunks packed so far are "
                 "kept and reused.")
-    if _CREDENTIALS.search(text):
+    if kind == "credentials":
         return (f"The object store{at} refused the credentials for --dst {url} ({first}). Check the keys in "
                 "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN), and that they may list and "
                 f"write this bucket (and create it, for --create-bucket). {PACKER_ENV_HINT}")
-    if _NO_BUCKET.search(text):
+    if kind == "no bucket":
         return missing_bucket(url, endpoint)
-    if _UNREACHABLE.search(text):
+    if kind == "unreachable":
         return (f"Cannot reach the object store{at} for --dst {url}: the endpoint is unreachable or refused the "
                 f"connection ({first}). Check the endpoint (AWS_ENDPOINT_URL, or endpoint_url in "
                 "--storage-options) and that its server is running and reachable from this machine; the chunks "
                 "packed so far are kept and reused.")
-    if _NOT_FOUND.search(text):
+    if kind == "not found":
         return (f"An object under --dst {url} disappeared while packing ({first}): something else writes or "
                 "deletes under that prefix. Give this pack a --dst of its own.")
     return None
