@@ -18,12 +18,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-DEADLINE_S = 480  # the whole check, on one H100; a 10-minute device call keeps 2 minutes of slack
-# (part, command after `python`, its own timeout in seconds), in order; the bench groups of bench/gpu/command.py
-PARTS = [("pytest -m gpu", ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"], 60)]
+DEADLINE_S = 560  # the whole check; a 10-minute device call keeps 40 s of slack
+# (part, command after `python`, its own timeout in seconds), in order; the bench groups of bench/gpu/command.py.
+# Limits from the first run on an H200 (bench/results/gpu-check-h200.md): startup (torch, CUDA, cuDNN) alone takes
+# 10-15 s, compiling ResNet-50 about 40 s.
+PARTS = [("pytest -m gpu", ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                            "--timeout", "150", "-rfEs", "--tb=short"], 180)]
 PARTS += [(f"bench gpu {group}", ["-m", "bench", "gpu", "--groups", group], seconds)
-          for group, seconds in (("ceiling", 30), ("trainer", 140), ("precision", 40), ("flags", 60),
-                                 ("backends", 60), ("dali", 20), ("dp", 10), ("ddp", 10))]
+          for group, seconds in (("ceiling", 45), ("trainer", 140), ("precision", 45), ("flags", 120),
+                                 ("backends", 75), ("dali", 30), ("dp,ddp", 40))]
 TRAIN_PER_CLASS = "256"  # the built-in data for the data rows: 2,560 ImageNet-sized JPEGs, 10 batches of 256
 
 
@@ -109,6 +112,9 @@ def write_report(out: Path, result: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--parts", default=None, help="comma list of parts to run, by their last word (gpu, ceiling, "
+                    "trainer, precision, flags, backends, dali, ddp): a rerun of the ones that failed; default all")
+    ap.add_argument("--deadline-s", type=float, default=DEADLINE_S, help=f"the whole check (default {DEADLINE_S})")
     ap.add_argument("--rehearse-on-cpu", action="store_true", help="without CUDA, run every part anyway at a tiny "
                     "size (bench gpu --allow-cpu): a test of this runner, never a result")
     args = ap.parse_args()
@@ -128,26 +134,35 @@ def main() -> int:
             + ". Nothing was checked.")
         write_report(out, result)
         return 2
+    wanted = set(args.parts.split(",")) if args.parts else None
+    precision = []  # the ceiling's faster AMP, passed to the later groups (bench gpu --precision)
     for name, argv, own in PARTS:
+        if wanted is not None and not wanted & set(name.split()[-1].split(",")):
+            continue
+        folder = None
         if name.startswith("bench"):
-            group = argv[-1]
-            argv = [*argv, "--out", str(out / "bench" / group), "--machine", "gpu-check",
-                    "--train-per-class", TRAIN_PER_CLASS]
-            if not v["usable"]:  # --rehearse-on-cpu
-                argv = [*argv[:-2], "--allow-cpu", "--builtin", "tiny", "--train-per-class", "16", "--arch", "conv11",
-                        "--image-size", "32", "--batch-size", "8", "--steps", "2", "--warmup", "1",
-                        "--backends", "imagefolder"]
-        left = DEADLINE_S - (time.monotonic() - start)
+            folder = out / "bench" / argv[-1].replace(",", "-")
+            size = (["--train-per-class", TRAIN_PER_CLASS, *precision] if v["usable"] else  # else --rehearse-on-cpu
+                    ["--allow-cpu", "--builtin", "tiny", "--train-per-class", "16", "--arch", "conv11",
+                     "--image-size", "32", "--batch-size", "8", "--steps", "2", "--warmup", "1",
+                     "--backends", "imagefolder"])
+            argv = [*argv, "--out", str(folder), "--machine", "gpu-check", *size]
+        left = args.deadline_s - (time.monotonic() - start)
         part = run_part(name, argv, min(own, left), out)
-        written = out / "bench" / argv[4] / "gpu-check.gpu.json" if name.startswith("bench") else None
+        written = folder / "gpu-check.gpu.json" if folder is not None else None
         if written is not None and written.is_file():
             rows = [c for c in json.loads(written.read_text())["checks"] if c["verdict"] != "not selected (--groups)"]
             part["summary"] = ", ".join(f"{sum(c['status'] == s for c in rows)} {s}" for s in ("ok", "FAIL", "skipped"))
+            measured = [c["extra"].get("precision") for c in rows if c["group"] == "compute ceiling" and c.get("extra")]
+            if measured and measured[0] in ("16-mixed", "bf16-mixed"):
+                precision = ["--precision", measured[0]]
         result["parts"].append(part)
     result["checks"] = bench_checks(out)
     failed = [p["part"] for p in result["parts"] if p["status"] == "FAIL"]
     failed += [f"{c['group']}: {c['name']}" for c in result["checks"] if c["status"] == "FAIL"]
     ran = [c for c in result["checks"] if c["status"] == "ok"]
+    if wanted is not None:
+        result["parts_selected"] = sorted(wanted)
     result["verdict"] = (f"FAILED: {', '.join(failed)}" if failed else
                          "every row was skipped: nothing was checked" if not ran else
                          f"passed: {len(ran)} rows ran, {len(result['checks']) - len(ran)} skipped with their reason")

@@ -59,6 +59,9 @@ def add_parser(subparsers: Subparsers, common: AddCommon) -> argparse.ArgumentPa
                    "(default: 30 on CUDA, 3 on a CPU)")
     g.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 10 on CUDA, 1 on a CPU)")
     g.add_argument("--num-workers", type=int, default=None, help="loader workers (default: this process's CPUs)")
+    g.add_argument("--precision", default=None, choices=["16-mixed", "bf16-mixed"],
+                   help="AMP of the backend rows and speed flags (default: the ceiling's, the faster one it "
+                        "measured, when the ceiling runs; else bf16-mixed where the GPU has it)")
     g.add_argument("--backends", default=None, help="comma list of backends (default: all)")
     g.add_argument("--groups", default=",".join(GROUPS), help=f"comma list from {','.join(GROUPS)} (default: all)")
     g.add_argument("--allow-cpu", action="store_true", help="without a usable CUDA device, rehearse on the CPU "
@@ -77,7 +80,8 @@ def _defaults(args) -> Workload:
             setattr(args, key, value)
     if args.num_workers is None:
         args.num_workers = cpus_per_process(1)
-    return Workload(args.arch, args.image_size, args.batch_size, args.warmup, args.steps, "cuda" if cuda else "cpu")
+    return Workload(args.arch, args.image_size, args.batch_size, args.warmup, args.steps, "cuda" if cuda else "cpu",
+                    args.precision)
 
 
 def gpu_info() -> dict[str, Any]:

@@ -66,7 +66,7 @@ def train_through(dm, w: Workload) -> float:
     prepare(loader)
     try:
         with gc.cudnn_flags(benchmark=device.type == "cuda"):
-            train = gc.TrainStep(gc.make_model(w, num_classes=dm.num_classes), gc.fastest_precision(w.device),
+            train = gc.TrainStep(gc.make_model(w, num_classes=dm.num_classes), gc.fastest_precision(w),
                                  channels_last=True)
 
             def step(batch) -> int:
