@@ -32,7 +32,7 @@ from lightning_app.callbacks.reseed import ReseedEveryEpoch
 from lightning_app.callbacks.saved_config import RedactedSaveConfigCallback
 from lightning_app.callbacks.throughput import TrainSpeedMonitor
 from lightning_app.cli_parser import ClassifierArgumentParser
-from lightning_app.devices import refuse_unusable_gpu
+from lightning_app.devices import hide_gpus_from_a_cpu_run, refuse_unusable_gpu
 from lightning_app.errors import (
     EXIT_USER_ERROR,
     find_user_error,
@@ -132,7 +132,9 @@ class ClassifierCLI(LightningCLI):
         if self.subcommand not in (None, "fit"):
             require_trained_weights(self.subcommand, self._get(self.config, "ckpt_path"), model.get("weights"))
         if self.subcommand is not None:  # a GPU torch cannot use: never a quiet CPU run
-            refuse_unusable_gpu((self._get(self.config, "trainer") or {}).get("accelerator", "auto"))
+            accelerator = (self._get(self.config, "trainer") or {}).get("accelerator", "auto")
+            refuse_unusable_gpu(accelerator)
+            hide_gpus_from_a_cpu_run(accelerator)
         # jsonargparse reports an error raised inside a strategy's __init__ as "Does not validate against any
         # of the Union subtypes" chained to the str subtype's error, not ours: check our settings first
         strategy = (self._get(self.config, "trainer") or {}).get("strategy")

@@ -75,3 +75,23 @@ def refuse_unusable_gpu(accelerator: object, how_to_choose_cpu: str = "pass --tr
     message = unusable_gpu(how_to_choose_cpu)
     if message:
         raise UserError(message)
+
+
+def hide_gpus_from_a_cpu_run(accelerator: object) -> None:
+    """`--trainer.accelerator cpu` on a machine with GPUs: hide them from this process and its children
+    (CUDA_VISIBLE_DEVICES=""), so that no CUDA context is made on GPU 0 for a CPU run.
+
+    Lightning creates one otherwise: the sanity check runs inside `isolate_rng()` (pytorch_lightning/trainer/
+    trainer.py, `_run_stage`), which collects torch.cuda's RNG states whenever torch.cuda.is_available()
+    (lightning_fabric/utilities/seed.py, `_collect_rng_states`), and `torch.cuda.get_rng_state_all()` initializes
+    CUDA on every device. Before CUDA is initialized, torch.cuda.device_count() counts through NVML and parses
+    CUDA_VISIBLE_DEVICES on every call (torch/cuda/__init__.py, `device_count`, `_device_count_nvml`): with none
+    visible that loop is empty. Seen on an H200 (bench/results/gpu-check-h200.md), where a CPU fit held a context.
+    """
+    if str(accelerator).lower() != "cpu" or os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() == "":
+        return
+    import torch
+
+    if torch.cuda.is_initialized():  # too late to hide anything; nothing to save either
+        return
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""

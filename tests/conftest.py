@@ -35,6 +35,16 @@ def _isolated_index_cache(tmp_path_factory):
     torch.set_num_threads(2)
 
 
+@pytest.fixture(autouse=True)
+def _gpus_visible_again(monkeypatch):
+    """An in-process CPU fit hides the GPUs from its process (lightning_app/devices.py, hide_gpus_from_a_cpu_run):
+    the tests after it, in the same pytest process, see them again."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", os.environ["CUDA_VISIBLE_DEVICES"])
+    else:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """The built-in dataset, 'tiny' preset: 10 classes x (24 train, 8 val), 32 px JPEGs."""

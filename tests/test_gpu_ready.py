@@ -165,3 +165,25 @@ def test_cpu_run_on_a_gpu_machine_creates_no_cuda_context(tiny_data, tmp_path, d
                           check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "cuda initialized: False" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_a_cpu_run_creates_no_cuda_context_where_torch_sees_a_gpu(tiny_data, tmp_path):
+    """The same CPU fit where torch is made to see one GPU (its device count) and any CUDA initialization raises
+    with its stack: on the H200, Lightning's isolate_rng() around the sanity check made a context on GPU 0."""
+    code = (
+        f"import sys, traceback; sys.path.insert(0, {str(REPO)!r})\n"
+        "import torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "torch._C._cuda_getDeviceCount = lambda: 1\n"
+        "def init():\n"
+        "    raise RuntimeError('CUDA initialized from:\\n' + ''.join(traceback.format_stack()))\n"
+        "torch._C._cuda_init = init\n"
+        "from lightning_app.cli import ClassifierCLI\n"
+        f"ClassifierCLI(args=['fit', '--config', 'configs/data/imagefolder.yaml', *{quick_args(tiny_data, tmp_path)!r},"
+        " '--trainer.limit_train_batches', '2', '--trainer.limit_val_batches', '1'])\n"
+        "print('cuda initialized:', torch.cuda.is_initialized())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cuda initialized: False" in proc.stdout
