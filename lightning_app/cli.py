@@ -19,11 +19,10 @@ from pathlib import Path
 from pytorch_lightning import LightningDataModule
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
-from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from lightning_app import runs
+from lightning_app import runs, trackers
 from lightning_app.callbacks import stop_signals
 from lightning_app.callbacks.checkpoints import CheckpointOnSigterm, ResumableCheckpoint
 from lightning_app.callbacks.memory_probe import MemoryProbe
@@ -82,6 +81,7 @@ class ClassifierCLI(LightningCLI):
         strategy = next(a for a in parser._actions if a.dest == "trainer.strategy")
         strategy.help = STRATEGY_HELP + (strategy.help or "")
         parser.add_lightning_class_args(ResumableCheckpoint, "checkpoint")
+        trackers.add_arguments(parser)
         parser.set_defaults({
             "checkpoint.monitor": "val/acc1",
             "checkpoint.mode": "max",
@@ -154,11 +154,9 @@ class ClassifierCLI(LightningCLI):
                 kwargs["default_root_dir"] = str(plan.run_dir)
             if plan.guard is not None:
                 self.trainer_defaults["callbacks"].append(plan.guard)
+        names = trackers.chosen(self._get(self.config, "trackers", default=None), config.get("logger"))
         if config.get("logger") in (None, True):
-            extra = {"purge_step": plan.purge_step} if plan and plan.purge_step is not None else {}
-            kwargs["logger"] = TensorBoardLogger(save_dir=str(plan.log_parent if plan else root), name="",
-                                                 version=plan.version if plan else None, default_hp_metric=False,
-                                                 **extra)
+            kwargs["logger"] = self._trackers(names, plan, root)
         if config.get("enable_progress_bar", True) is not False:
             self.trainer_defaults["callbacks"].append(progress_callback())
         checkpoint = self._get(self.config_init, "checkpoint", default=None)
@@ -171,6 +169,20 @@ class ClassifierCLI(LightningCLI):
             raise
         use_atomic_checkpoints(trainer)
         return trainer
+
+    def _trackers(self, names: list[str] | None, plan: runs.RunPlan | None, root: Path) -> list:
+        """TensorBoard as always, or the --trackers named (lightning_app/trackers.py); a resumed fit continues the
+        MLflow and W&B runs its run.json names, and a fresh one records them there."""
+        settings = {name: dict(self._get(self.config, name, default=None) or {}) for name in trackers.PACKAGES}
+        fit = self.subcommand == "fit" and plan is not None and plan.run_dir is not None
+        resumed = trackers.recorded(plan.run_dir) if fit and plan.ckpt_path and not plan.made_here else None
+        folder = (plan.run_dir if fit else plan.log_parent / str(plan.version)) if plan and plan.version is not None \
+            else None
+        loggers = trackers.build(names, settings, plan.log_parent if plan else root, plan.version if plan else None,
+                                 plan.purge_step if plan else None, folder, resumed)
+        if fit and plan.lock is not None and names:  # the launch-rank-zero process, which wrote run.json
+            trackers.remember(plan.run_dir, loggers)
+        return loggers
 
     # -- run folders -------------------------------------------------------------------------
     def _plan_run(self, root: Path) -> runs.RunPlan | None:
@@ -244,6 +256,8 @@ class ClassifierCLI(LightningCLI):
         ]
         if trainer.checkpoint_callback and trainer.checkpoint_callback.best_model_path:
             parts.append(f"best checkpoint {trainer.checkpoint_callback.best_model_path}")
+        if self._get(self.config, "trackers", default=None):  # the default line stays as it was: TensorBoard's
+            parts += trackers.describe(trainer.loggers)
         rank_zero_info("Done: " + "; ".join(parts))
 
 

@@ -1,4 +1,4 @@
-"""Hyperparameters in TensorBoard's HPARAMS tab, with a metric attached.
+"""Hyperparameters in TensorBoard's HPARAMS tab, with a metric attached; MLflow's params and W&B's config once per run.
 
 The tab stays empty unless the hparams summary names a metric. Lightning's own call
 (TensorBoardLogger.log_hyperparams with metrics) also logs a placeholder value for it; here the summary
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import pytorch_lightning as pl
-from pytorch_lightning.loggers import TensorBoardLogger
+from pytorch_lightning.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
 
 # Keys LightningCLI adds to a model's hparams for reloading it (cli.py, _InstantiatorFn): not settings a person changes.
 INTERNAL_KEYS = ("_class_path", "_instantiator")
@@ -66,3 +66,20 @@ class HparamsWithMetric(pl.Callback):
                 writer = logger.experiment._get_file_writer()  # reopened if closed
                 for summary in hparams(flat(run_hparams(trainer)), {self.metric: 0.0}):
                     writer.add_summary(summary)
+            elif isinstance(logger, MLFlowLogger):
+                log_mlflow_params(logger, flat(run_hparams(trainer)))
+            elif isinstance(logger, WandbLogger) and trainer.ckpt_path is None:  # a resumed W&B run has its config
+                logger.experiment.config.update(flat(run_hparams(trainer)), allow_val_change=True)
+
+
+def log_mlflow_params(logger: MLFlowLogger, params: dict[str, Scalar]) -> None:
+    """Once per MLflow run: a continued run keeps the params it has (MLflow refuses to change a logged param,
+    mlflow/store/tracking/file_store.py, _log_run_param), whatever a resume changed (run.json records that)."""
+    from mlflow.entities import Param
+
+    client = logger.experiment
+    if client.get_run(logger.run_id).data.params:
+        return
+    items = [Param(k, str(v)[:6000]) for k, v in params.items()]  # MLflow's longest param value
+    for start in range(0, len(items), 100):  # MLflow's batch limit (Lightning's MLFlowLogger batches by 100 too)
+        client.log_batch(run_id=logger.run_id, params=items[start:start + 100])

@@ -5,7 +5,8 @@
   after the process group is up and before Lightning restores the checkpoint (trainer.py, `_run`).
 - `RunGuard.on_save_checkpoint`: the loggers flush first, so what was logged before a checkpoint is on disk
   when the checkpoint is; a resumed run writes a TensorBoard SessionLog START at its first logged step, which
-  drops what a killed attempt logged after its checkpoint (what SummaryWriter's purge_step writes).
+  drops what a killed attempt logged after its checkpoint (what SummaryWriter's purge_step writes); a logger with
+  `drop_from_step(step)` (the CSV tracker) drops those rows itself.
 - `AtomicCheckpointIO`: the temp file sits beside the target and is fsynced before os.replace; Lightning's own
   goes through the system temp folder, a copy that a kill tears (docs/design.md, "Checkpoints").
 """
@@ -84,6 +85,8 @@ class RunGuard(pl.Callback):
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment._get_file_writer().add_event(
                     Event(step=step, session_log=SessionLog(status=SessionLog.START)))
+            elif hasattr(logger, "drop_from_step"):  # the CSV tracker's rows (lightning_app/trackers.py)
+                logger.drop_from_step(step)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         for logger in trainer.loggers:

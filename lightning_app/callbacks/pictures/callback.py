@@ -1,4 +1,4 @@
-"""Pictures in TensorBoard: what the model confuses, gets wrong, and sees.
+"""Pictures in TensorBoard (and MLflow, W&B: sinks.py): what the model confuses, gets wrong, and sees.
 
 After each validation epoch (rank 0 logs; not during the sanity check):
   images/confusion_matrix   the confusion matrix of the whole validation set (summed over all ranks):
@@ -16,15 +16,18 @@ copies what it draws to the host and hands it to its drawing thread, and goes on
 """
 from __future__ import annotations
 
+import logging
+
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.loggers import TensorBoardLogger
 
 from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
 from lightning_app.callbacks.pictures.drawing import Drawer, confusion_picture, most_confused, titled_grid
+from lightning_app.callbacks.pictures.sinks import picture_sinks
 from lightning_app.errors import UserError
 
 KINDS = ("confusion_matrix", "mistakes", "train_batch")
+log = logging.getLogger(__name__)
 
 
 def picture_callbacks(hparams) -> list[pl.Callback]:
@@ -36,11 +39,14 @@ def picture_callbacks(hparams) -> list[pl.Callback]:
     return [TensorBoardPictures(kinds)] if kinds else []
 
 
-def tensorboard(trainer: pl.Trainer):
-    for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger):
-            return logger.experiment
-    return None
+def to_every(sinks: list, method: str, *args) -> None:
+    """`sink.method(*args)` on every sink; one tracker that fails (a full disk, a lost server) costs only its own
+    copy of the picture."""
+    for sink in sinks:
+        try:
+            getattr(sink, method)(*args)
+        except Exception:
+            log.warning("a picture could not be written to %s", type(sink).__name__, exc_info=True)
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:
@@ -83,14 +89,13 @@ class TensorBoardPictures(pl.Callback):
         if "train_batch" not in self.kinds or self._train_batch_logged:
             return
         self._train_batch_logged = True
-        writer = tensorboard(trainer)
-        if trainer.global_rank != 0 or writer is None:
+        sinks = picture_sinks(trainer)
+        if not sinks:
             return
         images, labels = to_uint8(batch[0][: self.max_images]).numpy(), batch[1][: self.max_images].tolist()
         names, step = self._names(pl_module), logged_step(trainer)
         titles = [names[y] if isinstance(y, int) and 0 <= y < len(names) else str(y) for y in labels]
-        self.drawer.submit(lambda: writer.add_image("images/train_batch", titled_grid(images, titles), step,
-                                                    dataformats="HWC"))
+        self.drawer.submit(lambda: to_every(sinks, "image", "images/train_batch", titled_grid(images, titles), step))
 
     # -- every validation epoch: confusion matrix and worst mistakes ------------------------
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
@@ -128,22 +133,21 @@ class TensorBoardPictures(pl.Callback):
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking:
             return
-        writer = tensorboard(trainer)
+        sinks = picture_sinks(trainer)
         names, step = self._names(pl_module), logged_step(trainer)
         if self._counts is not None:
             counts = trainer.strategy.reduce(self._counts, reduce_op="sum")  # every rank: one all-reduce
             self._counts = None
-            if trainer.global_rank == 0 and writer is not None:
+            if sinks:
                 matrix = counts.cpu().numpy()
 
                 def confusion() -> None:
-                    writer.add_image("images/confusion_matrix", confusion_picture(matrix, names), step,
-                                     dataformats="HWC")
-                    writer.add_text("images/most_confused", most_confused(matrix, names), step)
+                    to_every(sinks, "image", "images/confusion_matrix", confusion_picture(matrix, names), step)
+                    to_every(sinks, "text", "images/most_confused", most_confused(matrix, names), step)
 
                 self.drawer.submit(confusion)
         best, self._best = self._best, None
-        if best is not None and trainer.global_rank == 0 and writer is not None:
+        if best is not None and sinks:
             scores, images, true, predicted = best
             keep = (scores >= 0).cpu()
             if keep.any():
@@ -151,17 +155,15 @@ class TensorBoardPictures(pl.Callback):
                 scores, true, predicted = (t.cpu()[keep].tolist() for t in (scores, true, predicted))
                 titles = [f"true {names[t]}\npred {names[p]} ({c:.2f})"
                           for c, t, p in zip(scores, true, predicted, strict=False)]
-                self.drawer.submit(lambda: writer.add_image("images/mistakes", titled_grid(pictures, titles), step,
-                                                            dataformats="HWC"))
+                self.drawer.submit(lambda: to_every(sinks, "image", "images/mistakes", titled_grid(pictures, titles),
+                                                    step))
 
     # -- every picture written before the logger closes --------------------------------------
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         # what was logged before a checkpoint is on disk when the checkpoint is (lightning_app/runs/guard.py): a run
         # killed after this save and resumed from it never validates that epoch again, so its pictures go now
         self.drawer.wait()
-        writer = tensorboard(trainer)
-        if writer is not None:
-            writer.flush()
+        to_every(picture_sinks(trainer), "flush")
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self.drawer.wait()

@@ -1,0 +1,265 @@
+"""The experiment trackers a fit logs to: `--trackers [tensorboard, csv, mlflow, wandb]`, in its run folder.
+
+Unset (the default), a run logs to TensorBoard exactly as it always has. configs/logger/NAME.yaml each add one
+tracker (`trackers+: [NAME]`, jsonargparse's list append), so stacked configs name several; naming any replaces
+the default (list tensorboard too to keep it). Every tracker keeps the run folder's contract:
+- TensorBoard and CSV write into ROOT/version_N itself (CSV's metrics.csv survives a resume: RunCSVLogger);
+- MLflow writes to `file:ROOT/mlruns` unless --mlflow.tracking_uri or MLFLOW_TRACKING_URI names another store;
+- W&B writes under ROOT/version_N/wandb, offline unless --wandb.offline false (or WANDB_MODE=online).
+The MLflow run id and the W&B run id go into run.json ("trackers"): a resumed fit continues those runs.
+config.yaml and predictions.csv follow trainer.log_dir, which is the run folder whatever the first tracker is.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+from pytorch_lightning.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from pytorch_lightning.utilities import rank_zero_only
+
+from lightning_app.errors import UserError
+from lightning_app.runs.folders import write_atomically
+from lightning_app.runs.identity import RUN_JSON, read_run
+
+NAMES = ("tensorboard", "csv", "mlflow", "wandb")
+PACKAGES = {"mlflow": ("mlflow", "mlflow-skinny"), "wandb": ("wandb", "wandb")}  # import name, pip name
+MLRUNS = "mlruns"
+FILE = "file:"
+
+
+def add_arguments(parser) -> None:
+    """--trackers and each tracker's own settings (parsed by every subcommand, saved in config.yaml)."""
+    parser.add_argument("--trackers", type=list[Literal[NAMES]] | None, default=None,
+                        help="Experiment trackers (docs/trackers.md); unset: TensorBoard. configs/logger/*.yaml add "
+                             "one each.")
+    parser.add_argument("--mlflow.tracking_uri", type=str | None, default=None,
+                        help="MLflow store; unset: MLFLOW_TRACKING_URI, else file:ROOT/mlruns")
+    parser.add_argument("--mlflow.experiment_name", type=str, default="lightning_logs")
+    parser.add_argument("--wandb.project", type=str | None, default=None,
+                        help="W&B project; unset: WANDB_PROJECT, else lightning_logs")
+    parser.add_argument("--wandb.offline", type=bool | None, default=None,
+                        help="unset: offline unless WANDB_MODE is online")
+
+
+def chosen(names: list[str] | None, logger_setting: Any) -> list[str] | None:
+    """The trackers named (in order, once each), or None for the default; a missing package is one paragraph."""
+    if not names:
+        return None
+    if logger_setting not in (None, True):
+        raise UserError(f"--trackers {list(names)} and --trainer.logger {logger_setting!r} both choose the loggers: "
+                        "keep one (remove trainer.logger from your config, or the configs/logger/*.yaml files).")
+    names = list(dict.fromkeys(names))
+    for name in names:
+        if name in PACKAGES:
+            require(name)
+    return names
+
+
+def require(name: str) -> None:
+    module, pip_name = PACKAGES[name]
+    try:
+        __import__(module)
+    except ImportError as error:
+        raise UserError(f"--trackers names {name}, but its package is not installed here ({error}). Install it with "
+                        f"`pip install {pip_name}` (requirements-extras.txt has every optional part), or leave "
+                        f"{name} out of --trackers (configs/logger/{name}.yaml adds it).") from None
+
+
+def build(names: list[str] | None, settings: dict, save_dir: Path, version: int | str | None,
+          purge_step: int | None, folder: Path | None, resumed: dict | None) -> list[Logger]:
+    """The loggers: `save_dir`/`version` are the run plan's (lightning_app/runs/plan.py), `folder` the run's own
+    (version_N, or validate_K), `resumed` the tracker ids of the run.json a resumed fit continues."""
+    tensorboard = TensorBoardLogger(save_dir=str(save_dir), name="", version=version, default_hp_metric=False,
+                                    **({"purge_step": purge_step} if purge_step is not None else {}))
+    if names is None:
+        return [tensorboard]
+    folder = folder or save_dir
+    resumed = resumed or {}
+    loggers: list[Logger] = []
+    for name in names:
+        if name == "tensorboard":
+            loggers.append(tensorboard)
+        elif name == "csv":
+            loggers.append(RunCSVLogger(save_dir=str(save_dir), name="", version=version, keep=purge_step != 0))
+        elif name == "mlflow":
+            loggers.append(_mlflow(settings.get("mlflow") or {}, save_dir, folder, resumed.get("mlflow") or {}))
+        elif name == "wandb":
+            loggers.append(_wandb(settings.get("wandb") or {}, folder, resumed.get("wandb") or {}))
+    return loggers
+
+
+def _mlflow(settings: dict, save_dir: Path, folder: Path, resumed: dict) -> MLFlowLogger:
+    # read here, not from MLFlowLogger's default: that is os.getenv at import (pytorch_lightning/loggers/mlflow.py)
+    uri = settings.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or \
+        f"{FILE}{os.path.abspath(save_dir / MLRUNS)}"
+    if uri.startswith(FILE):
+        # MLflow 3 refuses its file store unless told (mlflow/store/tracking/file_store.py, FileStore.__init__);
+        # a local folder under the run root is what an offline machine has
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    run_id = resumed.get("run_id") if resumed.get("tracking_uri") == uri else None
+    return RunMLFlowLogger(folder, experiment_name=settings.get("experiment_name") or "lightning_logs",
+                           tracking_uri=uri, run_id=run_id, run_name=f"{folder.parent.name}/{folder.name}")
+
+
+def _wandb(settings: dict, folder: Path, resumed: dict) -> WandbLogger:
+    offline = settings.get("offline")
+    if offline is None:
+        offline = os.environ.get("WANDB_MODE", "offline") not in ("online", "run")
+    # an id chosen here, so run.json can hold it before W&B starts; resume="allow" continues it
+    # (WandbLogger passes id and resume to wandb.init: pytorch_lightning/loggers/wandb.py, __init__)
+    run_id = resumed.get("id") or uuid.uuid4().hex[:8]
+    return RunWandbLogger(save_dir=str(folder), project=settings.get("project"), id=run_id, offline=offline,
+                          name=f"{folder.parent.name}/{folder.name}")
+
+
+def remember(run_dir: Path, loggers: list[Logger]) -> None:
+    """Write the MLflow and W&B run ids into run.json, so a resume continues them (launch rank zero only)."""
+    ids = ids_of(loggers)
+    if not ids:
+        return
+    path = Path(run_dir) / RUN_JSON
+    record = json.loads(path.read_text())
+    record["trackers"] = {**(record.get("trackers") or {}), **ids}
+    write_atomically(path, json.dumps(record, indent=1).encode())
+
+
+def ids_of(loggers: list[Logger]) -> dict:
+    ids: dict = {}
+    for logger in loggers:
+        if isinstance(logger, MLFlowLogger):
+            ids["mlflow"] = {"run_id": logger.run_id, "tracking_uri": logger._tracking_uri,
+                             "experiment_id": logger.experiment_id}
+        elif isinstance(logger, WandbLogger):
+            ids["wandb"] = {"id": logger.version, "project": logger.name, "offline": logger._offline}
+    return ids
+
+
+def recorded(run_dir: Path | None) -> dict | None:
+    """The tracker ids in a run's run.json."""
+    record = read_run(run_dir) if run_dir is not None else None
+    return (record or {}).get("trackers")
+
+
+def describe(loggers: list[Logger]) -> list[str]:
+    """Where each tracker wrote, for the end-of-run line."""
+    parts = []
+    for logger in loggers:
+        if isinstance(logger, TensorBoardLogger):
+            parts.append(f"TensorBoard in {logger.log_dir}")
+        elif isinstance(logger, CSVLogger):
+            parts.append(f"CSV in {os.path.join(logger.log_dir, 'metrics.csv')}")
+        elif isinstance(logger, MLFlowLogger):
+            parts.append(f"MLflow run {logger.run_id} in {logger._tracking_uri}")
+        elif isinstance(logger, WandbLogger):
+            mode = "offline " if logger._offline else ""
+            parts.append(f"W&B {mode}run {logger.version} in {os.path.join(logger.save_dir, 'wandb')}")
+    return parts
+
+
+class RunCSVLogger(CSVLogger):
+    """CSVLogger whose metrics.csv survives a resume. Lightning's writer deletes the file it finds, with a warning
+    that the folder is not empty (lightning_fabric/loggers/csv_logs.py, _ExperimentWriter._check_log_dir_exists):
+    the rows already there are read first and written again (unless the run starts again from scratch: `keep`
+    False); `drop_from_step` (called by the run guard at a resumed fit's first batch) drops what a stopped attempt
+    logged after its checkpoint, as TensorBoard's purge does."""
+
+    def __init__(self, *args, keep: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.keep = keep
+
+    @property
+    def experiment(self):
+        if self._experiment is None and rank_zero_only.rank == 0:
+            rows = _read_rows(os.path.join(self.log_dir, "metrics.csv")) if self.keep else []
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
+                writer = super().experiment
+            if rows:
+                writer.metrics = rows + writer.metrics
+                writer.metrics_keys = list(dict.fromkeys([k for row in rows for k in row] + writer.metrics_keys))
+            return writer
+        return super().experiment
+
+    def drop_from_step(self, step: int) -> None:
+        writer = self.experiment
+        writer.save()  # every row on disk, then the file without the rows logged at `step` or later
+        rows = _read_rows(writer.metrics_file_path)
+        kept = [row for row in rows if _step(row) < step]
+        if len(kept) < len(rows):
+            def write(f) -> None:
+                text = io.StringIO()
+                out = csv.DictWriter(text, fieldnames=writer.metrics_keys)
+                out.writeheader()
+                out.writerows(kept)
+                f.write(text.getvalue().encode())
+            write_atomically(writer.metrics_file_path, write)
+
+
+def _read_rows(path: str) -> list[dict]:
+    try:
+        with open(path, newline="") as f:
+            return [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+    except FileNotFoundError:
+        return []
+
+
+def _step(row: dict) -> float:
+    try:
+        return float(row.get("step", -1))
+    except (TypeError, ValueError):
+        return -1
+
+
+class RunMLFlowLogger(MLFlowLogger):
+    """MLFlowLogger whose `save_dir` is the run folder: Trainer.log_dir is a non-folder logger's save_dir
+    (pytorch_lightning/trainer/trainer.py, log_dir), and config.yaml and predictions.csv go there. A continued run
+    is marked running again (Lightning's finalize marked it finished). Hyperparameters come from
+    lightning_app/callbacks/hparams.py once per run, not from Lightning's call at every fit start: MLflow refuses a
+    changed value for a param already logged, and a resume may change lr."""
+
+    def __init__(self, folder: Path, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.folder = str(folder)
+        self.continued = kwargs.get("run_id") is not None
+
+    @property
+    def save_dir(self) -> str:
+        return self.folder
+
+    @property
+    def experiment(self):
+        client = super().experiment
+        if self.continued and rank_zero_only.rank == 0:
+            self.continued = False
+            client.update_run(self.run_id, status="RUNNING")
+        return client
+
+    def log_hyperparams(self, params) -> None:
+        pass
+
+
+class RunWandbLogger(WandbLogger):
+    """WandbLogger that ends its W&B run when the fit ends (Lightning's finalize leaves it open,
+    pytorch_lightning/loggers/wandb.py, finalize: a second fit in the process would reuse it). Hyperparameters
+    come from lightning_app/callbacks/hparams.py once per run."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if self._wandb_init.get("anonymous") is None:  # wandb warns that the setting is going away, even unset
+            self._wandb_init.pop("anonymous", None)
+
+    def log_hyperparams(self, params) -> None:
+        pass
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        super().finalize(status)
+        if self._experiment is not None:
+            self._experiment.finish(exit_code=0 if status == "success" else 1)
+            self._experiment = None
