@@ -244,6 +244,17 @@ def last_elastic_attempt(record: dict, key: str) -> datetime.datetime | None:
     return max(times, default=None)
 
 
+# -- sweeps ----------------------------------------------------------------------------------
+# lightning_app/sweep/runner.py sets these in each trial's process: its run.json names the sweep and the trial.
+SWEEP_DIR_ENV, SWEEP_TRIAL_ENV = "FIC_SWEEP_DIR", "FIC_SWEEP_TRIAL"
+
+
+def sweep_trial() -> dict:
+    """{"folder": the sweep folder, "trial": its number} when this process runs a sweep's trial, else {}."""
+    folder, trial = os.environ.get(SWEEP_DIR_ENV), os.environ.get(SWEEP_TRIAL_ENV)
+    return {"folder": folder, "trial": int(trial)} if folder and trial and trial.isdigit() else {}
+
+
 # -- run.json ------------------------------------------------------------------------------
 def now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -264,6 +275,8 @@ def _attempt(checkpoint: str | None, changed: list | None = None) -> dict:
                "checkpoint": checkpoint, "slurm": slurm_job()}
     if elastic_run():
         attempt["torchelastic"] = elastic_run()
+    if sweep_trial():
+        attempt["sweep"] = sweep_trial()
     if changed:
         attempt["changed"] = [{"key": k, "from": o, "to": n} for k, o, n in changed]
     return attempt
@@ -272,6 +285,7 @@ def _attempt(checkpoint: str | None, changed: list | None = None) -> dict:
 def write_new_run(run_dir: str | os.PathLike, training: dict) -> dict:
     record = {"run_id": uuid.uuid4().hex, "created": now(), "host": socket.gethostname(),
               "slurm": slurm_job(), **({"torchelastic": elastic_run()} if elastic_run() else {}),
+              **({"sweep": sweep_trial()} if sweep_trial() else {}),
               "training": training, "attempts": [_attempt(None)]}
     write_atomically(Path(run_dir) / RUN_JSON, json.dumps(record, indent=1).encode())
     return record

@@ -1,0 +1,163 @@
+"""The trial runner: each worker (a thread) asks the study for a trial and runs it as an ordinary
+`python main.py fit` in a process of its own, in its own run folder (ROOT/version_N), then tells the study how it
+ended: COMPLETE with the objective's last reported value, PRUNED when the trial's ReportToStudy stopped it
+(pruning.py), FAIL when its process failed or died (a SIGKILL included: the study never waits on it).
+
+A subprocess per trial, not an in-process fit: a trial that crashes, leaks memory or is SIGKILLed takes nothing
+else with it, and each trial gets the CLI's whole start-up (seed, run folder, lock) exactly as a user's run.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_app.sweep import storage
+from lightning_app.sweep.pruning import DIR_ENV, TRIAL_ENV
+from lightning_app.sweep.space import Space
+
+MAIN = Path(__file__).resolve().parents[2] / "main.py"
+LOGS = "trials"  # trials/trial_N.log: each trial's output
+MAX_FAILS_IN_A_ROW = 3  # per sweep process: a setting every trial trips over stops the sweep instead of looping
+REPORTER = "lightning_app.sweep.pruning.ReportToStudy"
+
+
+def flag_value(value: Any) -> str:
+    """A value as jsonargparse reads it from a flag."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, dict)):
+        import json
+
+        return json.dumps(value)
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def trial_args(params: dict[str, Any]) -> list[str]:
+    return [w for key, value in params.items() for w in (f"--{key}", flag_value(value))]
+
+
+@dataclass
+class Sweep:
+    folder: Path
+    space: Space
+    base_args: list[str]  # --config ... and every pass-through flag, before the trial's own
+    trials: int  # COMPLETE + PRUNED trials the study should reach
+    stale_s: float
+    study: Any = None
+    stop: threading.Event = field(default_factory=threading.Event)
+    stop_signal: int = 0
+    resumable: list = field(default_factory=list)  # this process's own interrupted trials, to finish first
+    _children: set = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    fails_in_a_row: int = 0
+    last_failure: str = ""
+
+    # -- signals ---------------------------------------------------------------------------------------------
+    def on_signal(self, signum: int, _frame: object) -> None:
+        """SIGTERM / Ctrl-C / SLURM's SIGUSR1: no new trial; the running trials get the signal (they save
+        last.ckpt, or under SLURM Lightning's hpc checkpoint and requeue) and stay RUNNING, to be resumed."""
+        self.stop_signal = self.stop_signal or signum
+        self.stop.set()
+        with self._lock:
+            for child in self._children:
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(signum)
+
+    # -- resume ----------------------------------------------------------------------------------------------
+    def claim_own_interrupted(self) -> list[int]:
+        """`--resume`: this process's own interrupted trials (same SLURM array task, or same host outside SLURM),
+        each claimed by one process only; they run before any new trial."""
+        for trial in storage.interrupted(self.study, self.folder, self.stale_s):
+            owner = trial.user_attrs.get(storage.OWNER) or {}
+            if storage.is_mine(owner) and storage.claim(self.folder, trial.number,
+                                                        f"resume-{owner.get('host')}-{owner.get('pid')}"):
+                self._set_attr(trial.number, storage.OWNER, storage.me())
+                self.resumable.append(trial)
+        return [t.number for t in self.resumable]
+
+    # -- the worker loop -------------------------------------------------------------------------------------
+    def work(self) -> None:
+        while not self.stop.is_set():
+            with self._lock:
+                if self.fails_in_a_row >= MAX_FAILS_IN_A_ROW:
+                    return
+                resumed = self.resumable.pop(0) if self.resumable else None
+                if resumed is None:
+                    storage.fail_stale(self.study, self.folder, self.stale_s)
+                    counts = storage.count(self.study)
+                    if counts["complete"] + counts["pruned"] + counts["running"] >= self.trials:
+                        return
+                    trial = self.study.ask({k: d.to_optuna() for k, d in self.space.parameters.items()})
+                    number, params = trial.number, trial.params
+                    self._set_attr(number, storage.OWNER, storage.me())
+                else:
+                    number, params = resumed.number, resumed.params
+            ckpt = None
+            if resumed is not None:
+                last = Path(resumed.user_attrs.get(storage.RUN_DIR, "/nonexistent")) / "checkpoints" / "last.ckpt"
+                ckpt = str(last) if last.is_file() else None
+            self.run_trial(number, params, ckpt)
+
+    def run_trial(self, number: int, params: dict[str, Any], ckpt: str | None) -> None:
+        from optuna.trial import TrialState
+
+        args = [*self.base_args, *trial_args(params), f"--trainer.callbacks+={REPORTER}",
+                *(["--ckpt_path", ckpt] if ckpt else [])]
+        env = {**os.environ, DIR_ENV: str(self.folder), TRIAL_ENV: str(number), "PYTHONUNBUFFERED": "1"}
+        # A requeued SLURM job's fit takes its own earlier run whatever --ckpt_path says (lightning_app/runs/
+        # resolve.py): here a requeued array task starts new trials too, so each trial is a fresh fit, and an
+        # interrupted one is resumed by its explicit last.ckpt.
+        env.pop("SLURM_RESTART_COUNT", None)
+        log = self.folder / LOGS / f"trial_{number}.log"
+        log.parent.mkdir(exist_ok=True)
+        say(f"trial {number}: {'resuming ' + ckpt if ckpt else 'starting'}, " +
+            ", ".join(f"{k}={flag_value(v)}" for k, v in params.items()) + f" (output: {log})")
+        with open(log, "a") as out, self._lock:
+            if self.stop.is_set():
+                return
+            child = subprocess.Popen([sys.executable, str(MAIN), "fit", *args], env=env, stdout=out,
+                                     stderr=subprocess.STDOUT)
+            self._children.add(child)
+        code = child.wait()
+        with self._lock:
+            self._children.discard(child)
+        if self.stop.is_set() and code != 0:  # stopped by our signal: stays RUNNING, for --resume
+            say(f"trial {number}: stopped (exit status {code}); `--resume` finishes it from its last.ckpt.")
+            return
+        frozen = self.study.get_trials(deepcopy=False)[number]
+        values = frozen.intermediate_values
+        with contextlib.suppress(Exception):  # already finished: another process failed it as stale
+            if code == 0 and storage.PRUNED_AT in frozen.user_attrs:
+                self.study.tell(number, state=TrialState.PRUNED)
+                say(f"trial {number}: pruned after epoch {frozen.user_attrs[storage.PRUNED_AT]}.")
+            elif code == 0 and values:
+                value = values[max(values)]
+                self.study.tell(number, value)
+                say(f"trial {number}: {self.space.objective} {value:.4f}.")
+            else:
+                self.study.tell(number, state=TrialState.FAIL)
+                why = (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}") if code \
+                    else f"no {self.space.objective} reported"
+                tail = "".join(log.read_text(errors="replace").splitlines(True)[-3:]).strip()
+                say(f"trial {number}: failed ({why}); the sweep goes on. Its last lines ({log}):\n{tail}")
+                with self._lock:
+                    self.fails_in_a_row += 1
+                    self.last_failure = f"trial {number} ({why}), whose output ends:\n{tail}"
+                return
+        with self._lock:
+            self.fails_in_a_row = 0
+
+    def _set_attr(self, number: int, key: str, value: Any) -> None:
+        st = self.study._storage  # optuna/study/study.py keeps the storage there; the public API sets only study attrs
+        st.set_trial_user_attr(st.get_trial_id_from_study_id_trial_number(self.study._study_id, number), key, value)
+
+
+def say(line: str) -> None:
+    print(f"sweep: {line}", flush=True)
