@@ -14,10 +14,11 @@ from typing import Literal
 
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from datamodules.index import DataError, Index, find_classes, load_indexes
 from datamodules.memory import DEFAULT_BUDGET_GIB, release_cached_pinned_memory
+from datamodules.resume import EpochSampler, ResumableLoader
 from datamodules.sample.augment import make_train_augment
 from datamodules.sample.batches import SampleLoader, built_batch
 from datamodules.sample.crop import Augment, TrainCrop, ValCrop
@@ -221,9 +222,10 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         if train:
             # The same shuffle whatever the layout: with seed s, epoch e's global batch k is the same
             # images on 1 process, N processes or N nodes (each rank takes every N-th of them).
-            # Lightning calls set_epoch on it, and leaves a DistributedSampler alone under DDP.
+            # Lightning calls set_epoch on it, and leaves a DistributedSampler alone under DDP. Its state, and the
+            # loader's, go into mid-epoch checkpoints (datamodules/resume.py).
             trainer = self.trainer
-            sampler = DistributedSampler(
+            sampler = EpochSampler(
                 self.datasets[split], num_replicas=self.world_size,
                 rank=trainer.global_rank if trainer is not None else 0, shuffle=True,
                 seed=int(os.environ.get("PL_GLOBAL_SEED", "0")), drop_last=True,
@@ -232,7 +234,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         if isinstance(dataset, SampleDataset):
             dataset.decode_threads = max(1, self.cpus() // max(1, workers))
             dataset.ring_slots = sizing.ring_slots
-        loader = SampleLoader if isinstance(dataset, SampleDataset) else DataLoader
+        loader = ResumableLoader if train else SampleLoader if isinstance(dataset, SampleDataset) else DataLoader
         end_stuck_workers_at_exit()
         return loader(
             dataset,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 
 import torch
@@ -190,10 +190,14 @@ def built_batch(batch):
     return batch
 
 
+def given_back(batches: Iterator) -> Iterator:
+    """The batches of a loader's iterator, each ring buffer given back as soon as its batch arrives."""
+    for batch in batches:
+        yield give_back(batch) if isinstance(batch, RingBatch) else batch
+
+
 class SampleLoader(DataLoader):
     """A DataLoader that gives every ring buffer back as soon as a batch arrives (see the module doc)."""
 
     def __iter__(self):
-        batches = super().__iter__()
-        for batch in batches:
-            yield give_back(batch) if isinstance(batch, RingBatch) else batch
+        yield from given_back(super().__iter__())

@@ -167,6 +167,17 @@ class SampleDataset(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         return self.sample(i, self.size()), int(self.labels[i])
 
+    def state_dict(self) -> dict[str, bytes]:
+        """In a loader worker: its torch generator, which every crop, flip and augmentation is drawn from (the
+        seeds of `__getitems__`). A StatefulDataLoader keeps it with the loader's state (datamodules/resume.py)."""
+        return {"torch_rng": torch.get_rng_state().numpy().tobytes()} if get_worker_info() is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, bytes]) -> None:
+        """Puts a worker's generator back; torchdata calls it after the worker's `worker_init_fn` seeded it
+        (torchdata/stateful_dataloader/worker.py, `_worker_loop`), so the saved state wins."""
+        if get_worker_info() is not None and "torch_rng" in state_dict:
+            torch.set_rng_state(torch.frombuffer(bytearray(state_dict["torch_rng"]), dtype=torch.uint8))
+
     def __getitems__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         size = self.size()
         images = new_batch(len(indices), size, slots=self.ring_slots)

@@ -2,8 +2,10 @@
 real faults, and readers of what they write."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -18,7 +20,8 @@ class SampleRecorder(pl.Callback):
     It reads them from the batches themselves: the train dataset's labels carry each sample's index
     (index * classes + label, through the sampler, the workers and the batch), and at each batch start
     the recorder takes the index out and leaves the label, before the step sees it. It also writes the
-    epoch the loader's sampler was at, and the seed the run set.
+    epoch the loader's sampler was at, the seed the run set, and a digest of each batch's pixels (as the step
+    gets them: cropped, flipped, normalised).
     """
 
     changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
@@ -27,6 +30,7 @@ class SampleRecorder(pl.Callback):
         self.out_dir = out_dir
         self.batches: list[list[int]] = []
         self.labels: list[list[int]] = []
+        self.digests: list[str] = []
         self.sampler_epoch: int | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:  # after the DataModule's setup
@@ -36,20 +40,21 @@ class SampleRecorder(pl.Callback):
             dataset.labels = torch.arange(len(dataset.labels)) * self.classes + dataset.labels
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self.batches, self.labels = [], []
+        self.batches, self.labels, self.digests = [], [], []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         labels = batch[1]
         self.batches.append(torch.div(labels, self.classes, rounding_mode="floor").tolist())
         labels.remainder_(self.classes)  # in place: the step trains on the labels alone
         self.labels.append(labels.tolist())
+        self.digests.append(hashlib.sha1(batch[0].detach().cpu().contiguous().numpy().tobytes()).hexdigest())
         self.sampler_epoch = getattr(trainer.train_dataloader.sampler, "epoch", None)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         os.makedirs(self.out_dir, exist_ok=True)
         path = os.path.join(self.out_dir, f"rank{trainer.global_rank}_epoch{trainer.current_epoch}.json")
         with open(path, "w") as f:
-            json.dump({"batches": self.batches, "labels": self.labels,
+            json.dump({"batches": self.batches, "labels": self.labels, "digests": self.digests,
                        "indices": [i for batch in self.batches for i in batch], "steps": len(self.batches),
                        "sampler_epoch": self.sampler_epoch, "seed": os.environ.get("PL_GLOBAL_SEED"),
                        "world_size": trainer.world_size, "num_nodes": trainer.num_nodes}, f)
@@ -232,6 +237,20 @@ class SignalAt(pl.Callback):
                 subprocess.run(["kill", f"-{self.sig.removeprefix('SIG')}", "--", f"-{os.getpgid(0)}"], check=False)
             else:
                 os.kill(os.getpid(), getattr(signal, self.sig))
+
+
+class KeepCheckpointAt(pl.Callback):
+    """Copies last.ckpt to `path` as the step after `step` starts, i.e. as the step save of `step` left it (a
+    checkpoint callback runs after every other callback, so at `step`'s own batch end it has not saved yet)."""
+
+    changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step and trainer.is_global_zero:
+            shutil.copy(os.path.join(trainer.checkpoint_callback.dirpath, "last.ckpt"), self.path)
 
 
 class SignalDuringValidation(pl.Callback):

@@ -1,0 +1,125 @@
+"""The train loader of the map-style backends resumes mid-epoch exactly: same samples, same crops and flips.
+
+Lightning's fit loop saves the `state_dict()` of every train loader that has state_dict/load_state_dict into
+the checkpoint (pytorch_lightning/loops/fit_loop.py, `on_save_checkpoint` -> CombinedLoader `_state_dicts`), on
+every rank, and on resume hands it back through `load_state_dict` in `setup_data` (`_load_combined_loader_states`),
+only when the checkpoint was taken mid-epoch (`restarting`: the epoch had started and not ended) and before it
+makes the epoch's iterator. CombinedLoader `_load_state_dicts` (utilities/combined_loader.py) only checks that
+the number of stateful loaders matches: a checkpoint of a plain DataLoader holds no state and restarts the epoch.
+
+`ResumableLoader` is torchdata's StatefulDataLoader, whose state holds (torchdata/stateful_dataloader/
+stateful_dataloader.py, `_StatefulMultiProcessingDataLoaderIter`): the sampler's position, the workers' base
+seed, which worker takes the next batch, and each worker's `dataset.state_dict()` as of the last batch it
+delivered (the SampleDataset's: the worker's torch generator, from which every crop and flip is drawn,
+datamodules/sample/dataset.py). Restored in that order after the worker's `worker_init_fn` (worker.py,
+`_worker_loop`), the resumed batches are those of an uninterrupted run, pixel for pixel.
+
+`EpochSampler` adds the epoch to the sampler's state: the fit loop makes the resumed iterator in `setup_data`
+BEFORE it calls `set_epoch` (`on_advance_start`), so a DistributedSampler would shuffle the epoch with
+epoch 0's order. Lightning injects no sampler of its own over a DistributedSampler
+(trainer/connectors/data_connector.py, `_requires_distributed_sampler`).
+
+Under DDP only rank 0 writes the checkpoint, so `state_dict` gathers every rank's state (all ranks save
+together: Trainer.save_checkpoint ends in a barrier) and each rank loads its own. A checkpoint from another
+number of processes or loader workers cannot place this rank's workers: the epoch then restarts, with a warning.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+from datamodules.sample.batches import given_back
+
+# How often (in batches) the loader asks its workers for their state. Every batch: a worker's state is its
+# torch generator (5 KiB of bytes) and the main process's is a few integers, next to a batch of images; a
+# longer interval saves that little and makes a resume fetch (decode, crop) and drop up to interval - 1
+# batches again to reach the saved position (stateful_dataloader.py, `_STEPS_SINCE_SNAPSHOT`).
+SNAPSHOT_EVERY_N_STEPS = 1
+
+
+class EpochSampler(StatefulDistributedSampler):
+    """DistributedSampler whose state is (epoch, samples handed out this epoch): see the module doc.
+
+    torchdata's own counts its position lazily, in a generator that runs at the first index, so a state
+    taken before an epoch's first batch would carry the previous epoch's count; here `__iter__` starts it.
+    """
+
+    def __iter__(self) -> Iterator[int]:
+        start = self.next_yielded or 0
+        self.next_yielded = None
+        self.yielded = start
+        return self._indices(start)
+
+    def _indices(self, start: int) -> Iterator[int]:
+        for index in itertools.islice(DistributedSampler.__iter__(self), start, None):
+            self.yielded += 1
+            yield index
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "epoch": self.epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.set_epoch(int(state_dict.get("epoch", self.epoch)))
+
+
+def _workers_in(state: dict[str, Any]) -> int:
+    """The loader workers a StatefulDataLoader state was taken with (a single-process state has no snapshot)."""
+    snapshot = state.get("_snapshot")
+    return int(snapshot["_main_snapshot"]["_num_workers"]) if snapshot else 0
+
+
+def _ranks() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class ResumableLoader(StatefulDataLoader):
+    """The train loader: StatefulDataLoader with every rank's state in the checkpoint (see the module doc).
+
+    A `SampleDataset`'s batches are given back to their workers' rings as they arrive, as SampleLoader does
+    (datamodules/sample/batches.py).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("snapshot_every_n_steps", SNAPSHOT_EVERY_N_STEPS)
+        with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch: not ours to fix
+            warnings.filterwarnings("ignore", message=".*set_vital.* is deprecated")
+            super().__init__(*args, **kwargs)
+
+    def __iter__(self):
+        return given_back(super().__iter__())
+
+    def state_dict(self) -> dict[str, Any]:
+        mine = super().state_dict()
+        world = _ranks()[1]
+        states = [mine]
+        if world > 1:  # every rank is in Trainer.save_checkpoint (fit_loop.on_save_checkpoint runs on each)
+            states = [None] * world
+            dist.all_gather_object(states, mine)
+        return {"ranks": states}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        rank, world = _ranks()
+        states = state_dict.get("ranks")
+        if states is None or len(states) != world:
+            saved = "an unknown number of" if states is None else len(states)
+            warnings.warn(f"The checkpoint's train loader state was saved by {saved} process(es), this run has "
+                          f"{world}: the interrupted epoch starts again from its first batch.", stacklevel=2)
+            return
+        state = states[rank]
+        if _workers_in(state) != self.num_workers:
+            warnings.warn(f"The checkpoint's train loader state was saved with {_workers_in(state)} loader "
+                          f"worker(s), this run has {self.num_workers}: the interrupted epoch starts again from "
+                          "its first batch. Resume with --data.num_workers set to the saved number to continue "
+                          "it exactly.", stacklevel=2)
+            return
+        super().load_state_dict(state)
