@@ -9,6 +9,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchvision.transforms import v2
 
 from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
+from lightning_app import timm_weights
 from lightning_app import weights as weights_lib
 from lightning_app.callbacks.freeze import FreezeBackboneEpochs
 from lightning_app.callbacks.hparams import HparamsWithMetric
@@ -43,7 +44,9 @@ class ImageClassifier(pl.LightningModule):
         matmul_precision: float32 matmul precision, "highest" (true fp32), "high" (TF32 on Ampere+)
             or "medium" (bf16); null leaves torch's setting alone. Applied in every process.
         weights: start training from these weights: a checkpoint of ours, a state_dict file or a
-            torchvision weights name (ResNet50_Weights.IMAGENET1K_V2) in torch.hub's cache. The head is
+            torchvision weights name (ResNet50_Weights.IMAGENET1K_V2) in torch.hub's cache; for a timm arch,
+            `timm` (its default pretrained weights), `timm/NAME.TAG` or a .safetensors/.pth file, loaded by timm
+            from the Hugging Face cache (lightning_app/timm_weights.py). The head is
             replaced when the class count differs. Loaded when fit, validate, test or predict starts, unless
             --ckpt_path is given; validate, test and predict need weights for every layer, the head included.
         freeze_backbone_epochs: train only the head for this many epochs first (BatchNorm statistics frozen too).
@@ -181,13 +184,13 @@ class ImageClassifier(pl.LightningModule):
         """SGD groups: head first (its rate is the logged one), then the backbone at lr * backbone_lr_scale;
         no weight decay on norms and biases. Parameters frozen for the first epochs are included
         (they get no gradient, so SGD skips them) so the LR schedule covers them once trainable."""
-        head = weights_lib.head_name(self.backbone) + "."
+        heads = tuple(n + "." for n in weights_lib.head_names(self.backbone))
         groups = []
         for in_head in (True, False):
             scale = 1.0 if in_head else self.hparams.get("backbone_lr_scale", 1.0)
             decay, no_decay = [], []
             for name, p in self.backbone.named_parameters():
-                if name.startswith(head) == in_head:
+                if name.startswith(heads) == in_head:
                     (no_decay if p.ndim <= 1 else decay).append(p)
             for params, wd in ((decay, self.hparams.weight_decay), (no_decay, 0.0)):
                 if params:
@@ -242,17 +245,22 @@ class ImageClassifier(pl.LightningModule):
                                 "e.g. --ckpt_path of a fine-tuned run.")
 
     def load_weights(self, source: str) -> weights_lib.LoadReport:
-        report = weights_lib.load_weights(self.backbone, source)
+        h = self.hparams
+        if timm_weights.applies(h.arch, source):  # timm's names, timm weight files: timm's own loader
+            report = timm_weights.load(self.backbone, source, h.arch, h.image_size, dict(h.arch_kwargs or {}))
+        else:
+            report = weights_lib.load_weights(self.backbone, source)
         rank_zero_info(str(report))
         return report
 
     def backbone_body_modules(self) -> list[torch.nn.Module]:
         """What fine-tuning freezes, for any arch: every module holding parameters (or a leaf) except the head that
-        weights_lib.head_name finds (the last nn.Linear) and its children. Modules holding parameters of their own
-        besides children count too (ViT's class_token and pos_embedding, swin's position-bias tables)."""
-        head = weights_lib.head_name(self.backbone)
-        return [m for n, m in self.backbone.named_modules()
-                if (m._parameters or not list(m.children())) and n != head and not n.startswith(head + ".")]
+        weights_lib.head_names finds (the last nn.Linear; a timm model's own classifier, two for distilled ones) and
+        their children. Modules holding parameters of their own besides children count too (ViT's class_token and
+        pos_embedding, swin's position-bias tables)."""
+        heads = weights_lib.head_names(self.backbone)
+        return [m for n, m in self.backbone.named_modules() if (m._parameters or not list(m.children()))
+                and n not in heads and not n.startswith(tuple(h + "." for h in heads))]
 
     def configure_callbacks(self) -> list[pl.Callback]:
         """What this model's settings ask for: fine-tuning, TensorBoard pictures, predictions.csv, the HPARAMS tab."""
@@ -286,7 +294,8 @@ class ImageClassifier(pl.LightningModule):
 
     def backbone_num_classes(self) -> int:
         head = dict(self.backbone.named_modules())[weights_lib.head_name(self.backbone)]
-        return head.out_features if isinstance(head, torch.nn.Linear) else head.out_channels  # squeezenet: a Conv2d
+        # squeezenet's head (and some of timm's) is a Conv2d; timm's NormLinear and kin have out_features too
+        return head.out_features if hasattr(head, "out_features") else head.out_channels
 
 
 def inference_settings(datamodule) -> dict:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from lightning_app import timm_weights
 from lightning_app.errors import UserError
 from lightning_app.weights import weights_arch_problem
 from models import create_model, list_models, registry, torchvision_zoo
@@ -96,13 +97,10 @@ def arch_problems(model: Mapping, data: Mapping) -> list[str]:
     arch = model.get("arch")
     if arch is None:
         return []
-    if isinstance(arch, str) and arch.startswith("timm/"):
-        if importlib.util.find_spec("timm") is None:
-            return [(f"--model.arch {arch} is a timm model and timm is not installed: pip install timm (or pick a "
-                    "torchvision name, e.g. resnet18)")]
-        return [(f"--model.arch {arch}: timm models are not wired into this template yet; pick one of ours or a "
-                "torchvision name (e.g. resnet18, convnext_tiny)")]
-    if arch not in list_models():
+    if isinstance(arch, str) and arch.startswith("timm/") and importlib.util.find_spec("timm") is None:
+        return [(f"--model.arch {arch} is a timm model and timm is not installed: pip install timm (or pick a "
+                "torchvision name, e.g. resnet18)")]
+    if not registry.is_registered(arch):
         return [registry.unknown_arch_message(arch).rstrip(".")]
     kwargs = dict(model.get("arch_kwargs") or {})
     size = data.get("image_size", model.get("image_size", 224))
@@ -115,6 +113,12 @@ def arch_problems(model: Mapping, data: Mapping) -> list[str]:
         problem = torchvision_zoo.size_problem(arch, sizes, **{k: v for k, v in kwargs.items() if k != "blurpool"})
         if problem:
             found.append(f"--model.arch {problem}")
+    elif arch.startswith("timm/"):
+        from models import timm_zoo  # imports timm: only for timm names
+
+        problem = timm_zoo.size_problem(arch[len("timm/"):], sizes, **kwargs)
+        if problem:
+            found.append(f"--model.arch {problem}")
     if not found:
         try:
             with torch.device("meta"):
@@ -125,8 +129,11 @@ def arch_problems(model: Mapping, data: Mapping) -> list[str]:
             found.append(f"--model.arch_kwargs {kwargs} cannot build {arch}: {str(e).rstrip('.')}{hint}")
         except NotImplementedError:  # an init that copies data (regnet): meta tensors have none; built later
             pass
+        except (RuntimeError, AssertionError):  # a timm init that reads data (.item(), .tolist()): built later
+            if not arch.startswith("timm/"):
+                raise
     weights = model.get("weights")
-    problem = weights_arch_problem(arch, weights) if weights else None
+    problem = (weights_arch_problem(arch, weights) or timm_weights.source_problem(arch, weights)) if weights else None
     if problem:
         found.append(problem)
     return found

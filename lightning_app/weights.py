@@ -205,11 +205,36 @@ def strip_prefixes(key: str) -> str:
     return key.replace("._orig_mod.", ".")
 
 
+def head_names(backbone: nn.Module) -> list[str]:
+    """The classifier head(s). A timm model names its own: ``pretrained_cfg['classifier']``, the layer(s) timm sizes
+    with num_classes and drops from pretrained weights of another class count (timm/models/_builder.py,
+    ``load_pretrained``); a tuple for distilled models (deit ``head``, ``head_dist``), a nested name where the head
+    is more than a Linear (``head.fc`` after ConvNeXt's norm, Swin's pooling; levit's ``head.linear`` after a
+    BatchNorm). Where the cfg names no module of the model, ``get_classifier()``: the module(s) timm's
+    ``reset_classifier`` replaces. Every other model: the last nn.Linear (``head_name``)."""
+    cfg = getattr(backbone, "pretrained_cfg", None)
+    if isinstance(cfg, dict) and callable(getattr(backbone, "get_classifier", None)):
+        named = cfg.get("classifier")
+        modules = dict(backbone.named_modules())
+        found = [n for n in ([named] if isinstance(named, str) else list(named or [])) if n in modules]
+        if not found:
+            heads = backbone.get_classifier()
+            heads = heads if isinstance(heads, tuple) else (heads,)
+            found = [n for n, m in modules.items() if n and any(m is h for h in heads)]
+        if found and all(list(modules[n].parameters()) for n in found):
+            return found
+    return [_last_linear(backbone)]
+
+
 def head_name(backbone: nn.Module) -> str:
-    """The classifier head: the last nn.Linear in module order, which is the layer torchvision's builders size with
-    num_classes (fc for resnet/resnext/regnet and conv11, classifier.N for VGG, efficientnet, mobilenet, convnext,
-    head for swin, heads.head for ViT, classifier.5 for maxvit). Without any Linear, the last Conv2d (squeezenet's
-    1x1 classifier.1)."""
+    """The (first) classifier head: a timm model's own (``head_names``), else the last nn.Linear in module order,
+    which is the layer torchvision's builders size with num_classes (fc for resnet/resnext/regnet and conv11,
+    classifier.N for VGG, efficientnet, mobilenet, convnext, head for swin, heads.head for ViT, classifier.5 for
+    maxvit). Without any Linear, the last Conv2d (squeezenet's 1x1 classifier.1)."""
+    return head_names(backbone)[0]
+
+
+def _last_linear(backbone: nn.Module) -> str:
     name = conv = None
     for n, m in backbone.named_modules():
         if isinstance(m, nn.Linear):
@@ -272,15 +297,16 @@ def load_weights(backbone: nn.Module, source: str) -> LoadReport:
     """
     weights, kind = read_state_dict(source)
     own = backbone.state_dict()
-    head = head_name(backbone) + "."
-    report = LoadReport(source=source, kind=kind, head=head[:-1])
-    head_keys = [k for k in own if k.startswith(head)]
+    heads = tuple(n + "." for n in head_names(backbone))
+    head = heads[0]
+    report = LoadReport(source=source, kind=kind, head=", ".join(h[:-1] for h in heads))
+    head_keys = [k for k in own if k.startswith(heads)]
     report.head_replaced = any(k in weights and weights[k].shape != own[k].shape for k in head_keys)
     if report.head_replaced:
         weight = head + "weight"
         report.head_classes = (int(weights[weight].shape[0]) if weight in weights else 0, int(own[weight].shape[0]))
     for key, value in weights.items():
-        if key.startswith(head) and report.head_replaced:
+        if key.startswith(heads) and report.head_replaced:
             continue  # reported once, as the replaced head: neither loaded, nor new, nor ignored
         if key not in own:
             report.ignored.append(key)
@@ -296,7 +322,7 @@ def load_weights(backbone: nn.Module, source: str) -> LoadReport:
             "architecture? Check model.arch and model.arch_kwargs."
         )
     loaded = set(report.loaded)
-    report.new = [k for k in own if k not in loaded and not (report.head_replaced and k.startswith(head))]
+    report.new = [k for k in own if k not in loaded and not (report.head_replaced and k.startswith(heads))]
     with torch.no_grad():
         for key in report.loaded:
             own[key].copy_(weights[key])  # state_dict() tensors share storage with the module's
