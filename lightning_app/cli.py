@@ -129,6 +129,9 @@ class ClassifierCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         model = self._get(self.config, "model")
         check_settings(model, self._get(self.config, "data"), self._get(self.config, "trainer"))
+        # before any run folder is made: a missing tracker package is one paragraph and nothing on disk
+        self.tracker_names = trackers.chosen(self._get(self.config, "trackers", default=None),
+                                             (self._get(self.config, "trainer") or {}).get("logger"))
         if self.subcommand not in (None, "fit"):
             require_trained_weights(self.subcommand, self._get(self.config, "ckpt_path"), model.get("weights"))
         if self.subcommand is not None:  # a GPU torch cannot use: never a quiet CPU run
@@ -154,9 +157,8 @@ class ClassifierCLI(LightningCLI):
                 kwargs["default_root_dir"] = str(plan.run_dir)
             if plan.guard is not None:
                 self.trainer_defaults["callbacks"].append(plan.guard)
-        names = trackers.chosen(self._get(self.config, "trackers", default=None), config.get("logger"))
         if config.get("logger") in (None, True):
-            kwargs["logger"] = self._trackers(names, plan, root)
+            kwargs["logger"] = self._trackers(self.tracker_names, plan, root)
         if config.get("enable_progress_bar", True) is not False:
             self.trainer_defaults["callbacks"].append(progress_callback())
         checkpoint = self._get(self.config_init, "checkpoint", default=None)

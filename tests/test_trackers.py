@@ -1,0 +1,195 @@
+"""Experiment trackers (lightning_app/trackers.py) with the real packages: a fit stopped by SIGTERM, then resumed with
+`--ckpt_path last`, logging to TensorBoard, CSV, MLflow (local file store) and W&B (offline) at once; each tracker's
+files are read back. Nothing may reach the network: the first fit runs under strace when it is there."""
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import re
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.cli import quick_args, run_main
+
+pytestmark = pytest.mark.timeout(300)
+
+LOGGERS = ["--config", "configs/logger/tensorboard.yaml", "--config", "configs/logger/csv.yaml",
+           "--config", "configs/logger/mlflow.yaml", "--config", "configs/logger/wandb.yaml"]
+# offline and quiet, as docs/trackers.md says; no W&B system-metrics thread
+ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_X_DISABLE_STATS": "true", "MLFLOW_TRACKING_URI": ""}
+STEPS = 6  # tiny: 240 train images, batch 40
+
+
+def _args(data: Path, root: Path, extra: list[str] = ()) -> list[str]:
+    return ["fit", *quick_args(data, root, epochs=2, batch=40), "--data.image_size", "16",
+            "--trainer.num_sanity_val_steps", "0", "--trainer.log_every_n_steps", "2", *LOGGERS, *extra]
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tiny_data, tmp_path_factory):
+    """(root, stdout of the stopped fit, stdout of the resume, strace's connect lines or None)."""
+    root = tmp_path_factory.mktemp("trackers")
+    stop = ["--trainer.callbacks+=tests.helpers.callbacks.SignalAt", "--trainer.callbacks.epoch=1",
+            "--trainer.callbacks.batch=1", "--trainer.callbacks.sig=SIGTERM"]
+    trace = root / "connect.trace"
+    strace = shutil.which("strace")
+    # strace -f follows every process (wandb-core too); only connect() calls are recorded
+    wrap = [strace, "-f", "-qq", "--seccomp-bpf", "-e", "trace=connect", "-o", str(trace)] if strace else []
+    first = _run(wrap, _args(tiny_data, root / "logs", stop))
+    second = _run([], _args(tiny_data, root / "logs", ["--ckpt_path", "last"]))
+    return root / "logs", first, second, trace.read_text() if strace else None
+
+
+def _run(wrap: list[str], args: list[str]) -> str:
+    import os
+    import subprocess
+
+    from tests.helpers import REPO
+
+    proc = subprocess.run([*wrap, sys.executable, "main.py", *args], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **ENV}, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return proc.stdout + proc.stderr
+
+
+def test_the_run_folder_holds_its_contract_and_the_end_line_names_every_tracker(resumed_run):
+    root, first, second, _ = resumed_run
+    assert sorted(p.name for p in root.iterdir()) == ["mlruns", "version_0"]  # resumed in place, no version_1
+    run = root / "version_0"
+    assert (run / "config.yaml").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
+    assert "SIGTERM: saved" in first
+    trackers = json.loads((run / "run.json").read_text())["trackers"]
+    done = next(line for line in second.splitlines() if line.startswith("Done: "))
+    assert f"TensorBoard in {run}" in done and f"CSV in {run / 'metrics.csv'}" in done
+    assert f"MLflow run {trackers['mlflow']['run_id']} in file:{root / 'mlruns'}" in done
+    assert f"W&B offline run {trackers['wandb']['id']} in {run / 'wandb'}" in done
+
+
+def test_csv_holds_every_epoch_once_after_the_resume(resumed_run):
+    root = resumed_run[0]
+    with open(root / "version_0" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    val_epochs = [int(r["epoch"]) for r in rows if r.get("val/acc1")]
+    assert val_epochs == [0, 1]
+    steps = [int(r["step"]) for r in rows if r.get("train/loss")]
+    assert len(steps) == len(set(steps)) and steps == sorted(steps) and steps[-1] >= STEPS
+
+
+def test_mlflow_continues_one_run_with_metrics_pictures_and_params(resumed_run):
+    root, first, _, _ = resumed_run
+    trackers = json.loads((root / "version_0" / "run.json").read_text())["trackers"]["mlflow"]
+    runs = [Path(p).parent for p in glob.glob(str(root / "mlruns" / "*" / "*" / "meta.yaml"))]
+    assert [r.name for r in runs] == [trackers["run_id"]]  # one run, continued by the resume
+    run = runs[0]
+    val = [line.split() for line in (run / "metrics" / "val" / "acc1").read_text().splitlines()]
+    epochs = [line.split()[1] for line in (run / "metrics" / "epoch").read_text().splitlines()]
+    assert len(val) == 2 and {"0", "1"} <= {e.split(".")[0] for e in epochs}
+    assert re.search(r"status: 3\b", (run / "meta.yaml").read_text())  # FINISHED after the resume
+    artifacts = [p.name for p in (run / "artifacts" / "images").iterdir()]
+    for kind in ("confusion_matrix", "mistakes", "train_batch"):
+        assert any(name.startswith(f"images~{kind}+") and name.endswith(".png") for name in artifacts), kind
+    assert (run / "artifacts" / "images" / "most_confused").is_dir()
+    params = {p.relative_to(run / "params").as_posix() for p in (run / "params").rglob("*") if p.is_file()}
+    # once per run, from one call site: the run's flat hparams only (Lightning's own call would add "lr", "arch")
+    assert "model/lr" in params and "trainer/max_epochs" in params
+    assert all(p.split("/")[0] in ("model", "data", "trainer") for p in params), sorted(params)
+
+
+def test_wandb_offline_run_continues_with_its_id_and_history(resumed_run):
+    root = resumed_run[0]
+    run_id = json.loads((root / "version_0" / "run.json").read_text())["trackers"]["wandb"]["id"]
+    folders = sorted(glob.glob(str(root / "version_0" / "wandb" / "offline-run-*")))
+    assert len(folders) == 2 and all(f.endswith(f"-{run_id}") for f in folders)  # the resume kept the id
+    history = [r for f in folders for r in _wandb_history(Path(f) / f"run-{run_id}.wandb")]
+    val_epochs = sorted(int(r["epoch"]) for r in history if "val/acc1" in r)
+    assert val_epochs == [0, 1]
+    images = [Path(p).name for f in folders for p in glob.glob(f"{f}/files/media/images/images/*.png")]
+    for kind in ("confusion_matrix", "mistakes", "train_batch"):
+        assert any(name.startswith(kind) for name in images), kind
+
+
+def test_tensorboard_beside_the_others_gets_the_same_metrics(resumed_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root = resumed_run[0]
+    events = EventAccumulator(str(root / "version_0"), size_guidance={"scalars": 0, "images": 0})
+    events.Reload()
+    assert len(events.Scalars("val/acc1")) == 2
+    assert {"images/confusion_matrix", "images/mistakes", "images/train_batch"} <= set(events.Tags()["images"])
+
+
+def test_nothing_connects_to_the_network(resumed_run):
+    trace = resumed_run[3]
+    if trace is None:
+        pytest.skip("strace is not installed here")
+    inet = [line for line in trace.splitlines() if "AF_INET" in line]
+    remote = [line for line in inet if not re.search(r'inet_addr\("127\.|inet_pton\(AF_INET6, "::1"|"::ffff:127\.',
+                                                     line)]
+    assert remote == [], remote[:5]
+
+
+def test_default_is_tensorboard_alone_and_configs_stack_in_order(tiny_data, tmp_path):
+    from pytorch_lightning.loggers import TensorBoardLogger
+
+    from lightning_app.cli import ClassifierCLI
+    from lightning_app.trackers import RunCSVLogger
+
+    default = ClassifierCLI(args=quick_args(tiny_data, tmp_path), run=False)
+    assert [type(x) for x in default.trainer.loggers] == [TensorBoardLogger]
+    assert default.trainer.loggers[0]._default_hp_metric is False
+    stacked = ClassifierCLI(args=[*quick_args(tiny_data, tmp_path), "--config", "configs/logger/tensorboard.yaml",
+                                  "--config", "configs/logger/csv.yaml", "--trackers+=csv"], run=False)
+    assert [type(x) for x in stacked.trainer.loggers] == [TensorBoardLogger, RunCSVLogger]  # csv once
+
+
+@pytest.mark.parametrize("missing", ["mlflow", "wandb"])
+def test_a_missing_package_is_one_paragraph_with_its_pip_line(tiny_data, tmp_path, monkeypatch, capsys, missing):
+    from lightning_app.cli import main
+
+    monkeypatch.setitem(sys.modules, missing, None)  # `import mlflow` raises ImportError, as without the package
+    with pytest.raises(SystemExit) as stopped:
+        main(["fit", *quick_args(tiny_data, tmp_path), "--config", f"configs/logger/{missing}.yaml"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip()
+    pip = "mlflow-skinny" if missing == "mlflow" else "wandb"
+    assert f"pip install {pip}" in err and "\n" not in err and "Traceback" not in err
+    assert not list(tmp_path.glob("version_*"))
+
+
+def test_trackers_with_trainer_logger_is_one_paragraph(tiny_data, tmp_path, capsys):
+    from lightning_app.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["fit", *quick_args(tiny_data, tmp_path), "--trainer.logger", "false", "--trackers", "[csv]"])
+    assert stopped.value.code == 2 and "--trainer.logger" in capsys.readouterr().err
+
+
+def _wandb_history(path: Path) -> list[dict]:
+    """The history rows of a W&B transaction log (.wandb): a 7-byte header, then LevelDB-log records in 32 KiB
+    blocks (4-byte CRC, 2-byte length, 1-byte type: full, first, middle, last), each a wandb Record protobuf."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    rows, pos, chunks, block = [], 7, b"", 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:
+            break
+        chunks += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # full or last: one record complete
+            record = pb.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    return rows
