@@ -55,6 +55,14 @@ class ReportToStudy(Callback):
 
             self.storage.set_trial_user_attr(self.trial_id, RUN_DIR, os.path.realpath(trainer.default_root_dir))
 
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # not called when a stop signal ends the fit (a SIGTERMException leaves the loop; a stopped fit that saved
+        # exits 0 all the same, lightning_app/callbacks/stop_signals.py): only this says the trial ran to its end
+        if trainer.is_global_zero:
+            from lightning_app.sweep.storage import FIT_ENDED
+
+            self.storage.set_trial_user_attr(self.trial_id, FIT_ENDED, trainer.current_epoch)
+
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking:
             return

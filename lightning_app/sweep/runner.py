@@ -128,23 +128,23 @@ class Sweep:
         code = child.wait()
         with self._lock:
             self._children.discard(child)
-        if self.stop.is_set() and code != 0:  # stopped by our signal: stays RUNNING, for --resume
+        frozen = self.study.get_trials(deepcopy=False)[number]
+        values, ended = frozen.intermediate_values, code == 0 and storage.FIT_ENDED in frozen.user_attrs
+        if self.stop.is_set() and not ended:  # stopped by our signal (saved, exit 0): RUNNING, for --resume
             say(f"trial {number}: stopped (exit status {code}); `--resume` finishes it from its last.ckpt.")
             return
-        frozen = self.study.get_trials(deepcopy=False)[number]
-        values = frozen.intermediate_values
         with contextlib.suppress(Exception):  # already finished: another process failed it as stale
-            if code == 0 and storage.PRUNED_AT in frozen.user_attrs:
+            if ended and storage.PRUNED_AT in frozen.user_attrs:
                 self.study.tell(number, state=TrialState.PRUNED)
                 say(f"trial {number}: pruned after epoch {frozen.user_attrs[storage.PRUNED_AT]}.")
-            elif code == 0 and values:
+            elif ended and values:
                 value = values[max(values)]
                 self.study.tell(number, value)
                 say(f"trial {number}: {self.space.objective} {value:.4f}.")
             else:
                 self.study.tell(number, state=TrialState.FAIL)
                 why = (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}") if code \
-                    else f"no {self.space.objective} reported"
+                    else "its fit did not run to its end" if not ended else f"no {self.space.objective} reported"
                 tail = "".join(log.read_text(errors="replace").splitlines(True)[-3:]).strip()
                 say(f"trial {number}: failed ({why}); the sweep goes on. Its last lines ({log}):\n{tail}")
                 with self._lock:

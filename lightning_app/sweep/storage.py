@@ -14,6 +14,7 @@ interrupted: its owner's next `--resume` finishes it from its last.ckpt, anyone 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import socket
 import threading
@@ -33,6 +34,7 @@ FINGERPRINT = "space_fingerprint"
 OWNER = "owner"
 RUN_DIR = "run_dir"
 PRUNED_AT = "pruned_at_epoch"
+FIT_ENDED = "fit_ended_at_epoch"
 
 OPTUNA_MISSING = ("python -m lightning_app.sweep needs Optuna, an optional requirement (requirements-extras.txt) that "
                   "this environment lacks. Install it with `pip install 'optuna>=4.2'` (or `pip install -r "
@@ -132,11 +134,9 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def owner_dead(folder: Path, owner: dict | None, stale_s: float) -> bool:
+def owner_dead(folder: Path, owner: dict, stale_s: float) -> bool:
     """Whether the process that ran a trial is gone: a dead pid on this host, a SLURM job that has been requeued
     since (this process is its later incarnation), or a heartbeat older than stale_s."""
-    if not owner:
-        return True
     mine = me()
     if owner.get("host") == mine["host"] and not _pid_alive(int(owner.get("pid", -1))):
         return True
@@ -169,11 +169,17 @@ def claim(folder: Path, trial_number: int, what: str) -> bool:
 
 
 def interrupted(study, folder: Path, stale_s: float) -> list:
-    """RUNNING trials whose owner is gone."""
+    """RUNNING trials whose owner is gone. One with no owner yet is being asked for right now (study.ask writes the
+    trial, then each parameter; the owner follows): gone only once older than stale_s."""
     from optuna.trial import TrialState
 
-    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-            if owner_dead(folder, t.user_attrs.get(OWNER), stale_s)]
+    def gone(trial) -> bool:
+        owner = trial.user_attrs.get(OWNER)
+        if owner is None:  # datetime_start: naive local time (optuna/storages/journal/_storage.py)
+            return (datetime.datetime.now() - trial.datetime_start).total_seconds() > stale_s
+        return owner_dead(folder, owner, stale_s)
+
+    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if gone(t)]
 
 
 def fail_stale(study, folder: Path, stale_s: float) -> list[int]:

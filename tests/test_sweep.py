@@ -1,0 +1,195 @@
+"""python -m lightning_app.sweep: real Optuna studies of real trials (conv11 width 8 at 16 px on the tiny data)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from datamodules.tool import descendants
+from tests.helpers.cli import run_main
+from tests.helpers.processes import finish, finish_all, start_command
+
+optuna = pytest.importorskip("optuna")
+
+from lightning_app.sweep.storage import journal_storage  # noqa: E402
+
+SPACE = {"objective": "val/acc1", "direction": "maximize", "pruner": "none", "sampler": {"kind": "random", "seed": 0},
+         "model.lr": "loguniform 0.05 0.5", "model.weight_decay": "loguniform 1e-5 1e-3",
+         "data.batch_size": "choice [8, 16]"}
+
+
+def space_file(tmp_path: Path, **changes) -> Path:
+    path = tmp_path / f"space{len(list(tmp_path.glob('space*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump({**SPACE, **changes}, sort_keys=False))
+    return path
+
+
+def trial_flags(data: Path, root: Path, epochs: int = 1) -> list[str]:
+    return ["--config", "configs/ddp_amp.yaml", "--data.data_dir", str(data), "--data.num_workers", "0",
+            "--data.image_size", "16", "--trainer.max_epochs", str(epochs), "--trainer.default_root_dir", str(root),
+            "--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.enable_progress_bar", "false",
+            "--model.arch_kwargs", "{width: 8}"]
+
+
+def start_sweep(space: Path, trials: int, flags: list[str], *extra: str, log: Path | None = None):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return start_command([sys.executable, "-m", "lightning_app.sweep", "--space", str(space), "--trials", str(trials),
+                          *extra, *flags], env, log=log, session=True)
+
+
+def load(folder: Path):
+    return optuna.load_study(study_name=folder.name, storage=journal_storage(folder))
+
+
+def states(study) -> list[str]:
+    return [t.state.name for t in study.get_trials()]
+
+
+@pytest.mark.slow
+def test_two_sweep_processes_share_one_study_and_report_it(tiny_data, tmp_path):
+    """Two sweep processes (as two SLURM array tasks) on one study folder run 2 trials between them, each in its own
+    run folder that names its trial; the last to end writes trials.md, sweep.png and best.yaml, which trains."""
+    root, folder = tmp_path / "logs", tmp_path / "study"
+    space = space_file(tmp_path)
+    procs = [start_sweep(space, 2, trial_flags(tiny_data, root), "--study", str(folder)) for _ in range(2)]
+    codes, outs = finish_all(procs, timeout=240)
+    assert codes == [0, 0], outs
+    study = load(folder)
+    assert states(study) == ["COMPLETE"] * 2, outs
+    pids = {t.user_attrs["owner"]["pid"] for t in study.get_trials()}
+    assert pids == {p.pid for p in procs}, "both processes ran trials of the one study"
+    for trial in study.get_trials():
+        record = json.loads((Path(trial.user_attrs["run_dir"]) / "run.json").read_text())
+        assert record["sweep"] == {"folder": str(folder), "trial": trial.number}
+    table = (folder / "trials.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "complete" in line]
+    assert len(rows) == 2 and all("`version_" in r for r in rows), table
+    assert (folder / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    best = max(study.get_trials(), key=lambda t: t.value)
+    best_yaml = folder / "best.yaml"
+    assert yaml.safe_load(best_yaml.read_text())["model"]["lr"] == best.params["model.lr"]
+    again = tmp_path / "again"
+    run_main(["fit", "--config", "configs/ddp_amp.yaml", "--config", str(best_yaml),
+              "--trainer.default_root_dir", str(again)])
+    config = yaml.safe_load((again / "version_0" / "config.yaml").read_text())
+    assert config["model"]["lr"] == best.params["model.lr"]
+    assert config["data"]["init_args"]["batch_size"] == best.params["data.batch_size"]
+
+
+@pytest.mark.slow
+def test_a_sigkilled_trial_is_failed_and_the_study_still_reaches_its_count(tiny_data, tmp_path):
+    root, folder = tmp_path / "logs", tmp_path / "study"
+    proc = start_sweep(space_file(tmp_path), 1, trial_flags(tiny_data, root, epochs=2), "--study", str(folder))
+    deadline = time.monotonic() + 120
+    while not (root / "version_0" / "run.json").is_file():  # trial 0 has made its run, and has not trained yet
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else "no fit"
+        time.sleep(0.1)
+    child = next(pid for pid in descendants(proc.pid) if b"main.py" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    os.kill(child, signal.SIGKILL)
+    code, out = finish(proc, timeout=240)
+    assert code == 0, out
+    assert states(load(folder)) == ["FAIL", "COMPLETE"], out
+    assert "trial 0: failed (killed by SIGKILL); the sweep goes on" in out
+    assert "| fail |" in (folder / "trials.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_pruner_stops_a_collapsing_trial_after_its_first_epoch(tiny_data, tmp_path):
+    """lr 50-100 wrecks the net; a threshold pruner (val/acc1 below 0.5 prunes) must stop it at epoch 0 of 3."""
+    root, folder = tmp_path / "logs", tmp_path / "study"
+    space = space_file(tmp_path, **{"model.lr": "uniform 50 100", "pruner": {"kind": "threshold", "lower": 0.5}})
+    code, out = finish(start_sweep(space, 1, trial_flags(tiny_data, root, epochs=3), "--study", str(folder)), 240)
+    assert code == 0, out
+    (trial,) = load(folder).get_trials()
+    assert trial.state.name == "PRUNED", out
+    assert list(trial.intermediate_values) == [0] and trial.user_attrs["pruned_at_epoch"] == 0
+    log = (folder / "trials" / "trial_0.log").read_text()
+    assert "Sweep trial 0: pruned after epoch 0" in log and "Done:" in log and "1 epochs" in log, log
+
+
+@pytest.mark.slow
+def test_resume_finishes_the_interrupted_trial_from_its_last_checkpoint(tiny_data, tmp_path):
+    """SIGTERM (a preemption) stops the sweep and its trial, which saves last.ckpt and stays RUNNING; the same
+    command with --resume finishes that trial (same number, same run folder) from that checkpoint."""
+    root, folder = tmp_path / "logs", tmp_path / "study"
+    space = space_file(tmp_path)
+    flags = trial_flags(tiny_data, root, epochs=4)
+    proc = start_sweep(space, 1, flags, "--study", str(folder))
+    deadline = time.monotonic() + 120
+    while not (root / "version_0" / "checkpoints" / "last.ckpt").is_file():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else "no ckpt"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    code, out = finish(proc, 120)
+    assert code == 128 + signal.SIGTERM, out
+    assert states(load(folder)) == ["RUNNING"], out
+    code, out = finish(start_sweep(space, 1, flags, "--study", str(folder), "--resume"), 240)
+    assert code == 0, out
+    (trial,) = load(folder).get_trials()
+    assert trial.state.name == "COMPLETE" and "--resume: finishing interrupted trial(s) [0] first" in out, out
+    assert sorted(trial.intermediate_values) == list(range(4))
+    record = json.loads((root / "version_0" / "run.json").read_text())
+    assert [a["checkpoint"] for a in record["attempts"]] == [None, str(root / "version_0/checkpoints/last.ckpt")]
+    assert not (root / "version_1").exists()
+
+
+# -- bad input: one paragraph, exit status 2 -------------------------------------------------------------------
+@pytest.mark.parametrize("changes, said", [
+    ({"model.lrr": "loguniform 0.01 1"}, ("model.lrr is not a setting of `python main.py fit` with this config "
+                                         "(did you mean model.lr?)")),
+    ({"model.lr": "lognormal 0.01 1"}, "model.lr: 'lognormal 0.01 1' names no known distribution"),
+    ({"model.lr": "uniform 1 0.5"}, "LOW 1.0 is not below HIGH 0.5"),
+    ({"model.lr": "loguniform 0 1"}, "a log scale needs LOW > 0"),
+    ({"data.batch_size": "choice 64"}, "choice needs a non-empty list"),
+])
+def test_a_bad_space_is_one_paragraph_and_exit_2(changes, said, tiny_data, tmp_path, capsys):
+    from lightning_app.sweep.__main__ import main
+
+    code = main(["--space", str(space_file(tmp_path, **changes)), "--trials", "1",
+                 *trial_flags(tiny_data, tmp_path / "logs")])
+    err = capsys.readouterr().err
+    assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "logs").exists(), "nothing ran"
+
+
+def test_a_study_of_another_space_is_refused(tiny_data, tmp_path, capsys):
+    from lightning_app.sweep.__main__ import main
+    from lightning_app.sweep.space import read_space
+    from lightning_app.sweep.storage import open_study
+
+    folder = tmp_path / "study"
+    open_study(folder, read_space(space_file(tmp_path)))
+    other = space_file(tmp_path, **{"model.lr": "loguniform 0.01 0.2"})
+    code = main(["--space", str(other), "--trials", "1", "--study", str(folder), *trial_flags(tiny_data, tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--study {folder} holds a study of another space" in err, err
+
+
+def test_without_optuna_the_sweep_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    from lightning_app.sweep.__main__ import main
+
+    monkeypatch.setitem(sys.modules, "optuna", None)  # `import optuna` raises ImportError
+    assert main(["--space", str(space_file(tmp_path)), "--trials", "1"]) == 2
+    assert "pip install 'optuna>=4.2'" in capsys.readouterr().err
+
+
+def test_the_command_line_exits_2_on_bad_input(tmp_path):
+    proc = start_command([sys.executable, "-m", "lightning_app.sweep", "--space",
+                          str(space_file(tmp_path, **{"model.lr": "uniform 1 1"})), "--trials", "2"])
+    code, out = finish(proc, 60)
+    assert code == 2 and "sweep: " in out and "Traceback" not in out, out
+
+
+def test_the_shipped_space_names_settings_the_cli_knows(tiny_data, tmp_path):
+    from lightning_app.sweep.__main__ import fit_config
+    from lightning_app.sweep.space import locate, read_space
+
+    places = locate(read_space("configs/sweeps/lr_wd.yaml"), fit_config(["--config", "configs/ddp_amp.yaml"]))
+    assert places == {"model.lr": ("model", "lr"), "model.weight_decay": ("model", "weight_decay"),
+                      "data.batch_size": ("data", "init_args", "batch_size")}
