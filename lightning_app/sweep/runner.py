@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_app.runs.folders import CHECKPOINTS, HPC_GLOB, LAST
 from lightning_app.sweep import storage
 from lightning_app.sweep.pruning import DIR_ENV, TRIAL_ENV
 from lightning_app.sweep.space import Space
@@ -99,10 +100,7 @@ class Sweep:
                     self._set_attr(number, storage.OWNER, storage.me())
                 else:
                     number, params = resumed.number, resumed.params
-            ckpt = None
-            if resumed is not None:
-                last = Path(resumed.user_attrs.get(storage.RUN_DIR, "/nonexistent")) / "checkpoints" / "last.ckpt"
-                ckpt = str(last) if last.is_file() else None
+            ckpt = newest_checkpoint(resumed.user_attrs.get(storage.RUN_DIR)) if resumed is not None else None
             self.run_trial(number, params, ckpt)
 
     def run_trial(self, number: int, params: dict[str, Any], ckpt: str | None) -> None:
@@ -157,6 +155,16 @@ class Sweep:
     def _set_attr(self, number: int, key: str, value: Any) -> None:
         st = self.study._storage  # optuna/study/study.py keeps the storage there; the public API sets only study attrs
         st.set_trial_user_attr(st.get_trial_id_from_study_id_trial_number(self.study._study_id, number), key, value)
+
+
+def newest_checkpoint(run_dir: str | None) -> str | None:
+    """The checkpoint an interrupted trial goes on from: the newer of its run's checkpoints/last.ckpt (SIGTERM, or
+    the last save point) and Lightning's hpc_ckpt_K.ckpt (SLURM's SIGUSR1); None when it saved neither. An explicit
+    path, not `--ckpt_path last`: two trials may share every setting, and `last` picks by settings."""
+    if not run_dir:
+        return None
+    found = [p for p in (Path(run_dir) / CHECKPOINTS / LAST, *Path(run_dir).glob(HPC_GLOB)) if p.is_file()]
+    return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
 
 
 def say(line: str) -> None:
