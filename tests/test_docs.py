@@ -43,8 +43,11 @@ SHORT_FIT = ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", 
              "--trainer.enable_progress_bar", "false"]
 SHORT_EVAL = ["--trainer.limit_val_batches", "2", "--trainer.limit_predict_batches", "2", "--data.builtin", "tiny",
               "--data.batch_size", "32", "--data.num_workers", "0", "--trainer.enable_progress_bar", "false"]
+# a sweep's trials: the built-in small data (lr_wd.yaml's batches reach 256; tiny has 240 images), 2 steps each
+SHORT_SWEEP = ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "2",
+               "--data.num_workers", "0", "--trainer.enable_progress_bar", "false"]
 SHRINK = [(r"--files \d+", "--files 200"), (r"--preset small", "--preset tiny"), (r"--workers \d+", "--workers 2"),
-          (r" --drop-caches", "")]
+          (r" --drop-caches", ""), (r"--trials \d+", "--trials 2")]
 # (pattern, mode, why): the first that matches the whole command wins
 RULES = [
     (r"pip install -r (\S+) && (.*)", "install", "CI installs the requirements; the rest runs"),
@@ -65,6 +68,8 @@ RULES = [
     (r"scripts/wheelhouse\.sh \S+( --python [\d.]+)?", "skip",
      "downloads from the package index: CI's second end runs it as written (.ci/run)"),
     (r"sbatch scripts/slurm/train\.sbatch .*", "dry-run", "no SLURM here"),
+    (r"sbatch --array=\S+ scripts/slurm/sweep\.sbatch .*", "dry-run", "no SLURM here"),
+    (r"python -m lightning_app\.sweep .*", "run", ""),
     (r"python -m bench(\.progressive)? .*", "parse",
      "benchmarks time the machine (tests/test_bench.py runs them small)"),
     (r"python -m (datamodules\.\w+|bench\.scanbench|lightning_app\.export)( .*)?", "run", ""),
@@ -139,6 +144,15 @@ def _parse_bench(argv: list[str]) -> None:
     parsers.get(argv[0], build_parser)().parse_args(argv[1:])
 
 
+def _sweep_trial_args(command: str) -> list[str]:
+    """`fit` and what a sweep's command passes to each trial (lightning_app/sweep/__main__.py)."""
+    from lightning_app.sweep.__main__ import build_parser, split_pass_through
+
+    words = shlex.split(command)
+    args, extra = build_parser().parse_known_args(words[words.index("lightning_app.sweep") + 1:])
+    return ["fit", *(w for c in args.config for w in ("--config", c)), *split_pass_through(extra)]
+
+
 def _main_args(command: str) -> list[str]:
     words = shlex.split(command)
     return words[words.index("main.py") + 1:]
@@ -161,6 +175,8 @@ def test_every_doc_command_runs_as_written_in_short_form(clone, monkeypatch, cap
         if mode == "run" and words[:2] == ["python", "main.py"]:
             short = [] if "--print_config" in words else (SHORT_FIT if words[2] == "fit" else SHORT_EVAL)
             _run([sys.executable, *words[1:], *short], work)
+        elif mode == "run" and words[1:3] == ["-m", "lightning_app.sweep"]:
+            _run([sys.executable, *words[1:], *SHORT_SWEEP], work)
         elif mode == "run":
             _run([sys.executable, *words[1:]], work)
         elif mode == "parse" and "main.py" in words:
@@ -175,7 +191,9 @@ def test_every_doc_command_runs_as_written_in_short_form(clone, monkeypatch, cap
                      "SLURM_SUBMIT_DIR": str(work)}
             printed = _run(["bash", script, *args], work,
                            {**env, **slurm, "DRY_RUN": "1", "PYTHON": sys.executable}).stdout
-            _parse_main(_main_args(printed.strip().splitlines()[0]), work, monkeypatch)  # netsim: a line per node
+            first = printed.strip().splitlines()[0]  # netsim: a line per node
+            _parse_main(_sweep_trial_args(first) if "lightning_app.sweep" in first else _main_args(first), work,
+                        monkeypatch)
         elif mode == "script":
             _run(["bash", *words], work, {"PYTHON": sys.executable})
         elif mode == "tensorboard":
