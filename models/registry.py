@@ -67,7 +67,7 @@ def unknown_arch_message(arch: str) -> str:
     hint = f"the closest names are {', '.join(close)}" if close else "no known name is close"
     return (f"--model.arch {arch!r} is not a known architecture: {hint}. The names are ours (conv11, resnet50, vgg11, "
             "vgg16), torchvision's classification builders (torchvision.models.list_models()) and timm's models as "
-            "timm/NAME (timm.list_models()); `python main.py fit --help` lists the families).")
+            "timm/NAME (timm.list_models()); `python main.py fit --help` lists the families.")
 
 
 def list_models(origin: str | None = None) -> list[str]:

@@ -1,4 +1,5 @@
-"""Optional parts some tests need: NVIDIA DALI (requirements-dali-cu13.txt, -cu12.txt).
+"""Optional parts some tests need: NVIDIA DALI (requirements-dali-cu13.txt, -cu12.txt), timm (requirements-extras.txt;
+absent at CI's oldest end: its tests skip there with the reason).
 
 Where DALI is absent its tests skip with the reason. Where FIC_REQUIRE_DALI=1 (CI's first end, .ci/run) its
 absence stops the run before any test (tests/conftest.py), so DALI's tests can never skip silently there.
@@ -21,6 +22,19 @@ def dali_missing() -> str | None:
 
 DALI_MISSING = dali_missing()
 needs_dali = pytest.mark.skipif(DALI_MISSING is not None, reason=DALI_MISSING or "")
+
+
+def timm_missing() -> str | None:
+    """Why timm cannot be used here, or None when it can (found, not imported: importing it costs 0.6 s)."""
+    import importlib.util
+
+    if importlib.util.find_spec("timm") is None:
+        return "needs timm, not installed here: pip install -r requirements-extras.txt"
+    return None
+
+
+TIMM_MISSING = timm_missing()
+needs_timm = pytest.mark.skipif(TIMM_MISSING is not None, reason=TIMM_MISSING or "")
 
 
 
