@@ -180,8 +180,9 @@ class ClassifierCLI(LightningCLI):
         resumed = trackers.recorded(plan.run_dir) if fit and plan.ckpt_path and not plan.made_here else None
         folder = (plan.run_dir if fit else plan.log_parent / str(plan.version)) if plan and plan.version is not None \
             else None
+        runs_root = plan.run_dir.parent if plan and plan.run_dir else plan.log_parent if plan else root
         loggers = trackers.build(names, settings, plan.log_parent if plan else root, plan.version if plan else None,
-                                 plan.purge_step if plan else None, folder, resumed)
+                                 plan.purge_step if plan else None, folder, resumed, runs_root)
         if fit and plan.lock is not None and names:  # the launch-rank-zero process, which wrote run.json
             trackers.remember(plan.run_dir, loggers)
         return loggers

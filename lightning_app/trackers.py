@@ -72,9 +72,10 @@ def require(name: str) -> None:
 
 
 def build(names: list[str] | None, settings: dict, save_dir: Path, version: int | str | None,
-          purge_step: int | None, folder: Path | None, resumed: dict | None) -> list[Logger]:
+          purge_step: int | None, folder: Path | None, resumed: dict | None, root: Path | None = None) -> list[Logger]:
     """The loggers: `save_dir`/`version` are the run plan's (lightning_app/runs/plan.py), `folder` the run's own
-    (version_N, or validate_K), `resumed` the tracker ids of the run.json a resumed fit continues."""
+    (version_N, or validate_K), `resumed` the tracker ids of the run.json a resumed fit continues, `root` the runs'
+    root (the MLflow store's folder; default save_dir)."""
     tensorboard = TensorBoardLogger(save_dir=str(save_dir), name="", version=version, default_hp_metric=False,
                                     **({"purge_step": purge_step} if purge_step is not None else {}))
     if names is None:
@@ -88,16 +89,16 @@ def build(names: list[str] | None, settings: dict, save_dir: Path, version: int 
         elif name == "csv":
             loggers.append(RunCSVLogger(save_dir=str(save_dir), name="", version=version, keep=purge_step != 0))
         elif name == "mlflow":
-            loggers.append(_mlflow(settings.get("mlflow") or {}, save_dir, folder, resumed.get("mlflow") or {}))
+            loggers.append(_mlflow(settings.get("mlflow") or {}, root or save_dir, folder, resumed.get("mlflow") or {}))
         elif name == "wandb":
             loggers.append(_wandb(settings.get("wandb") or {}, folder, resumed.get("wandb") or {}))
     return loggers
 
 
-def _mlflow(settings: dict, save_dir: Path, folder: Path, resumed: dict) -> MLFlowLogger:
+def _mlflow(settings: dict, root: Path, folder: Path, resumed: dict) -> MLFlowLogger:
     # read here, not from MLFlowLogger's default: that is os.getenv at import (pytorch_lightning/loggers/mlflow.py)
     uri = settings.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or \
-        f"{FILE}{os.path.abspath(save_dir / MLRUNS)}"
+        f"{FILE}{os.path.abspath(root / MLRUNS)}"
     if uri.startswith(FILE):
         # MLflow 3 refuses its file store unless told (mlflow/store/tracking/file_store.py, FileStore.__init__);
         # a local folder under the run root is what an offline machine has

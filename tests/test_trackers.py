@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import quick_args, run_main
+from tests.helpers.cli import quick_args
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -57,6 +57,7 @@ def _run(wrap: list[str], args: list[str]) -> str:
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # two real fits in subprocesses (the module's fixture)
 def test_the_run_folder_holds_its_contract_and_the_end_line_names_every_tracker(resumed_run):
     root, first, second, _ = resumed_run
     assert sorted(p.name for p in root.iterdir()) == ["mlruns", "version_0"]  # resumed in place, no version_1
@@ -70,6 +71,7 @@ def test_the_run_folder_holds_its_contract_and_the_end_line_names_every_tracker(
     assert f"W&B offline run {trackers['wandb']['id']} in {run / 'wandb'}" in done
 
 
+@pytest.mark.slow  # two real fits in subprocesses (the module's fixture)
 def test_csv_holds_every_epoch_once_after_the_resume(resumed_run):
     root = resumed_run[0]
     with open(root / "version_0" / "metrics.csv", newline="") as f:
@@ -80,8 +82,9 @@ def test_csv_holds_every_epoch_once_after_the_resume(resumed_run):
     assert len(steps) == len(set(steps)) and steps == sorted(steps) and steps[-1] >= STEPS
 
 
+@pytest.mark.slow  # two real fits in subprocesses (the module's fixture)
 def test_mlflow_continues_one_run_with_metrics_pictures_and_params(resumed_run):
-    root, first, _, _ = resumed_run
+    root = resumed_run[0]
     trackers = json.loads((root / "version_0" / "run.json").read_text())["trackers"]["mlflow"]
     runs = [Path(p).parent for p in glob.glob(str(root / "mlruns" / "*" / "*" / "meta.yaml"))]
     assert [r.name for r in runs] == [trackers["run_id"]]  # one run, continued by the resume
@@ -100,6 +103,7 @@ def test_mlflow_continues_one_run_with_metrics_pictures_and_params(resumed_run):
     assert all(p.split("/")[0] in ("model", "data", "trainer") for p in params), sorted(params)
 
 
+@pytest.mark.slow  # two real fits in subprocesses (the module's fixture)
 def test_wandb_offline_run_continues_with_its_id_and_history(resumed_run):
     root = resumed_run[0]
     run_id = json.loads((root / "version_0" / "run.json").read_text())["trackers"]["wandb"]["id"]
@@ -113,6 +117,7 @@ def test_wandb_offline_run_continues_with_its_id_and_history(resumed_run):
         assert any(name.startswith(kind) for name in images), kind
 
 
+@pytest.mark.slow  # two real fits in subprocesses (the module's fixture)
 def test_tensorboard_beside_the_others_gets_the_same_metrics(resumed_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -123,6 +128,32 @@ def test_tensorboard_beside_the_others_gets_the_same_metrics(resumed_run):
     assert {"images/confusion_matrix", "images/mistakes", "images/train_batch"} <= set(events.Tags()["images"])
 
 
+@pytest.mark.slow  # two real fits in subprocesses (the module's fixture)
+def test_validate_logs_a_run_of_its_own_in_the_same_store(resumed_run, monkeypatch):
+    from lightning_app.cli import main
+
+    root = resumed_run[0]
+    fitted = json.loads((root / "version_0" / "run.json").read_text())["trackers"]["mlflow"]["run_id"]
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+    main(["validate", *quick_args(Path(_data_dir(root)), root, batch=40), "--data.image_size", "16",
+          "--config", "configs/logger/csv.yaml", "--config", "configs/logger/mlflow.yaml",
+          "--ckpt_path", str(root / "version_0" / "checkpoints" / "last.ckpt")])
+    assert (root / "version_0" / "validate_0" / "metrics.csv").is_file()
+    runs = {Path(p).parent.name: Path(p).parent for p in glob.glob(str(root / "mlruns" / "*" / "*" / "meta.yaml"))}
+    assert fitted in runs and len(runs) == 2, sorted(runs)  # the fit's run untouched, one more beside it
+    (new,) = set(runs) - {fitted}
+    assert (runs[new] / "tags" / "mlflow.runName").read_text() == "version_0/validate_0"
+    assert len((runs[fitted] / "metrics" / "val" / "acc1").read_text().splitlines()) == 2
+
+
+def _data_dir(root: Path) -> str:
+    import yaml
+
+    return yaml.safe_load((root / "version_0" / "config.yaml").read_text())["data"]["init_args"]["data_dir"]
+
+
+@pytest.mark.slow  # two real fits in subprocesses (the module's fixture)
 def test_nothing_connects_to_the_network(resumed_run):
     trace = resumed_run[3]
     if trace is None:
