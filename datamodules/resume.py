@@ -19,6 +19,9 @@ BEFORE it calls `set_epoch` (`on_advance_start`), so a DistributedSampler would 
 epoch 0's order. Lightning injects no sampler of its own over a DistributedSampler
 (trainer/connectors/data_connector.py, `_requires_distributed_sampler`).
 
+With num_workers 0 the crops are drawn in the training process, from its own generator, which no checkpoint
+holds: the samples resume exactly, their crops do not.
+
 Under DDP only rank 0 writes the checkpoint, so `state_dict` gathers every rank's state (all ranks save
 together: Trainer.save_checkpoint ends in a barrier) and each rank loads its own. A checkpoint from another
 number of processes or loader workers cannot place this rank's workers: the epoch then restarts, with a warning.
@@ -38,9 +41,10 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from datamodules.sample.batches import given_back
 
 # How often (in batches) the loader asks its workers for their state. Every batch: a worker's state is its
-# torch generator (5 KiB of bytes) and the main process's is a few integers, next to a batch of images; a
-# longer interval saves that little and makes a resume fetch (decode, crop) and drop up to interval - 1
-# batches again to reach the saved position (stateful_dataloader.py, `_STEPS_SINCE_SNAPSHOT`).
+# torch generator (5 KiB pickled, about 50 us to take, diff and pickle on this repo's 2-core VM) and the main
+# process's a few integers, next to a batch that takes a worker hundreds of ms to decode; a longer interval
+# saves that little, and makes a resume fetch (decode, crop) and drop up to interval - 1 batches again to
+# reach the saved position (stateful_dataloader.py, `_STEPS_SINCE_SNAPSHOT`). Exact either way.
 SNAPSHOT_EVERY_N_STEPS = 1
 
 

@@ -1,9 +1,10 @@
 """A run resumed from a mid-epoch checkpoint finishes the epoch as if it had never stopped, on every map-style backend.
 
 The train loader's state (sampler position and epoch, workers' progress and generators: datamodules/resume.py)
-travels in the checkpoint. Each test trains conv11 (width 8, 16 px, 2 loader workers, persistent) for two epochs
+travels in the checkpoint. Each test trains conv11 (width 8, 16 px, 2 loader workers, persistent) for three epochs
 of 7 steps and stops in the second one: the resumed epoch must deliver, batch for batch, the samples and pixels
-(crops, flips) the uninterrupted run delivered, none replayed and none skipped.
+(crops, flips) the uninterrupted run delivered, none replayed and none skipped, and so must the epoch after it
+(the per-epoch reseed makes no second iterator: lightning_app/callbacks/reseed.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from datamodules.downscale.writer import ensure_downscaled
 from datamodules.lmdb.pack import pack
+from datamodules.resume import EpochSampler, ResumableLoader
 from tests.helpers.cli import quick_args, run_main
 
 STEPS = 7  # per epoch: 240 tiny training images, 32 a (global) batch, the last partial batch dropped
@@ -34,7 +36,7 @@ def sources(tiny_data, tmp_path_factory) -> dict[str, tuple[str, Path]]:
 
 
 def _args(config: str, data: Path, root: Path, out: Path, *extra: str) -> list[str]:
-    return ["fit", "--config", config, *quick_args(data, root, epochs=2, batch=32),
+    return ["fit", "--config", config, *quick_args(data, root, epochs=3, batch=32),
             "--data.num_workers", "2", "--data.image_size", "16", "--trainer.num_sanity_val_steps", "0",
             "--trainer.limit_val_batches", "0", "--checkpoint.monitor", "null", "--model.pictures", "[]",
             "--trainer.callbacks+=tests.helpers.callbacks.SampleRecorder", f"--trainer.callbacks.out_dir={out}",
@@ -52,6 +54,10 @@ def _assert_continues(whole: dict, resumed: dict, done: int) -> None:
         f"{sorted(set(resumed['indices']) & {i for b in whole['batches'][:done] for i in b})[:8]}")
     assert resumed["digests"][0] == whole["digests"][done], "the first resumed batch has other crops or flips"
     assert resumed["digests"] == whole["digests"][done:]
+
+
+def _assert_same(whole: dict, resumed: dict) -> None:
+    assert resumed["batches"] == whole["batches"] and resumed["digests"] == whole["digests"]
 
 
 @pytest.mark.parametrize("backend", ["imagefolder", "lmdb", "downscaled"])
@@ -73,6 +79,34 @@ def test_resumed_epoch_delivers_the_uninterrupted_runs_batches(backend, sources,
     run_main(_args(config, data, tmp_path, resumed, *steps, "--ckpt_path", "last"))
     assert not (resumed / "rank0_epoch0.json").exists()  # epoch 1 was done: not run again
     _assert_continues(_epoch(whole, 1), _epoch(resumed, 1), SAVED_AT - STEPS)
+    _assert_same(_epoch(whole, 2), _epoch(resumed, 2))
+
+
+def test_loader_state_holds_the_epoch_and_another_worker_count_restarts_the_epoch_with_a_warning():
+    """In-process: a state taken 3 batches into epoch 1 continues it in a fresh loader whose sampler is still at
+    epoch 0 (Lightning calls set_epoch only after making the resumed iterator); a loader with another number of
+    workers cannot place the saved workers' states, so it warns and runs the epoch from its start."""
+    data = list(range(64))
+
+    def loader(workers: int) -> ResumableLoader:
+        sampler = EpochSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True)
+        return ResumableLoader(data, batch_size=8, sampler=sampler, num_workers=workers)
+
+    whole = loader(0)
+    whole.sampler.set_epoch(1)
+    epoch = [batch.tolist() for batch in whole]
+    first = loader(2)
+    first.sampler.set_epoch(1)
+    batches = iter(first)
+    seen = [next(batches).tolist() for _ in range(3)]
+    state = first.state_dict()
+    again = loader(2)
+    again.load_state_dict(state)
+    assert seen + [batch.tolist() for batch in again] == epoch
+    other = loader(1)
+    with pytest.warns(UserWarning, match="--data.num_workers"):
+        other.load_state_dict(state)
+    assert len(list(other)) == len(epoch)
 
 
 @pytest.mark.slow
@@ -91,4 +125,5 @@ def test_ddp_each_rank_resumes_its_own_shard_after_sigterm(sources, tmp_path):
     run_main(_args(config, data, tmp_path / "b", resumed, *ddp, "--ckpt_path", "last"))
     for rank in (0, 1):
         _assert_continues(_epoch(whole, 1, rank), _epoch(resumed, 1, rank), SAVED_AT - STEPS)
+        _assert_same(_epoch(whole, 2, rank), _epoch(resumed, 2, rank))
     assert not set(_epoch(resumed, 1, 0)["indices"]) & set(_epoch(resumed, 1, 1)["indices"])

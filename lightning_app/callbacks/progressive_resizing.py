@@ -61,6 +61,7 @@ class ProgressiveResizing(pl.Callback):
         self.start_size, self.end_size = start_size, end_size
         self.start_epoch, self.end_epoch, self.step = start_epoch, end_epoch, step
         self._first_epoch_of_run = True
+        self._started_at: int | None = None
 
     def size_at(self, epoch: int) -> int:
         return scheduled_size(epoch, self.start_size, self.end_size, self.start_epoch, self.end_epoch, self.step)
@@ -83,12 +84,17 @@ class ProgressiveResizing(pl.Callback):
         if trainer.state.fn == "fit":
             self._apply(trainer, resumed_epoch(checkpoint))
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._started_at = trainer.current_epoch  # the epoch Lightning's setup_data made the iterator for
+
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         changed = self._apply(trainer, trainer.current_epoch)
         if self._first_epoch_of_run:
             self._first_epoch_of_run = False
             fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
-            if changed and fetcher is not None:
+            # After a mid-epoch resume the first epoch with this hook is the next one, whose iterator Lightning
+            # makes after it (lightning_app/callbacks/reseed.py says why a second one would change its crops).
+            if changed and fetcher is not None and trainer.current_epoch == self._started_at:
                 iter(fetcher)  # this epoch's iterator was made before the hook, at the old size: make it again
         pl_module.log("train/image_size", float(trainer.datamodule.train_size), on_step=False, on_epoch=True,
                       rank_zero_only=True)
