@@ -30,7 +30,10 @@ class ImageClassifier(pl.LightningModule):
             or any torchvision classification builder by its name (models/torchvision_zoo.py): resnet18/34/101/152,
             resnext, wide_resnet, regnet, efficientnet(_v2), mobilenet_v2/v3, mnasnet, shufflenet_v2, convnext,
             densenet, squeezenet, alexnet, googlenet, inception_v3, vgg*_bn, swin(_v2), vit (224 px only), maxvit_t
-            (224, 448... px). Its last layer is built for num_classes; an unknown name gets the closest ones.
+            (224, 448... px); or any timm model as timm/NAME (models/timm_zoo.py; `pip install timm`; names from
+            timm.list_models(), e.g. timm/resnet10t, timm/mobilenetv3_small_050, timm/convnext_atto,
+            timm/vit_tiny_patch16_224: ViTs, Swin and other fixed-size models are built for the train size).
+            Its last layer is built for num_classes; an unknown name gets the closest ones.
         num_classes: linked from the data; never set by hand.
         image_size: linked from the data (small inputs change ResNet's stem).
         global_batch_size: linked from data.batch_size (the global batch).

@@ -182,7 +182,7 @@ def test_fit_help_lists_the_families(capsys):
         main(["fit", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     for family in ("resnext", "wide_resnet", "regnet", "efficientnet(_v2)", "mobilenet_v2/v3", "convnext", "swin",
-                   "vit (224 px only)", "maxvit_t"):
+                   "vit (224 px only)", "maxvit_t", "any timm model as timm/NAME", "timm.list_models()"):
         assert family in text, family
 
 
