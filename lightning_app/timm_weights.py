@@ -169,8 +169,9 @@ def load(backbone: nn.Module, source: str, arch: str, image_size: int, arch_kwar
             fresh = build(tagged, num_classes=num_classes, image_size=image_size, pretrained_file=str(path),
                           **arch_kwargs)
         except (RuntimeError, ValueError, KeyError, AssertionError, OSError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise WeightsError(f"model.weights {source}: timm could not load {path} into {arch} ({first[:400]}). "
+            detail = " ".join(str(e).split())  # torch's load_state_dict lists the keys on further lines
+            detail = (detail[:300] + "...") if len(detail) > 300 else detail or type(e).__name__
+            raise WeightsError(f"model.weights {source}: timm could not load {path} into {arch} ({detail}). "
                                "Check model.arch, model.arch_kwargs and that the file holds this model's "
                                "weights.") from None
     cfg = fresh.pretrained_cfg
