@@ -117,6 +117,9 @@ def run(argv: list[str] | None = None) -> int:
     written = report.write(study, folder, space, places, base_args, root)
     say(report.table(study, space, root).split("\n", 1)[0] + " " + report.best_line(study, space) + ".")
     say("written: " + ", ".join(str(p) for p in written))
+    if sweep.crashed:
+        print(f"sweep: a worker failed:\n{sweep.crashed}", file=sys.stderr, flush=True)
+        return 1
     if sweep.stop_signal:
         say(f"stopped by {signal.Signals(sweep.stop_signal).name}; run again with --resume to finish its trials.")
         return 128 + sweep.stop_signal

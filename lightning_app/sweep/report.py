@@ -90,7 +90,8 @@ def figure(study, space: Space, path: Path) -> None:
     if xs:
         history.step(xs, ys, where="post", color="k", label="best so far")
     history.set(title="Optimisation history", xlabel="trial", ylabel=space.objective)
-    history.legend(fontsize="small")
+    if history.get_legend_handles_labels()[0]:
+        history.legend(fontsize="small")
     try:
         import optuna
 

@@ -59,6 +59,7 @@ class Sweep:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     fails_in_a_row: int = 0
     last_failure: str = ""
+    crashed: str = ""  # a worker thread's traceback: the sweep stops and exits 1, never 0
 
     # -- signals ---------------------------------------------------------------------------------------------
     def on_signal(self, signum: int, _frame: object) -> None:
@@ -85,6 +86,15 @@ class Sweep:
 
     # -- the worker loop -------------------------------------------------------------------------------------
     def work(self) -> None:
+        try:
+            self._work()
+        except BaseException:  # noqa: BLE001 - a thread's exception would only be printed, and the sweep exit 0
+            import traceback
+
+            self.crashed = self.crashed or traceback.format_exc()
+            self.stop.set()
+
+    def _work(self) -> None:
         while not self.stop.is_set():
             with self._lock:
                 if self.fails_in_a_row >= MAX_FAILS_IN_A_ROW:
