@@ -193,3 +193,12 @@ def test_the_shipped_space_names_settings_the_cli_knows(tiny_data, tmp_path):
     places = locate(read_space("configs/sweeps/lr_wd.yaml"), fit_config(["--config", "configs/ddp_amp.yaml"]))
     assert places == {"model.lr": ("model", "lr"), "model.weight_decay": ("model", "weight_decay"),
                       "data.batch_size": ("data", "init_args", "batch_size")}
+
+
+def test_workers_on_a_machine_with_gpus_never_share_one():
+    from lightning_app.sweep.runner import split_gpus
+
+    assert split_gpus(["0", "1", "2", "3"], 2) == ["0,2", "1,3"]
+    assert split_gpus(["4", "7"], 2) == ["4", "7"]
+    assert split_gpus(["0"], 2) == [None, None]  # fewer GPUs than workers: what the sweep sees
+    assert split_gpus(["0", "1"], 1) == [None]

@@ -24,7 +24,7 @@ from lightning_app.errors import EXIT_USER_ERROR, UserError
 from lightning_app.runs.folders import write_atomically
 from lightning_app.sweep import report, storage
 from lightning_app.sweep.pruning import SPACE_COPY
-from lightning_app.sweep.runner import MAX_FAILS_IN_A_ROW, Sweep, say
+from lightning_app.sweep.runner import MAX_FAILS_IN_A_ROW, Sweep, say, split_gpus, visible_gpus
 from lightning_app.sweep.space import locate, place_of, read_space
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # SIGUSR1: SLURM's warning before a requeue
@@ -108,7 +108,9 @@ def run(argv: list[str] | None = None) -> int:
             resumed = sweep.claim_own_interrupted()
             say(f"--resume: finishing interrupted trial(s) {resumed} first." if resumed else
                 "--resume: no interrupted trial of this job here; new trials only.")
-        workers = [threading.Thread(target=sweep.work, name=f"sweep-worker-{i}") for i in range(args.workers)]
+        shares = split_gpus(visible_gpus(), args.workers)
+        workers = [threading.Thread(target=sweep.work, args=(shares[i],), name=f"sweep-worker-{i}")
+                   for i in range(args.workers)]
         for worker in workers:
             worker.start()
         for worker in workers:

@@ -60,6 +60,7 @@ class Sweep:
     fails_in_a_row: int = 0
     last_failure: str = ""
     crashed: str = ""  # a worker thread's traceback: the sweep stops and exits 1, never 0
+    _local: threading.local = field(default_factory=threading.local)
 
     # -- signals ---------------------------------------------------------------------------------------------
     def on_signal(self, signum: int, _frame: object) -> None:
@@ -85,7 +86,9 @@ class Sweep:
         return [t.number for t in self.resumable]
 
     # -- the worker loop -------------------------------------------------------------------------------------
-    def work(self) -> None:
+    def work(self, gpus: str | None = None) -> None:
+        """One worker's loop; `gpus`: the CUDA_VISIBLE_DEVICES its trials get (split_gpus), None: unchanged."""
+        self._local.gpus = gpus
         try:
             self._work()
         except BaseException:  # noqa: BLE001 - a thread's exception would only be printed, and the sweep exit 0
@@ -119,6 +122,8 @@ class Sweep:
         args = [*self.base_args, *trial_args(params), f"--trainer.callbacks+={REPORTER}",
                 *(["--ckpt_path", ckpt] if ckpt else [])]
         env = {**os.environ, DIR_ENV: str(self.folder), TRIAL_ENV: str(number), "PYTHONUNBUFFERED": "1"}
+        if getattr(self._local, "gpus", None) is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self._local.gpus
         # A requeued SLURM job's fit takes its own earlier run whatever --ckpt_path says (lightning_app/runs/
         # resolve.py): here a requeued array task starts new trials too, so each trial is a fresh fit, and an
         # interrupted one is resumed by its explicit last.ckpt.
@@ -165,6 +170,25 @@ class Sweep:
     def _set_attr(self, number: int, key: str, value: Any) -> None:
         st = self.study._storage  # optuna/study/study.py keeps the storage there; the public API sets only study attrs
         st.set_trial_user_attr(st.get_trial_id_from_study_id_trial_number(self.study._study_id, number), key, value)
+
+
+def split_gpus(visible: list[str], workers: int) -> list[str | None]:
+    """Each worker's share of this machine's GPUs, so that K trials at a time never share one (each trial's
+    `devices: auto` then takes its share); with fewer GPUs than workers, or none, the trials see what this process
+    sees."""
+    if workers < 2 or len(visible) < workers:
+        return [None] * workers
+    return [",".join(visible[i::workers]) for i in range(workers)]
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (all of torch's when it is unset)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g for g in listed.split(",") if g.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
 def newest_checkpoint(run_dir: str | None) -> str | None:
