@@ -115,8 +115,9 @@ def test_the_pruner_stops_a_collapsing_trial_after_its_first_epoch(tiny_data, tm
 
 @pytest.mark.slow
 def test_resume_finishes_the_interrupted_trial_from_its_last_checkpoint(tiny_data, tmp_path):
-    """SIGTERM (a preemption) stops the sweep and its trial, which saves last.ckpt and stays RUNNING; the same
-    command with --resume finishes that trial (same number, same run folder) from that checkpoint."""
+    """Ctrl-C in a terminal (SIGINT to the sweep and its trial, one process group) stops the sweep; the trial saves
+    last.ckpt and stays RUNNING. The same command with --resume finishes that trial (same number, same run folder)
+    from that checkpoint, where a plain restart would leave it or fail it."""
     root, folder = tmp_path / "logs", tmp_path / "study"
     space = space_file(tmp_path)
     flags = trial_flags(tiny_data, root, epochs=4)
@@ -125,10 +126,12 @@ def test_resume_finishes_the_interrupted_trial_from_its_last_checkpoint(tiny_dat
     while not (root / "version_0" / "checkpoints" / "last.ckpt").is_file():
         assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else "no ckpt"
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGINT)
     code, out = finish(proc, 120)
-    assert code == 128 + signal.SIGTERM, out
+    assert code == 128 + signal.SIGINT, out
     assert states(load(folder)) == ["RUNNING"], out
+    saved = [line for line in (folder / "trials" / "trial_0.log").read_text().splitlines() if ": saved " in line]
+    assert saved and "version_0/checkpoints/last.ckpt in epoch" in saved[0], out
     code, out = finish(start_sweep(space, 1, flags, "--study", str(folder), "--resume"), 240)
     assert code == 0, out
     (trial,) = load(folder).get_trials()

@@ -68,10 +68,15 @@ class Sweep:
         last.ckpt, or under SLURM Lightning's hpc checkpoint and requeue) and stay RUNNING, to be resumed."""
         self.stop_signal = self.stop_signal or signum
         self.stop.set()
+        # What the trial's fit takes as "save and stop" (lightning_app/callbacks/stop_signals.py): SIGTERM, or the
+        # requeue signal under SLURM (its handler exists only there). Never SIGINT: Ctrl-C in a terminal reached
+        # the trials already (one process group), and a second SIGINT stops a fit at once, without its save.
+        requeue = signum == signal.SIGUSR1 and "SLURM_JOB_ID" in os.environ
+        forward = signal.SIGUSR1 if requeue else signal.SIGTERM
         with self._lock:
             for child in self._children:
                 with contextlib.suppress(ProcessLookupError):
-                    child.send_signal(signum)
+                    child.send_signal(forward)
 
     # -- resume ----------------------------------------------------------------------------------------------
     def claim_own_interrupted(self) -> list[int]:
