@@ -152,14 +152,15 @@ def describe(loggers: list[Logger]) -> list[str]:
     parts = []
     for logger in loggers:
         if isinstance(logger, TensorBoardLogger):
-            parts.append(f"TensorBoard in {logger.log_dir}")
+            parts.append(f"TensorBoard in {os.path.abspath(logger.log_dir)}")
         elif isinstance(logger, CSVLogger):
-            parts.append(f"CSV in {os.path.join(logger.log_dir, 'metrics.csv')}")
+            parts.append(f"CSV in {os.path.abspath(os.path.join(logger.log_dir, 'metrics.csv'))}")
         elif isinstance(logger, MLFlowLogger):
             parts.append(f"MLflow run {logger.run_id} in {logger._tracking_uri}")
         elif isinstance(logger, WandbLogger):
             mode = "offline " if logger._offline else ""
-            parts.append(f"W&B {mode}run {logger.version} in {os.path.join(logger.save_dir, 'wandb')}")
+            where = os.path.abspath(os.path.join(logger.save_dir, "wandb"))
+            parts.append(f"W&B {mode}run {logger.version} in {where}")
     return parts
 
 

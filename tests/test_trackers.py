@@ -20,7 +20,8 @@ pytestmark = pytest.mark.timeout(300)
 
 LOGGERS = ["--config", "configs/logger/tensorboard.yaml", "--config", "configs/logger/csv.yaml",
            "--config", "configs/logger/mlflow.yaml", "--config", "configs/logger/wandb.yaml"]
-# offline and quiet, as docs/trackers.md says; no W&B system-metrics thread
+# offline and quiet, as docs/trackers.md says; no W&B system-metrics sampling (WANDB_X_* sets the x_ settings:
+# wandb/sdk/wandb_settings.py); no MLflow server inherited from the environment
 ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_X_DISABLE_STATS": "true", "MLFLOW_TRACKING_URI": ""}
 STEPS = 6  # tiny: 240 train images, batch 40
 
