@@ -103,6 +103,8 @@ def _mlflow(settings: dict, root: Path, folder: Path, resumed: dict) -> MLFlowLo
         # MLflow 3 refuses its file store unless told (mlflow/store/tracking/file_store.py, FileStore.__init__);
         # a local folder under the run root is what an offline machine has
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    # MLFlowLogger(run_id=...) reads that run and logs into it instead of creating one (pytorch_lightning/loggers/
+    # mlflow.py, experiment: get_run, not create_run); a run id means nothing in another store
     run_id = resumed.get("run_id") if resumed.get("tracking_uri") == uri else None
     return RunMLFlowLogger(folder, experiment_name=settings.get("experiment_name") or "lightning_logs",
                            tracking_uri=uri, run_id=run_id, run_name=f"{folder.parent.name}/{folder.name}")
