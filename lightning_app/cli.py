@@ -251,9 +251,12 @@ class ClassifierCLI(LightningCLI):
         best = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
         monitor = next((c for c in trainer.callbacks if isinstance(c, TrainSpeedMonitor)), None)
         img_s = monitor.summary.get("train_img_s") if monitor else None
+        # a sweep's ReportToStudy (lightning_app/sweep/pruning.py) that stopped this trial says after which epoch
+        pruned = next((c.pruned_at for c in trainer.callbacks if getattr(c, "pruned_at", None) is not None), None)
         parts = [
             f"best val/acc1 {float(best):.4f}" if best is not None else "best val/acc1 n/a",
-            f"{trainer.current_epoch} epochs",
+            f"{trainer.current_epoch} epochs" + (f" (pruned by the sweep after epoch {pruned})"
+                                                 if pruned is not None else ""),
             f"{img_s:,.0f} images/s ({trainer.world_size} process{'es' if trainer.world_size > 1 else ''})"
             if img_s else "images/s n/a",
         ]

@@ -301,6 +301,19 @@ def record_resume(run_dir: str | os.PathLike, record: dict | None, training: dic
     return record
 
 
+def record_sweep_outcome(run_dir: str | os.PathLike, state: str, **details: Any) -> None:
+    """How the sweep ended this run's trial (complete, pruned with its epoch, fail), into run.json's "sweep" entry.
+    Written by the sweep process once the trial's own process has ended, so no other writer races it; a run
+    without a run.json (its fit failed before making one) is left alone."""
+    path = Path(run_dir) / RUN_JSON
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    record["sweep"] = {**(record.get("sweep") or {}), "state": state, **details}
+    write_atomically(path, json.dumps(record, indent=1).encode())
+
+
 def jobs_of(record: dict) -> set[str]:
     """Every SLURM job that created or resumed the run."""
     keys = {job_key(record.get("slurm") or {})}

@@ -43,6 +43,7 @@ class ReportToStudy(Callback):
                             f"({DIR_ENV} and {TRIAL_ENV} unset): run `python -m lightning_app.sweep`, or drop it "
                             "from trainer.callbacks.")
         self.folder, self.number = Path(found["folder"]), found["trial"]
+        self.pruned_at: int | None = None  # the epoch after which the pruner stopped the fit (cli.py's Done line)
         self.space = read_space(self.folder / SPACE_COPY)
         self.study = load_study_for_trial(self.folder, self.folder.name, self.space.make_pruner())
         self.storage = self.study._storage  # optuna.study.Study keeps its storage there (optuna/study/study.py)
@@ -88,3 +89,4 @@ class ReportToStudy(Callback):
             rank_zero_info(f"Sweep trial {self.number}: pruned after epoch {trainer.current_epoch} "
                            f"({self.space.objective} {value:.4f}); the fit stops here.")
             trainer.should_stop = True
+            self.pruned_at = trainer.current_epoch

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_app.runs.folders import CHECKPOINTS, HPC_GLOB, LAST
+from lightning_app.runs.identity import record_sweep_outcome
 from lightning_app.sweep import storage
 from lightning_app.sweep.pruning import DIR_ENV, TRIAL_ENV
 from lightning_app.sweep.space import Space
@@ -148,19 +149,23 @@ class Sweep:
             self._children.discard(child)
         frozen = self.study.get_trials(deepcopy=False)[number]
         values, ended = frozen.intermediate_values, code == 0 and storage.FIT_ENDED in frozen.user_attrs
+        run_dir = frozen.user_attrs.get(storage.RUN_DIR)
         if self.stop.is_set() and not ended:  # stopped by our signal (saved, exit 0): RUNNING, for --resume
             say(f"trial {number}: stopped (exit status {code}); `--resume` finishes it from its last.ckpt.")
             return
         with contextlib.suppress(Exception):  # already finished: another process failed it as stale
             if ended and storage.PRUNED_AT in frozen.user_attrs:
                 self.study.tell(number, state=TrialState.PRUNED)
+                self._mark_run(run_dir, "pruned", pruned_at_epoch=frozen.user_attrs[storage.PRUNED_AT])
                 say(f"trial {number}: pruned after epoch {frozen.user_attrs[storage.PRUNED_AT]}.")
             elif ended and values:
                 value = values[max(values)]
                 self.study.tell(number, value)
+                self._mark_run(run_dir, "complete", value=value)
                 say(f"trial {number}: {self.space.objective} {value:.4f}.")
             else:
                 self.study.tell(number, state=TrialState.FAIL)
+                self._mark_run(run_dir, "fail")
                 why = (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}") if code \
                     else "its fit did not run to its end" if not ended else f"no {self.space.objective} reported"
                 tail = "".join(log.read_text(errors="replace").splitlines(True)[-3:]).strip()
@@ -171,6 +176,13 @@ class Sweep:
                 return
         with self._lock:
             self.fails_in_a_row = 0
+
+    @staticmethod
+    def _mark_run(run_dir: str | None, state: str, **details: Any) -> None:
+        """The trial's outcome into its run folder's run.json (identity.py); an unwritable one changes no outcome."""
+        if run_dir:
+            with contextlib.suppress(OSError):
+                record_sweep_outcome(run_dir, state, **details)
 
     def _set_attr(self, number: int, key: str, value: Any) -> None:
         st = self.study._storage  # optuna/study/study.py keeps the storage there; the public API sets only study attrs

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_app.errors import UserError
-from lightning_app.runs.identity import job_key, slurm_job
+from lightning_app.runs.identity import job_key, record_sweep_outcome, slurm_job
 from lightning_app.sweep.space import Space
 
 JOURNAL = "journal.log"
@@ -183,8 +183,8 @@ def interrupted(study, folder: Path, stale_s: float) -> list:
 
 
 def fail_stale(study, folder: Path, stale_s: float) -> list[int]:
-    """Marks failed every RUNNING trial whose owner is gone (a `--resume` has claimed its own ones before); their
-    numbers. The claim makes one process the one that tells."""
+    """Marks failed every RUNNING trial whose owner is gone (a `--resume` has claimed its own ones before), in the
+    study and in its run folder's run.json; their numbers. The claim makes one process the one that tells."""
     from optuna.trial import TrialState
 
     failed = []
@@ -193,6 +193,9 @@ def fail_stale(study, folder: Path, stale_s: float) -> list[int]:
             with contextlib.suppress(Exception):  # finished meanwhile (optuna's UpdateFinishedTrialError)
                 study.tell(trial.number, state=TrialState.FAIL)
                 failed.append(trial.number)
+            if trial.number in failed and trial.user_attrs.get(RUN_DIR):
+                with contextlib.suppress(OSError):
+                    record_sweep_outcome(trial.user_attrs[RUN_DIR], "fail")
     return failed
 
 
