@@ -53,9 +53,9 @@ def states(study) -> list[str]:
 
 @pytest.mark.slow
 def test_a_sigkilled_sweep_process_is_failed_by_the_other_and_best_yaml_reproduces_the_best(tiny_data, tmp_path):
-    """Two sweep processes (two SLURM array tasks) share a 4-trial study. One is SIGKILLed with its process group
-    (as SLURM or the OOM killer's cgroup kill ends a job: the trial dies with it) in the middle of its trial's fit;
-    the other fails that trial (its owner's pid is dead on this host) and runs the study to 4 complete trials.
+    """Two sweep processes (two SLURM array tasks) share a 4-trial study. One is SIGKILLed alone in the middle of
+    its trial's fit: the trial gets SIGTERM as its parent dies (PDEATHSIG), saves and ends, no orphan; the other
+    fails that trial (its owner's pid is dead on this host) and runs the study to 4 complete trials.
     Each trial's config.yaml holds its own sampled settings, and best.yaml trains the best trial again: every run
     is seeded (configs/default.yaml, seed_everything 42) and a CPU fit with num_workers 0 is bit-deterministic, so
     its val/acc1 and val/loss are the best trial's exactly, epoch by epoch, as are its training settings."""
@@ -71,7 +71,7 @@ def test_a_sigkilled_sweep_process_is_failed_by_the_other_and_best_yaml_reproduc
             time.sleep(0.02)
         number = json.loads((saved[0].parents[1] / "run.json").read_text())["sweep"]["trial"]
         victim = next(i for i, log in enumerate(logs) if f"sweep: trial {number}: starting" in log.read_text())
-        os.killpg(procs[victim].pid, signal.SIGKILL)
+        os.kill(procs[victim].pid, signal.SIGKILL)
         procs[victim].wait()  # reaped, as its shell or slurmstepd would: a zombie's pid still answers kill(0)
         survivor = procs[1 - victim]
         code, _ = finish(survivor, timeout=240)
@@ -88,6 +88,8 @@ def test_a_sigkilled_sweep_process_is_failed_by_the_other_and_best_yaml_reproduc
     (failed,) = [t for t in trials if t.state.name == "FAIL"]
     assert failed.number == number and failed.user_attrs["owner"]["pid"] == procs[victim].pid, out
     assert list(failed.intermediate_values) == [0], "killed in its epoch 1, after epoch 0's report"
+    orphan = (folder / "trials" / f"trial_{number}.log").read_text()
+    assert "SIGTERM" in orphan and ": saved " in orphan, f"the dead sweep's trial ran on:\n{orphan[-2000:]}"
     assert {t.user_attrs["owner"]["pid"] for t in trials if t.state.name == "COMPLETE"} == {survivor.pid}
     table = (folder / "trials.md").read_text()
     assert "| fail |" in next(row for row in table.splitlines() if row.startswith(f"| {number} |")), table

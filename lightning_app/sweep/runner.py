@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,12 @@ from lightning_app.runs.identity import record_sweep_outcome
 from lightning_app.sweep import storage
 from lightning_app.sweep.pruning import DIR_ENV, TRIAL_ENV
 from lightning_app.sweep.space import Space
+
+# A trial gets SIGTERM when the thread of the sweep process that started it ends, a SIGKILL of the sweep process
+# included (prctl PR_SET_PDEATHSIG, man 2 prctl; kept across execve): it saves its last.ckpt and ends, so no
+# orphaned fit keeps reporting into a study whose other processes have failed its trial. setpriv sets it just
+# before exec: a preexec_fn would run Python in a child forked from this threaded process.
+DIE_WITH_THE_SWEEP = ["setpriv", "--pdeathsig", "TERM"] if shutil.which("setpriv") else []
 
 MAIN = Path(__file__).resolve().parents[2] / "main.py"
 LOGS = "trials"  # trials/trial_N.log: each trial's output
@@ -141,8 +148,8 @@ class Sweep:
         with open(log, "a") as out, self._lock:
             if self.stop.is_set():
                 return
-            child = subprocess.Popen([sys.executable, str(MAIN), "fit", *args], env=env, stdout=out,
-                                     stderr=subprocess.STDOUT)
+            child = subprocess.Popen([*DIE_WITH_THE_SWEEP, sys.executable, str(MAIN), "fit", *args], env=env,
+                                     stdout=out, stderr=subprocess.STDOUT)
             self._children.add(child)
         code = child.wait()
         with self._lock:
