@@ -16,6 +16,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from datamodules import forksafe
 from datamodules.index import DataError, Index, find_classes, load_indexes
 from datamodules.memory import DEFAULT_BUDGET_GIB, release_cached_pinned_memory
 from datamodules.resume import EpochSampler, ResumableLoader
@@ -236,6 +237,8 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
             dataset.ring_slots = sizing.ring_slots
         loader = ResumableLoader if train else SampleLoader if isinstance(dataset, SampleDataset) else DataLoader
         end_stuck_workers_at_exit()
+        if workers > 0:
+            forksafe.warm_before_fork(dataset)
         return loader(
             dataset,
             batch_size=batch_size,

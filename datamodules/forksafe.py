@@ -14,13 +14,28 @@ permanent generation, and `gc.unfreeze()` just after, so its own collector sees 
 child keeps them frozen: its collector only ever looks at objects the child made, and the parent's
 garbage is finalised in the parent, where its threads are. Freezing and unfreezing move list heads
 (O(1)); Python's gc documentation recommends the same freeze before fork for copy-on-write memory.
+
+A forked child must also never call glibc's `__cxa_atexit`: glibc's fork does not reset
+`__exit_funcs_lock` in the child (stdlib/cxa_atexit.c, posix/fork.c), so if any thread of the
+parent was registering an exit handler at that moment, the child's first registration waits on
+the lock forever (a DataLoader worker at 0% CPU, its rank waiting for its first batch, the other
+rank timing out in a collective). C++ registers one on the first use of each function-local static
+with a destructor: every PyTorch Python binding's argument parser (torch/csrc/autograd/generated/
+python_*_functions.cpp, `static PythonArgParser parser`), every operator's handle
+(at::_ops::NAME::call), caffe2's thread pool (`caffe2::pthreadpool()`, first reached through
+`at::set_num_threads` in torch/utils/data/_utils/worker.py, `_worker_loop`). `warm_before_fork`
+makes them here, before the loader forks, so a worker finds them made.
 """
 from __future__ import annotations
 
 import gc
 import os
+import weakref
+
+import torch
 
 _installed = False
+_warmed: tuple[int, weakref.WeakSet] | None = None
 
 
 def install() -> None:
@@ -32,3 +47,32 @@ def install() -> None:
     # memory shared with later children.
     os.register_at_fork(before=gc.freeze, after_in_parent=gc.unfreeze)
     _installed = True
+
+
+def warm_before_fork(dataset: object) -> None:
+    """Run, in this process, the C++ first uses a loader worker of `dataset` would (see the module doc).
+
+    Once per process and dataset; only a dataset with a `warm_up()` (datamodules/sample/dataset.py) runs
+    samples. The RNG state of this process is left as it was.
+    """
+    global _warmed
+    if _warmed is None or _warmed[0] != os.getpid():
+        _warmed = (os.getpid(), weakref.WeakSet())
+        # The worker sets 1 thread (torch/utils/data/_utils/worker.py, `_worker_loop`); the same count here
+        # changes nothing (OpenMP backend: omp/mkl counts and caffe2's pool, which drops its inherited
+        # threads in a child, caffe2/utils/threadpool/pthreadpool-cpp.cc `child_atfork`; native backend:
+        # no-op for an unchanged count, aten/src/ATen/ParallelNative.cpp `set_num_threads`).
+        torch.set_num_threads(torch.get_num_threads())
+        # What every worker runs besides the dataset: torch's and torchdata's `_worker_loop` make a
+        # torch.Generator; a batch is pickled by torch/multiprocessing/reductions.py `reduce_tensor`
+        # (size, stride, storage_offset); SampleDataset.state_dict and load_state_dict (torchdata) go through
+        # numpy, frombuffer and set_rng_state, here with this process's own state.
+        torch.Generator()
+        state = torch.get_rng_state()
+        state.size(), state.stride(), state.storage_offset()
+        torch.set_rng_state(torch.frombuffer(bytearray(state.numpy().tobytes()), dtype=torch.uint8))
+    if dataset in _warmed[1] or not hasattr(dataset, "warm_up"):
+        return
+    with torch.random.fork_rng(devices=[]):
+        dataset.warm_up()
+    _warmed[1].add(dataset)

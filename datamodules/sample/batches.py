@@ -102,6 +102,19 @@ def new_batch(n: int, size: int, pin: bool = False, slots: int = RING_SLOTS) -> 
     return _view(torch.UntypedStorage._new_shared(nbytes), shape, stride)  # every ring buffer is still held
 
 
+def warm_ring(sample: torch.Tensor) -> None:
+    """The tensor operations a worker's `new_batch` and its copy of `sample` into the batch run, here, on a
+    one-sample shared buffer freed on return (why a training process runs them: datamodules/forksafe.py)."""
+    shape, stride, nbytes = batch_layout(1, sample.shape[-1])
+    storage = torch.UntypedStorage._new_shared(ring_buffer_bytes(1, sample.shape[-1]))
+    header = _header(storage, nbytes)
+    header.fill_(0)[0] = 1
+    if int(header[0]) != int(header[1]):
+        header[0] += 1
+    _view(storage, shape, stride)[0].copy_(sample)
+    header[1] = header[0]
+
+
 def fill_batch(batch: torch.Tensor, sample: Callable[[int], torch.Tensor], pool: Executor) -> torch.Tensor:
     """batch[k] = sample(k) for every k, on `pool`'s threads; the first failure is re-raised here.
 

@@ -35,8 +35,8 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from datamodules.index import DataError, Index
-from datamodules.sample.batches import RING_SLOTS, RingBatch, fill_batch, new_batch
-from datamodules.sample.decode import decode
+from datamodules.sample.batches import RING_SLOTS, RingBatch, fill_batch, new_batch, warm_ring
+from datamodules.sample.decode import decode, pil_decode
 
 SAMPLE_THREADS = 4  # per process: enough reads in flight to hide a local disk's latency on a cold cache
 Encoded = bytes | bytearray | memoryview | torch.Tensor
@@ -190,6 +190,23 @@ class SampleDataset(Dataset):
         labels = self.labels[list(indices)]
         return RingBatch((images, labels)) if get_worker_info() is not None else (images, labels)
 
+    def warm_up(self) -> None:
+        """Decode, crop and batch a small synthetic JPEG in this process, as a worker does a batch of this dataset.
+
+        Reads nothing from the source and starts no thread (a training process runs it before its loader
+        forks, datamodules/forksafe.py). Both decoders; seeds 0-3 give crops with and without a flip; two
+        sizes, down- and upsampling. An `augment` runs only the operations these seeds draw.
+        """
+        jpeg = _tiny_jpeg()
+        for image in (decode(jpeg), pil_decode(jpeg)):
+            for seed in range(4):
+                for size in (8, 64):
+                    self.crop(image, size, random.Random(seed))
+            image[:, 0:image.shape[1], 0:image.shape[2]]  # a crop of the whole image: an alias (THPVariable_getitem)
+        torch.randint(2**62, (1,)).tolist()
+        self.labels[[]]
+        warm_ring(self.crop(decode(jpeg), self.size(), random.Random(0)))
+
     def _fill_here(self, images: torch.Tensor, indices: Sequence[int], size: int, seeds: list[int]) -> None:
         """Decode the batch in this thread from the front, files read ahead; `idle_helper` works from the back.
 
@@ -226,3 +243,14 @@ class SampleDataset(Dataset):
         for k in range(mine, len(indices)):
             sample = built.pop(k, None)
             images[k].copy_(sample if sample is not None else self.sample(indices[k], size, random.Random(seeds[k])))
+
+
+def _tiny_jpeg() -> bytearray:
+    """A 48 x 40 baseline RGB JPEG (what `decode` sends to libjpeg-turbo), writable as a file read is."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (48, 40), (90, 120, 150)).save(out, "JPEG", quality=90)
+    return bytearray(out.getvalue())

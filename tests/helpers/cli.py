@@ -7,15 +7,24 @@ import sys
 from pathlib import Path
 
 from tests.helpers import REPO
+from tests.helpers.processes import stack_env, stop_tree
 
 
 def run_main(args: list[str], env: dict | None = None, timeout: int = 300, check: bool = True):
     """`python main.py ARGS` in a subprocess, as a user runs it."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, "main.py", *args], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
-        check=False,  # the caller decides what a failure means
-    )
+    full_env = stack_env({**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    cmd = [sys.executable, "main.py", *args]
+    with subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as popen:
+        try:
+            out, err = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            e.add_note(stop_tree(popen))  # where each process of the run stood
+            raise
+        except BaseException:
+            popen.kill()
+            raise
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, out, err)  # the caller decides what a failure means
     if check and proc.returncode != 0:
         raise AssertionError(f"main.py {' '.join(args)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

@@ -8,6 +8,8 @@ import multiprocessing
 import os
 import pickle
 import queue
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +28,82 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# -- where a process that ran past its time stood -------------------------------------------------------------
+
+def _py_spy() -> str | None:
+    """py-spy, where it may attach to this user's processes (root, or Yama's ptrace_scope 0; CI runners have 1)."""
+    exe = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    try:
+        scope = int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text())
+    except (OSError, ValueError):
+        scope = 0
+    return exe if exe and (os.geteuid() == 0 or scope == 0) else None
+
+
+PY_SPY = _py_spy()
+
+
+def stack_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a child `stop_tree` may stop: without py-spy, faulthandler on, so that SIGABRT prints its stacks."""
+    return env if PY_SPY else {**env, "PYTHONFAULTHANDLER": "1"}
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and every descendant of it (Linux /proc), parents first."""
+    tree = [pid]
+    for parent in tree:  # grows while it is walked
+        try:
+            tree += [int(child) for task in os.listdir(f"/proc/{parent}/task")
+                     for child in Path(f"/proc/{parent}/task/{task}/children").read_text().split()]
+        except OSError:
+            pass
+    return tree
+
+
+def _stack(pid: int) -> str:
+    """py-spy's dump of `pid`; without py-spy, its faulthandler's, into its own stderr after a line naming it."""
+    try:
+        if PY_SPY is None:
+            with open(f"/proc/{pid}/fd/2", "a") as err:
+                err.write(f"\n--- pid {pid}, SIGABRT:\n")
+            os.kill(pid, signal.SIGABRT)
+            time.sleep(0.3)  # one at a time: the processes of a tree share their stderr
+            return ""
+        dump = subprocess.run([PY_SPY, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
+                              timeout=20, check=False)
+        return f"--- pid {pid}:\n{dump.stdout}{dump.stderr}"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"--- pid {pid}: {e}\n"
+
+
+def stop_tree(proc: subprocess.Popen) -> str:
+    """For a test's failure output, once `proc` ran past its time: where each process of its tree stood (py-spy
+    dump --native, else the stacks faulthandler prints on SIGABRT, stack_env), then the tree killed, and the end
+    of what `proc` wrote."""
+    tree = process_tree(proc.pid)
+
+    def stop() -> list[str]:
+        stacks = [_stack(pid) for pid in tree]
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return stacks
+
+    with ThreadPoolExecutor(1) as pool:  # its pipes read meanwhile: a process writing into a full one would block
+        stopping = pool.submit(stop)
+        try:
+            out = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            out = ("(its output is still held open)",)
+        stacks = stopping.result()
+    first = [part.find("\n--- pid ") if part else -1 for part in out]  # from the first SIGABRT stack on, all
+    written = "\n".join(part[max(0, at - 5000) if at >= 0 else -20000:]
+                        for part, at in zip(out, first, strict=True) if part)
+    return f"stacks of processes {tree}:\n" + "".join(stacks) + f"\n--- what it wrote last:\n{written}"
+
+
 # -- command lines -------------------------------------------------------------------------------------------
 
 def start_command(cmd: list[str], env: dict[str, str] | None = None, *, log: Path | None = None,
@@ -33,7 +111,7 @@ def start_command(cmd: list[str], env: dict[str, str] | None = None, *, log: Pat
     """`cmd` started in the repository, not waited for: stdout and stderr together into a pipe (text) or the file
     `log`. env: the whole environment (default: this process's, unbuffered). session: in a session (and process
     group) of its own, which a signal to the group reaches without reaching the tests."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env
+    env = stack_env({**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env)
     if log is None:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=session)
@@ -64,6 +142,9 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
     `timeout` seconds (subprocess.TimeoutExpired is raised) or the wait is interrupted."""
     try:
         out = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired as e:
+        e.add_note(stop_tree(proc))
+        raise
     except BaseException:
         proc.kill()
         proc.communicate()

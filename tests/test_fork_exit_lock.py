@@ -1,0 +1,61 @@
+"""A DataLoader worker forked while a thread of the training process holds glibc's `__exit_funcs_lock` must
+still deliver its batches: it must never call `__cxa_atexit` (datamodules/forksafe.py, `warm_before_fork`).
+
+A helper thread of the child script keeps the lock held almost all the time: glibc's `__cxa_finalize` walks
+every registered exit handler under the lock (stdlib/cxa_finalize.c), and half a million handlers of a dummy
+"DSO" make each walk long next to the gap between walks. Without the warm-up nearly every worker is forked
+with the lock held and waits on it forever at its first C++ static (a worker at 0% CPU, a loader waiting for
+its first batch); with it, a worker never takes the lock, so the result does not depend on timing.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from tests.helpers import REPO
+
+SCRIPT = r"""
+import ctypes, sys, threading
+from datamodules import ImageFolderDataModule
+
+dm = ImageFolderDataModule(data_dir=sys.argv[1], batch_size=8, num_workers=2, image_size=16,
+                           persistent_workers=False)
+dm.setup("fit")
+loaders = [dm.train_dataloader(), dm.val_dataloader()]
+libc = ctypes.CDLL(None)
+register, finalize = libc.__cxa_atexit, libc.__cxa_finalize
+register.argtypes = [ctypes.c_void_p] * 3
+finalize.argtypes = [ctypes.c_void_p]
+handler = ctypes.cast(libc.getpid, ctypes.c_void_p)  # run at exit: harmless
+dso, nobody = ctypes.create_string_buffer(1), ctypes.create_string_buffer(1)
+for _ in range(500_000):
+    register(handler, None, ctypes.addressof(dso))
+done = threading.Event()
+
+def hold():
+    while not done.is_set():
+        finalize(ctypes.addressof(nobody))  # no handler belongs to `nobody`: a walk under the lock, nothing run
+
+sys.setswitchinterval(1e-5)  # the walker gets the GIL back at once between walks
+threading.Thread(target=hold, daemon=True).start()
+for loader in loaders:
+    next(iter(loader))
+done.set()
+print("first batches")
+"""
+
+
+def test_workers_forked_while_the_exit_handler_lock_is_held_deliver(tiny_data):
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tiny_data)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)})
+    try:
+        out, err = proc.communicate(timeout=60)  # about 5 s when it passes
+    except subprocess.TimeoutExpired as e:
+        os.killpg(proc.pid, signal.SIGKILL)  # the script and its workers
+        out, err = proc.communicate()
+        raise AssertionError(f"no first batch in 60 s: a worker waits on __exit_funcs_lock\n{out}\n"
+                             f"{err[-3000:]}") from e
+    assert proc.returncode == 0 and "first batches" in out, err[-3000:]
