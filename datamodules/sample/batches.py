@@ -206,7 +206,12 @@ def built_batch(batch):
 def given_back(batches: Iterator) -> Iterator:
     """The batches of a loader's iterator, each ring buffer given back as soon as its batch arrives."""
     for batch in batches:
-        yield give_back(batch) if isinstance(batch, RingBatch) else batch
+        out = give_back(batch) if isinstance(batch, RingBatch) else batch
+        # not the suspended frame's: the last batch of an abandoned iterator (limit_train_batches, a size
+        # change) would keep its ring buffer mapped here, and the next workers forked would inherit it
+        del batch
+        yield out
+        del out
 
 
 class SampleLoader(DataLoader):
