@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import importlib.util
 
-import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
 
 from datamodules import ImageFolderDataModule
 from lightning_app.errors import UserError
-from lightning_app.export import export
 from lightning_app.module import ImageClassifier
 from lightning_app.settings import check_settings
 from lightning_app.weights import head_name, torchvision_cache_path
+from tests.helpers.checkpoints import assert_onnx_export_matches
 from tests.helpers.cli import quick_args, run_main
 
 # (arch, its smallest legal input size): one per family, the smallest width torchvision offers
@@ -188,18 +187,8 @@ def test_fit_help_lists_the_families(capsys):
 
 @pytest.mark.slow
 def test_onnx_export_of_resnet18_matches_the_checkpoint(tiny_data, tmp_path):
-    import onnxruntime as ort
-
-    from datamodules.sample.transforms import normalize
-
     trainer, model, dm = fit(tiny_data, tmp_path, "resnet18", 32)
     trainer.fit(model, dm)
     ckpt = tmp_path / "resnet18.ckpt"
     trainer.save_checkpoint(ckpt)
-    out, _ = export(ckpt, "onnx", tmp_path / "resnet18.onnx")
-    images = torch.randint(0, 256, (3, 3, 32, 32), dtype=torch.uint8)
-    got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"images": images.numpy()})[0]
-    reloaded = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu", weights_only=True).eval()
-    with torch.no_grad():
-        want = reloaded(normalize(images)).softmax(-1).numpy()
-    np.testing.assert_allclose(got, want, atol=1e-4)
+    assert_onnx_export_matches(ckpt, tmp_path / "resnet18.onnx")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -16,6 +15,7 @@ import torch
 from lightning_app.errors import UserError
 from lightning_app.settings import check_settings
 from tests.helpers import REPO
+from tests.helpers.checkpoints import assert_onnx_export_matches
 from tests.helpers.optional import needs_timm
 
 pytestmark = needs_timm
@@ -54,12 +54,6 @@ def hf_cache(root, tagged: str, state: dict[str, torch.Tensor]):
 def test_vit_trains_at_32_px_and_its_onnx_export_matches_the_checkpoint(tiny_data, tmp_path):
     """vit_tiny_patch16_224 built with img_size 32 (its position embeddings for a 2x2 grid); arch_kwargs reach
     timm.create_model (drop_path_rate); the export rebuilds it at the same size."""
-    import onnxruntime as ort
-
-    from datamodules.sample.transforms import normalize
-    from lightning_app.export import export
-    from lightning_app.module import ImageClassifier
-
     trainer, model, dm = fit(tiny_data, tmp_path, "timm/vit_tiny_patch16_224", arch_kwargs={"drop_path_rate": 0.1})
     assert model.backbone.patch_embed.img_size == (32, 32)
     assert model.backbone.blocks[1].drop_path1.drop_prob == pytest.approx(0.1 / 11)  # timm's linear rule, 12 blocks
@@ -70,13 +64,7 @@ def test_vit_trains_at_32_px_and_its_onnx_export_matches_the_checkpoint(tiny_dat
     assert not torch.equal(model.backbone.head.weight, before), "the head did not train"
     ckpt = tmp_path / "vit.ckpt"
     trainer.save_checkpoint(ckpt)
-    out, _ = export(ckpt, "onnx", tmp_path / "vit.onnx")
-    images = torch.randint(0, 256, (3, 3, 32, 32), dtype=torch.uint8)
-    got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"images": images.numpy()})[0]
-    reloaded = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu", weights_only=True).eval()
-    with torch.no_grad():
-        want = reloaded(normalize(images)).softmax(-1).numpy()
-    np.testing.assert_allclose(got, want, atol=1e-4)
+    assert_onnx_export_matches(ckpt, tmp_path / "vit.onnx")
 
 
 def test_pretrained_weights_load_offline_from_the_hf_cache_with_the_head_replaced(tmp_path, monkeypatch):

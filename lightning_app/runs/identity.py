@@ -132,18 +132,19 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str, sort_keys=True))
 
 
-def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """{dotted key: leaf value} of a nested config."""
     if isinstance(value, dict) and value:
         out: dict[str, Any] = {}
         for k, v in value.items():
-            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
         return out
     return {prefix: value}
 
 
 def differences(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
     """(dotted key, old value, new value) for every setting that differs."""
-    a, b = _flat(old), _flat(new)
+    a, b = flatten(old), flatten(new)
     return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from lightning_app.errors import UserError
+from lightning_app.runs.identity import flatten
 
 KINDS = ("uniform", "loguniform", "int", "logint", "choice")
 PRUNERS = {"median": "MedianPruner", "percentile": "PercentilePruner", "hyperband": "HyperbandPruner",
@@ -160,19 +161,10 @@ def parse_distribution(key: str, value: Any, path: Path) -> Distribution:
 
 
 # -- against the CLI ----------------------------------------------------------------------------------------
-def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict) and value:
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: value}
-
-
 def place_of(key: str, config: dict) -> tuple[str, ...] | None:
     """Where a dotted CLI key sits in the CLI's full config (`main.py fit --print_config`): `data.batch_size` is
     data.init_args.batch_size for a DataModule given by class_path (how LightningCLI's subclass mode nests it)."""
-    known = _flat(config)
+    known = flatten(config)
     section, _, rest = key.partition(".")
     for candidate in (key, f"{section}.init_args.{rest}"):
         if candidate in known or any(k.startswith(candidate + ".") for k in known):
@@ -186,7 +178,7 @@ def locate(space: Space, config: dict) -> dict[str, tuple[str, ...]]:
     for key in space.parameters:
         place = place_of(key, config)
         if place is None:
-            names = sorted({k.replace(".init_args.", ".") for k in _flat(config)})
+            names = sorted({k.replace(".init_args.", ".") for k in flatten(config)})
             near = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
             raise UserError(f"{space.path}: {key} is not a setting of `python main.py fit` with this config"
                             f"{f' (did you mean {near[0]}?)' if near else ''}; every setting: python main.py fit "
