@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/gpu_check.sh --wheels DIR --out OUT
+# scripts/gpu_check.sh --wheels DIR --out OUT [--parts P1,P2] [--deadline-s S]
 # On a GPU machine without network: every GPU path of the template, checked and timed in one call.
 # - a venv over the machine's Python (--system-site-packages: its torch, torchvision and Lightning stay), with the
 #   wheelhouse of scripts/wheelhouse.sh installed by pip --no-index;
@@ -7,16 +7,18 @@
 # - `pytest -m gpu`, then `python -m bench gpu` group by group, each under its own timeout, within 8 minutes;
 # - OUT/gpu-check.md and OUT/gpu-check.json, naming the GPU and the date (scripts/gpu_check.py).
 # Exit status: 0 when every part passed and at least one GPU row ran; 2 without a usable CUDA device; 1 when a
-# part failed or every row was skipped. PYTHON picks the machine's Python (default python3).
+# part failed or every row was skipped. PYTHON picks the machine's Python (default python3). --parts reruns some
+# parts (by their last word: gpu, ceiling, trainer, precision, flags, backends, dali, ddp), --deadline-s sets the limit.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-usage="usage: scripts/gpu_check.sh --wheels DIR --out OUT"
-wheels="" out=""
+usage="usage: scripts/gpu_check.sh --wheels DIR --out OUT [--parts P1,P2] [--deadline-s S]"
+wheels="" out="" extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --wheels) wheels=${2:-}; shift 2 ;;
     --out) out=${2:-}; shift 2 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    --parts|--deadline-s) extra+=("$1" "${2:-}"); shift 2 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "$usage" >&2; exit 2 ;;
   esac
 done
@@ -35,8 +37,8 @@ inner=$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
 [ -z "$outer" ] || echo "$outer" > "$inner/machine_python.pth"
 # --no-deps: scripts/wheelhouse.txt is closed under what the image lacks; the import below proves it
 if ! "$venv/bin/python" -m pip install --quiet --no-index --no-deps --find-links "$wheels" -r scripts/wheelhouse.txt \
-   || ! "$venv/bin/python" -c "import jsonargparse, lmdb, litdata, obstore, boto3"; then
+   || ! "$venv/bin/python" -c "import jsonargparse, lmdb, litdata, obstore, boto3, torchdata"; then
   echo "gpu_check.sh: the wheelhouse $wheels does not install offline: make it with scripts/wheelhouse.sh for this Python ($("$python" -V))." >&2
   exit 1
 fi
-exec "$venv/bin/python" scripts/gpu_check.py --out "$out"
+exec "$venv/bin/python" scripts/gpu_check.py --out "$out" "${extra[@]}"
