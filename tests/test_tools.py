@@ -39,6 +39,11 @@ def _bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         (["-m", "bench", "train", "--data-dir", str(missing), "--out", str(tmp / "o")],
          f"--data-dir {missing} is not a folder"),
         (["-m", "bench", "gpu", "--out", str(tmp / "o")], "no usable CUDA device"),
+        (["-m", "bench", "train", "--data-dir", str(missing), "--out", str(tmp / "o")],
+         f"--data-dir {missing} is not a folder"),
+        (["-m", "bench.progressive", "--data-dir", str(missing), "--out", str(tmp / "o")],
+         f"--data-dir {missing} is not a folder"),
+        (["-m", "bench", "nodes", "--rate", "fast", "--out", str(tmp / "o")], "rate 'fast' is not a tc rate"),
     ]
 
 
@@ -170,3 +175,23 @@ def test_a_stop_signal_to_bench_loaders_stops_its_s3_server_too(sig, tiny_data, 
     code, output = _stop_midway(args, work / "moto.log", sig, whole_group=False)
     _stopped_once(code, output, sig)
     assert not (tmp_path / "o").exists(), output[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("tool", ["train", "progressive"])
+def test_a_stop_signal_to_the_group_of_a_long_bench_stops_it_and_its_fits_in_one_line(tool, sig, tiny_data,
+                                                                                      tmp_path):
+    """The long benchmarks run each row as a `main.py fit` subprocess: a signal to the whole group, 4 s after the
+    first one started, ends the tool in one line, writes no result, and leaves no fit behind."""
+    out = tmp_path / "o"
+    args = {
+        "train": ["-m", "bench", "train", "--data-dir", str(tiny_data), "--epochs", "30", "--image-size", "16",
+                  "--batch-size", "16", "--num-workers", "1", "--overhead-pairs", "1", "--out", str(out)],
+        "progressive": ["-m", "bench.progressive", "--data-dir", str(tiny_data), "--image-size", "32",
+                        "--start-size", "16", "--step", "8", "--epochs", "30", "--batch-size", "16",
+                        "--num-workers", "1", "--out", str(out)],
+    }[tool]
+    code, output = _stop_midway(args, 4.0, sig)
+    _stopped_once(code, output, sig)
+    assert "no result was written" in output and not out.exists(), output[-3000:]

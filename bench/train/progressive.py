@@ -186,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
+    if args.data_dir and not Path(args.data_dir).is_dir():
+        from datamodules.index import DataError  # python -m bench.progressive ends it in one paragraph, exit 2
+
+        raise DataError(f"--data-dir {args.data_dir} is not a folder: give an ImageFolder root holding "
+                        "train/<class>/ and val/<class>/, or leave --data-dir out to use the built-in dataset.")
     info = machine_info()
     with tempfile.TemporaryDirectory(prefix="bench-progressive-") as tmp, \
             Progress("python -m bench.progressive", 2, Path(tmp)) as progress:
