@@ -10,11 +10,10 @@ its first batch); with it, a worker never takes the lock, so the result does not
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 
 from tests.helpers import REPO
+from tests.helpers.processes import finish, start_command
 
 SCRIPT = r"""
 import ctypes, sys, threading
@@ -48,14 +47,8 @@ print("first batches")
 
 
 def test_workers_forked_while_the_exit_handler_lock_is_held_deliver(tiny_data):
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tiny_data)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)})
-    try:
-        out, err = proc.communicate(timeout=60)  # about 5 s when it passes
-    except subprocess.TimeoutExpired as e:
-        os.killpg(proc.pid, signal.SIGKILL)  # the script and its workers
-        out, err = proc.communicate()
-        raise AssertionError(f"no first batch in 60 s: a worker waits on __exit_funcs_lock\n{out}\n"
-                             f"{err[-3000:]}") from e
-    assert proc.returncode == 0 and "first batches" in out, err[-3000:]
+    proc = start_command([sys.executable, "-c", SCRIPT, str(tiny_data)], {**os.environ, "PYTHONPATH": str(REPO),
+                          "PYTHONUNBUFFERED": "1"}, session=True)
+    # about 5 s when it passes; a hung worker fails it at 60 s with every process's stack (finish, stop_tree)
+    code, out = finish(proc, timeout=60)
+    assert code == 0 and "first batches" in out, out[-3000:]

@@ -10,13 +10,12 @@ result does not depend on timing.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
 
 from tests.helpers import REPO
+from tests.helpers.processes import finish, start_command
 
 SCRIPT = r"""
 import ctypes, sys
@@ -51,14 +50,8 @@ print("first batches")
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="CPython 3.12 remakes the runtime lock in a forked "
                     "child before it takes it (PyOS_AfterFork_Child): nothing to hold across the fork")
 def test_workers_forked_while_the_runtime_lock_is_held_deliver(tiny_data):
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tiny_data)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)})
-    try:
-        out, err = proc.communicate(timeout=60)  # about 6 s when it passes
-    except subprocess.TimeoutExpired as e:
-        os.killpg(proc.pid, signal.SIGKILL)  # the script and its workers
-        out, err = proc.communicate()
-        raise AssertionError(f"no first batch in 60 s: a worker waits on CPython's runtime lock inside "
-                             f"os.fork()\n{out}\n{err[-3000:]}") from e
-    assert proc.returncode == 0 and "first batches" in out, err[-3000:]
+    proc = start_command([sys.executable, "-c", SCRIPT, str(tiny_data)], {**os.environ, "PYTHONPATH": str(REPO),
+                          "PYTHONUNBUFFERED": "1"}, session=True)
+    # about 6 s when it passes; a hung worker fails it at 60 s with every process's stack (finish, stop_tree)
+    code, out = finish(proc, timeout=60)
+    assert code == 0 and "first batches" in out, out[-3000:]
