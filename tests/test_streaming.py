@@ -407,12 +407,14 @@ def test_sigterm_then_sigkill_mid_epoch_each_resumed_sees_each_id_once_and_no_se
 
 @pytest.mark.slow
 def test_two_nodes_get_equal_batches_and_disjoint_ids(s3_pack, tmp_path):
-    # both "nodes" share one chunk cache, as nodes on a shared file system do: one waits for the index.json
-    # the other is downloading
+    # both "nodes" name one --data.cache_dir, as nodes on a shared file system do: each caches in its own node<N>
+    # folder (LitData frees a cache per node: a shared one lost a chunk node 0 was reading, 1 CI run in 5)
     args = [*_record_args(s3_pack, tmp_path, tmp_path / "ids"), "--trainer.strategy", "ddp", "--trainer.devices", "1",
             "--trainer.num_nodes", "2", "--data.num_workers", "1"]
     codes, outs = finish_all(start_nodes(args), timeout=280)
     assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    cached = {path.name: [p.name for p in path.rglob("index.json")] for path in (tmp_path / "cache").iterdir()}
+    assert sorted(cached) == ["node0", "node1"] and all(cached.values()), cached
     ranks = [[ids for _, _, ids in read_records(str(tmp_path / "ids"), rank)] for rank in (0, 1)]
     assert len(ranks[0]) == len(ranks[1]) == 10  # 240 images, 12 per process and step
     ids = [{i for batch in rank for i in batch} for rank in ranks]

@@ -118,9 +118,9 @@ class StreamingDataModule(ImageDataModule):
         if not remote:
             self._check_local_chunks()
         budgets = self._cache_budgets() if remote else {"train": None, "val": None}
-        common = {"cache_dir": self.cache_dir if remote else None, "storage_options": self.storage_options or None,
-                  "max_pre_download": self.max_pre_download, "seed": int(os.environ.get("PL_GLOBAL_SEED", "0")),
-                  "endpoint": self.endpoint, "ranks": self._ranks()}
+        common = {"cache_dir": self._node_cache_dir() if remote else None,
+                  "storage_options": self.storage_options or None, "max_pre_download": self.max_pre_download,
+                  "seed": int(os.environ.get("PL_GLOBAL_SEED", "0")), "endpoint": self.endpoint, "ranks": self._ranks()}
         try:
             self.datasets = {  # made here, after the process group: LitData reads the rank and world size now
                 "train": ShardDataset(f"{self.url}/train", shuffle=True, drop_last=True,
@@ -140,6 +140,17 @@ class StreamingDataModule(ImageDataModule):
         """(world size, global rank, nodes) from the trainer, for LitData (loader.ShardDataset says why)."""
         trainer = self.trainer
         return (trainer.world_size, trainer.global_rank, trainer.num_nodes) if trainer is not None else None
+
+    def _node_cache_dir(self) -> str | None:
+        """--data.cache_dir, in a `node<N>` folder of its own on each node of a multi-node run. LitData counts and frees
+        a cache per node (litdata/streaming/reader.py: `num_bytes // num_nodes`, chunks deleted once read), so nodes
+        sharing one folder on a shared file system would delete chunks another node still reads."""
+        trainer = self.trainer
+        if trainer is None or trainer.num_nodes <= 1:
+            return self.cache_dir
+        from litdata.utilities.dataset_utilities import get_default_cache_dir
+
+        return os.path.join(self.cache_dir or get_default_cache_dir(), f"node{trainer.node_rank}")
 
     def _cache_budgets(self) -> dict[str, int | float | str | None]:
         """LitData's cache budget per split, so that both together stay within max_cache_size on this node.
