@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from types import ModuleType
 
 from bench import gpu, loaders, memory, nodes, report, train
-from bench.cli import BenchError, add_common
+from bench.cli import BenchError, add_common, data_dir_problem
 from bench.progress_bars import no_bars_in_a_log_file
 from datamodules.index import DataError
 from datamodules.tool import run_tool
@@ -50,11 +49,9 @@ def _run(args: argparse.Namespace) -> int:
             # a GPU this torch cannot use: never a quiet CPU measurement (lightning_app/devices.py)
             refuse_unusable_gpu(getattr(args, "device", None) or "auto",
                                 "pass --device cpu (python -m bench loaders)")
-            data_dir = getattr(args, "data_dir", None)
-            if data_dir and not Path(data_dir).is_dir():
-                raise BenchError(f"python -m bench {args.command}: --data-dir {data_dir} is not a folder: give an "
-                                 "ImageFolder root holding train/<class>/ and val/<class>/, or leave --data-dir out "
-                                 "to use the built-in dataset.")
+            problem = data_dir_problem(getattr(args, "data_dir", None))
+            if problem:
+                raise BenchError(f"python -m bench {args.command}: {problem}")
             result = suite.run(args)
         except BenchError as error:
             print(error, file=sys.stderr)

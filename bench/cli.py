@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import textwrap
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 NOTE_HELP = "a line printed in bold above the table (e.g. 'contended smoke run, not a result')"
@@ -18,6 +19,14 @@ class BenchError(Exception):
     def __init__(self, message: str, code: int = 2) -> None:
         super().__init__(message)
         self.code = code
+
+
+def data_dir_problem(data_dir: str | None) -> str | None:
+    """What is wrong with a --data-dir that is not a folder, in one paragraph; None when it is one or unset."""
+    if data_dir and not Path(data_dir).is_dir():
+        return (f"--data-dir {data_dir} is not a folder: give an ImageFolder root holding train/<class>/ and "
+                "val/<class>/, or leave --data-dir out to use the built-in dataset.")
+    return None
 
 
 def add_common(p: argparse.ArgumentParser) -> None:

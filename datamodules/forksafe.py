@@ -63,7 +63,7 @@ def install() -> None:
     # A process that froze objects itself finds them unfrozen after a fork: still correct, only less
     # memory shared with later children.
     os.register_at_fork(before=gc.freeze, after_in_parent=gc.unfreeze)
-    if sys.version_info < (3, 12) and sys.platform.startswith("linux"):
+    if sys.platform.startswith("linux"):  # a no-op where the lock is not laid out as checked (3.12+ needs none)
         hold_runtime_lock_across_fork()
     _installed = True
 

@@ -164,12 +164,17 @@ def main() -> int:
     if wanted is not None:
         result["parts_selected"] = sorted(wanted)
     # a rerun of the tests alone (--parts gpu) has no rows: its tests are what was checked
-    tested = [p for p in result["parts"] if p["part"].startswith("pytest") and p["status"] == "ok"]
+    tested = [p for p in result["parts"]
+              if p["part"].startswith("pytest") and p["status"] == "ok" and " passed" in p["summary"]]
     nothing = not ran and (any(p["part"].startswith("bench") for p in result["parts"]) or not tested)
-    result["verdict"] = (f"FAILED: {', '.join(failed)}" if failed else
-                         "every row was skipped: nothing was checked" if nothing else
-                         f"passed: {len(ran)} rows ran, {len(result['checks']) - len(ran)} skipped with their reason"
-                         if ran else f"passed: pytest -m gpu, {tested[0]['summary']}")
+    if failed:
+        result["verdict"] = f"FAILED: {', '.join(failed)}"
+    elif nothing:
+        result["verdict"] = "every row was skipped: nothing was checked"
+    elif ran:
+        result["verdict"] = f"passed: {len(ran)} rows ran, {len(result['checks']) - len(ran)} skipped with their reason"
+    else:
+        result["verdict"] = f"passed: pytest -m gpu, {tested[0]['summary']}"
     write_report(out, result)
     return 1 if failed or nothing else 0
 

@@ -24,9 +24,11 @@ from typing import Any
 
 import pytorch_lightning as pl
 
+from bench.cli import data_dir_problem
 from bench.progress_bars import Progress, report_step, trainer_step
 from bench.report import atomic_write, machine_info, machine_name, markdown_table
 from datamodules.base import REPO_ROOT
+from datamodules.index import DataError
 
 CURVE_ENV = "BENCH_CURVE_JSON"
 
@@ -186,11 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
-    if args.data_dir and not Path(args.data_dir).is_dir():
-        from datamodules.index import DataError  # python -m bench.progressive ends it in one paragraph, exit 2
-
-        raise DataError(f"--data-dir {args.data_dir} is not a folder: give an ImageFolder root holding "
-                        "train/<class>/ and val/<class>/, or leave --data-dir out to use the built-in dataset.")
+    problem = data_dir_problem(args.data_dir)
+    if problem:
+        raise DataError(problem)  # python -m bench.progressive ends it in one paragraph, exit 2
     info = machine_info()
     with tempfile.TemporaryDirectory(prefix="bench-progressive-") as tmp, \
             Progress("python -m bench.progressive", 2, Path(tmp)) as progress:
