@@ -13,7 +13,7 @@ from datamodules import forksafe
 forksafe.install()
 
 _EXPORTS = {
-    "DataError": "datamodules.index",
+    "DataError": "datamodules.errors",
     "Index": "datamodules.index",
     "load_index": "datamodules.index",
     "load_indexes": "datamodules.index",

@@ -17,7 +17,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules import forksafe
-from datamodules.index import DataError, Index, find_classes, load_indexes
+from datamodules.errors import DataError
+from datamodules.index import Index, find_classes, load_indexes
 from datamodules.memory import DEFAULT_BUDGET_GIB, release_cached_pinned_memory
 from datamodules.resume import EpochSampler, ResumableLoader
 from datamodules.sample.augment import make_train_augment

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from datamodules.errors import DataError
 from datamodules.packing import file_lock
 from datamodules.sample.images import check_file, is_image_name
 
@@ -42,21 +43,6 @@ LAYOUT_HELP = (
     "Expected an ImageFolder tree: ROOT/train/<class>/<image> and ROOT/val/<class>/<image>, "
     "with the same class folders in both splits (leave data_dir null to use the built-in dataset)."
 )
-
-
-class DataError(ValueError):
-    """Bad data or data settings; the message names the path and says how to fix it.
-
-    Raised in a DataLoader worker, it is re-raised in the main process as DataError(text holding the
-    worker's whole traceback) (torch/utils/data/_utils/__init__.py, ExceptionWrapper.reraise); that
-    text is cut back to the original message, so a user reads one paragraph, not a worker's traceback.
-    """
-
-    def __init__(self, message: str = "", *args) -> None:
-        if isinstance(message, str) and message.startswith("Caught DataError in DataLoader worker"):
-            where = message.split("\n", 1)[0].removeprefix("Caught DataError ").rstrip(".")
-            message = f"{message.rsplit('DataError: ', 1)[-1].strip()} (raised {where})"
-        super().__init__(message, *args)
 
 
 @dataclass

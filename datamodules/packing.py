@@ -189,7 +189,7 @@ def source_size(paths: Iterable[str]) -> int:
 
 def require_source(src: Path) -> None:
     """A packer's --src must be an ImageFolder root: say so, naming the flag, before anything else."""
-    from datamodules.index import DataError  # here: index.py imports this module
+    from datamodules.errors import DataError  # here: index.py imports this module
 
     if not Path(src).is_dir():
         raise DataError(f"--src {src} is not a folder: give the ImageFolder root that holds train/<class>/ and "

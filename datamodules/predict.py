@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from datamodules.index import DataError
+from datamodules.errors import DataError
 from datamodules.sample.crop import ValCrop
 from datamodules.sample.decode import decode
 from datamodules.sample.images import check_file, is_image_name

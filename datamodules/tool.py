@@ -50,7 +50,7 @@ def run_tool(name: str, main: Callable[[], int | None], on_stop: str = "",
     """Run a tool's `main` and return its exit status; `on_stop` says what a rerun does after a stop. Bad input:
     `bad_input`, by default the data's DataError and a file system error (naming its path)."""
     if bad_input is None:
-        from datamodules.index import DataError  # here: index.py itself imports the packing helpers
+        from datamodules.errors import DataError  # here: index.py itself imports the packing helpers
 
         bad_input = (DataError, OSError)
     try:

@@ -1,6 +1,6 @@
 """User errors in one paragraph, and the library noise that says nothing to a user, silenced by exact message.
 
-Raise `UserError` (or `datamodules.index.DataError`) for anything the user can fix in a setting:
+Raise `UserError` (or `datamodules.errors.DataError`) for anything the user can fix in a setting:
 `python main.py` prints its message alone, once, from rank 0, and exits with status 2. There is no
 traceback unless FIC_TRACEBACK=1.
 """
@@ -24,7 +24,7 @@ def _is_user_error(error: BaseException) -> bool:
     # one clear sentence too: lightning_fabric/utilities/exceptions.py
     from lightning_fabric.utilities.exceptions import MisconfigurationException
 
-    from datamodules.index import DataError
+    from datamodules.errors import DataError
 
     return isinstance(error, (UserError, DataError, MisconfigurationException))
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from datamodules import DownscaledDataModule, ImageFolderDataModule
-from datamodules.index import DataError
+from datamodules.errors import DataError
 from datamodules.sample.augment import AUTO_AUGMENTS, make_train_augment
 from datamodules.sample.crop import TrainCrop
 from tests.helpers.optional import needs_dali

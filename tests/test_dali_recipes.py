@@ -5,7 +5,7 @@ import pytest
 import pytorch_lightning as pl
 
 from datamodules import DALIDataModule
-from datamodules.index import DataError
+from datamodules.errors import DataError
 from lightning_app.callbacks.progressive_resizing import ProgressiveResizing
 from lightning_app.module import ImageClassifier
 from tests.helpers.callbacks import SizeRecorder

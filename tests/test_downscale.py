@@ -15,7 +15,8 @@ from PIL import Image, ImageOps
 
 from datamodules.downscale.datamodule import DownscaledDataModule, MemorySource
 from datamodules.downscale.writer import downscale, main, read_marker, target_size
-from datamodules.index import DataError, load_indexes
+from datamodules.errors import DataError
+from datamodules.index import load_indexes
 from datamodules.sample.dataset import FileSource
 from datamodules.sample.images import decode_rgb
 from tests.helpers import REPO

@@ -8,7 +8,8 @@ import pytest
 from PIL import Image
 
 import datamodules.index as ix
-from datamodules.index import DataError, find_classes, load_index, load_indexes
+from datamodules.errors import DataError
+from datamodules.index import find_classes, load_index, load_indexes
 from datamodules.sample.images import check_file, decode_rgb
 from tests.helpers import REPO
 from tests.helpers.processes import finish_all, start_command

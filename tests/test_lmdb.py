@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from datamodules.index import DataError, load_indexes
+from datamodules.errors import DataError
+from datamodules.index import load_indexes
 from datamodules.lmdb.datamodule import (
     FORMAT,
     LMDBDataModule,

@@ -14,7 +14,8 @@ from PIL import Image
 
 from datamodules import ImageFolderDataModule
 from datamodules.builtin.tree import generate
-from datamodules.index import DataError, load_indexes
+from datamodules.errors import DataError
+from datamodules.index import load_indexes
 from datamodules.sample.crop import TrainCrop, ValCrop, resize
 from datamodules.sample.dataset import SampleDataset
 from datamodules.sample.decode import decode, fast_jpeg

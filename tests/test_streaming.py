@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from datamodules import ImageFolderDataModule, StreamingDataModule
-from datamodules.index import DataError, load_indexes
+from datamodules.errors import DataError
+from datamodules.index import load_indexes
 from datamodules.shards.errors import explain
 from datamodules.shards.pack import pack
 from datamodules.shards.storage import obstore_store, s3_client

@@ -28,7 +28,7 @@ from bench.cli import data_dir_problem
 from bench.progress_bars import Progress, report_step, trainer_step
 from bench.report import atomic_write, machine_info, machine_name, markdown_table
 from datamodules.base import REPO_ROOT
-from datamodules.index import DataError
+from datamodules.errors import DataError
 
 CURVE_ENV = "BENCH_CURVE_JSON"
 

@@ -11,7 +11,7 @@ Only imported where DALI is installed (datamodules/dali/pipelines.py).
 """
 from __future__ import annotations
 
-from datamodules.index import DataError
+from datamodules.errors import DataError
 
 DALI_AUTO_AUGMENTS = ("trivialaugment", "randaugment", "autoaugment")
 

@@ -45,7 +45,8 @@ from datamodules.dali.loader import (
     dali_memory_plan,
     dali_threads,
 )
-from datamodules.index import DataError, Index
+from datamodules.errors import DataError
+from datamodules.index import Index
 from datamodules.memory import MemoryPlan
 from datamodules.sizing import Layout
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from datamodules.cpus import cpus_per_process
-from datamodules.index import DataError
+from datamodules.errors import DataError
 from datamodules.memory import CONSUMER_BATCHES, Budget, MemoryPlan, pinned_block_bytes
 from datamodules.sample.batches import batch_layout, fill_batch, new_batch
 from datamodules.sample.crop import ValCrop, resize

@@ -21,7 +21,8 @@ from torch.utils.data import Dataset
 
 from datamodules.base import REPO_ROOT, ImageDataModule, resolve_data_dir
 from datamodules.downscale.writer import ensure_downscaled, read_marker
-from datamodules.index import DataError, Index, find_classes
+from datamodules.errors import DataError
+from datamodules.index import Index, find_classes
 from datamodules.sample.dataset import FileSource
 
 FIX = "Delete the downscaled copy (or this file) and rerun."

@@ -15,7 +15,8 @@ from pathlib import Path
 from torch.utils.data import Dataset
 
 from datamodules.base import BUILTIN_ROOT, REPO_ROOT, ImageDataModule
-from datamodules.index import SPLITS, DataError, Index, find_classes
+from datamodules.errors import DataError
+from datamodules.index import SPLITS, Index, find_classes
 from datamodules.lmdb.format import (  # noqa: F401 - the public names of the LMDB backend
     FORMAT,
     HEADER,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import lmdb
 
-from datamodules.index import DataError
+from datamodules.errors import DataError
 
 FORMAT = "fast-image-classifier-lmdb"
 VERSION = 1

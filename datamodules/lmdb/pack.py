@@ -24,7 +24,8 @@ from pathlib import Path
 import lmdb
 from PIL import Image
 
-from datamodules.index import SPLITS, DataError, Index, load_indexes
+from datamodules.errors import DataError
+from datamodules.index import SPLITS, Index, load_indexes
 from datamodules.lmdb.format import (
     FORMAT,
     META_KEY,

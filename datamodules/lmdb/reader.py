@@ -13,7 +13,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from datamodules.index import DataError
+from datamodules.errors import DataError
 from datamodules.lmdb.format import META_KEY, close_env, read_meta, sample_key, shared_env, unpack_value
 
 __all__ = ["LMDBReader", "MapPrefetch"]

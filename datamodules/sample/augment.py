@@ -20,7 +20,7 @@ import torch
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-from datamodules.index import DataError
+from datamodules.errors import DataError
 from datamodules.sample.transforms import IMAGENET_MEAN
 
 AUTO_AUGMENTS = ("trivialaugment", "randaugment", "autoaugment")

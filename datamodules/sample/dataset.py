@@ -34,7 +34,8 @@ from typing import Protocol
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from datamodules.index import DataError, Index
+from datamodules.errors import DataError
+from datamodules.index import Index
 from datamodules.sample.batches import RING_SLOTS, RingBatch, fill_batch, new_batch, warm_ring
 from datamodules.sample.decode import decode, pil_decode
 

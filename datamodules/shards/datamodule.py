@@ -16,7 +16,8 @@ import warnings
 from pathlib import Path
 
 from datamodules.base import BUILTIN_ROOT, REPO_ROOT, ImageDataModule
-from datamodules.index import SPLITS, DataError, find_classes
+from datamodules.errors import DataError
+from datamodules.index import SPLITS, find_classes
 from datamodules.packing import file_lock
 from datamodules.sample.crop import TrainCrop, ValCrop
 from datamodules.shards.errors import as_data_error, corrupt_chunk

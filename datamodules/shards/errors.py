@@ -17,7 +17,7 @@ import re
 import tempfile
 from typing import Literal
 
-from datamodules.index import DataError
+from datamodules.errors import DataError
 
 PACK_HINT = "python -m datamodules.shards --src ROOT --dst {url}"
 ENV_HINT = ("Set the endpoint and credentials with --data.storage_options "

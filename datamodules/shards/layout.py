@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 
-from datamodules.index import SPLITS, DataError
+from datamodules.errors import DataError
+from datamodules.index import SPLITS
 from datamodules.shards.errors import PACK_HINT, as_data_error
 from datamodules.shards.store import Store
 

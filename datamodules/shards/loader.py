@@ -27,7 +27,7 @@ import torch
 from litdata import StreamingDataLoader, StreamingDataset
 from litdata.utilities.env import _DistributedEnv
 
-from datamodules.index import DataError
+from datamodules.errors import DataError
 from datamodules.sample.batches import RING_SLOTS, RingBatch, give_back
 from datamodules.sample.dataset import SampleDataset
 from datamodules.shards.downloader import register_downloader

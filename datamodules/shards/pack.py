@@ -26,7 +26,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from datamodules.index import SPLITS, DataError, Index, load_indexes
+from datamodules.errors import DataError
+from datamodules.index import SPLITS, Index, load_indexes
 from datamodules.packing import list_bad, parallel_imap, require_source
 from datamodules.sample.decode import decode  # imported before the pool forks: workers start at once
 from datamodules.sample.images import check_bytes

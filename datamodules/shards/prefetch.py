@@ -38,7 +38,7 @@ def quiet_explained_crashes() -> None:
         return
     uses = PrepareChunksThread.run.__code__.co_names
     if report is None or "_report_crash" not in uses or "_error" not in uses:
-        from datamodules.index import DataError
+        from datamodules.errors import DataError
 
         raise DataError(
             f"litdata {litdata.__version__} is installed, but the streaming backend was written against litdata "
