@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from datamodules.errors import DataError
-from datamodules.packing import file_lock
+from datamodules.processes.locks import file_lock
 from datamodules.sample.images import check_file, is_image_name
 
 SPLITS = ("train", "val")

@@ -1,4 +1,4 @@
-"""What the data tools share: a parallel, ordered decode pool with a progress display, and a file lock.
+"""What the data tools share: a parallel, ordered decode pool with a progress display.
 
 `parallel_imap` runs a picklable function over many files in worker processes and yields the
 results in input order (so a writer can number them), while `progress` shows images/s and MB/s:
@@ -6,7 +6,6 @@ a tqdm bar on a terminal, a plain line every 10% in a log file (no redraws, no e
 """
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import sys
@@ -18,11 +17,6 @@ from typing import Any
 from tqdm import tqdm
 
 from datamodules.tool import ignore_stop_signals
-
-try:
-    import fcntl
-except ImportError:  # not POSIX: callers rely on atomic renames only
-    fcntl = None
 
 
 def _mp_context() -> mp.context.BaseContext:
@@ -131,44 +125,6 @@ def parallel_imap(
             if pool is not None:
                 pool.terminate()
                 pool.join()
-
-
-@contextlib.contextmanager
-def file_lock(path: str | os.PathLike) -> Iterator[None]:
-    """An exclusive lock held across processes (DDP ranks starting at once) while the block runs.
-
-    The lock file is removed when the block ends, so no empty `.lock` stays beside a tool's output or an
-    Index cache entry. Removing a lock file another process is waiting on would let a third process lock
-    a new file of the same name at the same time; so a process that gets the lock checks that its open
-    file is still the one at `path` (same inode) and otherwise opens `path` again. The holder unlinks
-    the file while it still holds the lock, and only then releases it.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if fcntl is None:
-        yield
-        return
-    while True:
-        f = open(path, "a")  # noqa: SIM115 - closed below, after the lock is released
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                current = os.stat(path)
-            except FileNotFoundError:
-                current = None
-            if current is not None and os.path.samestat(current, os.fstat(f.fileno())):
-                break  # the file at `path` is the one locked: ours
-        except BaseException:
-            f.close()
-            raise
-        f.close()  # the holder before us removed it: lock the file now at `path`
-    try:
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        fcntl.flock(f, fcntl.LOCK_UN)
-        f.close()
 
 
 def list_bad(bad: list[tuple[str, str]], limit: int = 50) -> str:

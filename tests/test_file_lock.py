@@ -1,5 +1,5 @@
-"""datamodules.packing.file_lock: it excludes across processes and leaves no lock file behind, in the tools and
-the Index cache that use it."""
+"""datamodules.processes.locks.file_lock: it excludes across processes and leaves no lock file behind, in the tools
+and the Index cache that use it."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ from tests.helpers.processes import in_processes
 
 
 def _hold(rank: int, path: str, seconds: float) -> list[tuple[int, float, str]]:
-    from datamodules.packing import file_lock
+    from datamodules.processes.locks import file_lock
 
     with file_lock(path):
         came = (os.getpid(), time.monotonic(), "in")

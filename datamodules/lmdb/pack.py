@@ -36,7 +36,8 @@ from datamodules.lmdb.format import (
     read_meta,
     sample_key,
 )
-from datamodules.packing import file_lock, list_bad, parallel_imap, require_source, source_size
+from datamodules.packing import list_bad, parallel_imap, require_source, source_size
+from datamodules.processes.locks import file_lock
 from datamodules.sample.images import check_bytes, decode_rgb
 from datamodules.tool import tool
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from datamodules.base import BUILTIN_ROOT, REPO_ROOT, ImageDataModule
 from datamodules.errors import DataError
 from datamodules.index import SPLITS, find_classes
-from datamodules.packing import file_lock
+from datamodules.processes.locks import file_lock
 from datamodules.sample.crop import TrainCrop, ValCrop
 from datamodules.shards.errors import as_data_error, corrupt_chunk
 from datamodules.shards.layout import INDEX, MARKER, read_meta

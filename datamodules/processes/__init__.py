@@ -1,0 +1,1 @@
+"""How our processes end, stop and lock: the tools' exit contract, loader workers' signals, file locks."""
