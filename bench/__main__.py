@@ -17,7 +17,7 @@ from bench import gpu, loaders, memory, nodes, report, train
 from bench.cli import BenchError, add_common, data_dir_problem
 from bench.progress_bars import no_bars_in_a_log_file
 from datamodules.errors import DataError
-from datamodules.tool import run_tool
+from datamodules.processes.exits import run_tool
 from lightning_app.devices import refuse_unusable_gpu
 from lightning_app.errors import UserError, silence_known_noise
 

@@ -6,7 +6,7 @@ from bench.train.progressive import build_parser, main, output_stem
 __all__ = ["build_parser", "main", "output_stem"]
 
 if __name__ == "__main__":
-    from datamodules.tool import run_tool
+    from datamodules.processes.exits import run_tool
 
-    # a stop signal in one line (130, 143), never a traceback (datamodules/tool.py)
+    # a stop signal in one line (130, 143), never a traceback (datamodules/processes/exits.py)
     sys.exit(run_tool("python -m bench.progressive", lambda: main() and 0, on_stop="no result was written"))

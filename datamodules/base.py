@@ -20,6 +20,7 @@ from datamodules import forksafe
 from datamodules.errors import DataError
 from datamodules.index import Index, find_classes, load_indexes
 from datamodules.memory import DEFAULT_BUDGET_GIB, release_cached_pinned_memory
+from datamodules.processes.loader_workers import end_stuck_workers_at_exit, leave_stop_signals_to_the_trainer
 from datamodules.resume import EpochSampler, ResumableLoader
 from datamodules.sample.augment import make_train_augment
 from datamodules.sample.batches import SampleLoader, built_batch
@@ -27,7 +28,6 @@ from datamodules.sample.crop import Augment, TrainCrop, ValCrop
 from datamodules.sample.dataset import SampleDataset, Source
 from datamodules.sample.transforms import normalize
 from datamodules.sizing import LoaderSizing
-from datamodules.workers import end_stuck_workers_at_exit, leave_stop_signals_to_the_trainer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILTIN_ROOT = REPO_ROOT / "data" / "builtin"

@@ -16,7 +16,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from datamodules.tool import ignore_stop_signals
+from datamodules.processes.exits import ignore_stop_signals
 
 
 def _mp_context() -> mp.context.BaseContext:
@@ -108,7 +108,7 @@ def parallel_imap(
             results: Iterable = map(fn, items)
             pool = None
         else:
-            pool = _mp_context().Pool(workers, initializer=ignore_stop_signals)  # the tool decides (tool.py)
+            pool = _mp_context().Pool(workers, initializer=ignore_stop_signals)  # the tool decides (processes/exits.py)
             results = pool.imap(fn, items, chunksize=chunksize)
         try:
             last = t0

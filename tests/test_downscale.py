@@ -121,7 +121,7 @@ def test_broken_sources_fail_unless_skipped(tmp_path, capsys):
     dst = tmp_path / "out"
     with pytest.raises(SystemExit) as exc:
         main(["--src", str(root), "--dst", str(dst), "--max-size", "16", "--quiet", "--workers", "1"])
-    assert exc.value.code == 2  # bad input (datamodules/tool.py)
+    assert exc.value.code == 2  # bad input (datamodules/processes/exits.py)
     err = capsys.readouterr().err
     assert str(root / "train/a/truncated.jpg") in err and str(root / "val/b/garbled.jpg") in err
     assert read_marker(dst) is None  # incomplete: no marker

@@ -1,7 +1,7 @@
 """A stop signal to the whole process group (`timeout`, `kill -TERM -PGID`, a container stop, SLURM's signals to a
-job step) reaches every loader worker too. The workers leave it to the training process (datamodules/workers.py),
-which saves last.ckpt and exits 0; `--ckpt_path last` resumes. Each backend with 2 loader workers, and a DDP run of
-2 processes whose group gets the signal.
+job step) reaches every loader worker too. The workers leave it to the training process
+(datamodules/processes/loader_workers.py), which saves last.ckpt and exits 0; `--ckpt_path last` resumes. Each
+backend with 2 loader workers, and a DDP run of 2 processes whose group gets the signal.
 
 Without it, torch's worker handler ends each worker and the fit fails with "DataLoader worker (pid N) is killed by
 signal: Terminated" (exit 1), with or without a checkpoint.
@@ -60,8 +60,9 @@ def _step(root: Path) -> int:
 SIGNALS = {"SIGTERM": (0, "SIGTERM: saved"), "SIGINT": (130, "Ctrl-C (SIGINT): saved")}  # docs/clusters.md, "Faults"
 
 
-# DALI's workers ignore the three stop signals in one handler (datamodules/workers.py, InWorkersOnly), and its
-# fits are the slowest here (spawned workers, one pipeline build each): SIGTERM alone stands for it.
+# DALI's workers ignore the three stop signals in one handler (datamodules/processes/loader_workers.py,
+# InWorkersOnly), and its fits are the slowest here (spawned workers, one pipeline build each): SIGTERM alone
+# stands for it.
 @pytest.mark.parametrize(("backend", "sig"), [
     *((backend, sig) for backend in ("imagefolder", "lmdb", "downscaled", "streaming") for sig in SIGNALS),
     pytest.param("dali-lmdb", "SIGTERM", marks=needs_dali)])

@@ -120,7 +120,7 @@ def test_broken_files_are_listed_and_fail_the_pack_unless_skipped(tmp_path, caps
     dst = tmp_path / "out.lmdb"
     with pytest.raises(SystemExit) as exc:
         main(["--src", str(root), "--dst", str(dst), "--quiet", "--workers", "1"])
-    assert exc.value.code == 2  # bad input (datamodules/tool.py)
+    assert exc.value.code == 2  # bad input (datamodules/processes/exits.py)
     err = capsys.readouterr().err
     for rel in broken:
         assert str(root / rel) in err

@@ -1,7 +1,7 @@
 """Every command-line tool (`python -m datamodules.*`, `python -m bench`) ends bad input in one paragraph with exit
 status 2, Ctrl-C in one line with exit status 130 and SIGTERM in one line with exit status 143, never with a
 traceback; a Ctrl-C or a SIGTERM to the whole process group (the tool and its worker processes) ends it once, no
-process the tool started survives it (datamodules/tool.py), and a rerun completes."""
+process the tool started survives it (datamodules/processes/exits.py), and a rerun completes."""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from datamodules.tool import descendants
+from datamodules.processes.exits import descendants
 from tests.helpers import REPO
 
 STOPPED = {signal.SIGINT: ("stopped by SIGINT (Ctrl-C)", 130), signal.SIGTERM: ("stopped by SIGTERM", 143)}

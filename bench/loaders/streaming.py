@@ -27,7 +27,7 @@ from typing import Self
 
 from bench.loaders import ceilings
 from bench.loaders.prepared import Prepared, Settings, Skip, datamodule_kwargs
-from datamodules.tool import die_with_parent
+from datamodules.processes.exits import die_with_parent
 
 BUCKET = "fic-bench"
 MOTO_ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1",
@@ -59,7 +59,7 @@ def streaming_local(s: Settings) -> Prepared:
 class MotoServer:
     """`moto_server -H 127.0.0.1 -p PORT`: an in-memory S3 endpoint on loopback for this run, stopped by `close()`
     (or leaving its `with` block) on every way out: normal end, exception and Ctrl-C unwind to it; SIGTERM's
-    handler (datamodules/tool.py) kills the tool's descendants; and the server dies with its parent
+    handler (datamodules/processes/exits.py) kills the tool's descendants; and the server dies with its parent
     (`die_with_parent`). It stays in the tool's process group, so a signal to the group reaches it too."""
 
     def __init__(self, log: Path) -> None:

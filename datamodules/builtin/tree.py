@@ -34,8 +34,8 @@ from pathlib import Path
 
 from datamodules.builtin.draw import CLASSES, PRESETS, SPLITS, VERSION, Preset, render
 from datamodules.packing import progress_display
+from datamodules.processes.exits import ignore_stop_signals, tool
 from datamodules.processes.locks import file_lock
-from datamodules.tool import ignore_stop_signals, tool
 
 __all__ = ["CLASSES", "DEFAULT_ROOT", "PRESETS", "VERSION", "Preset", "dataset_name", "ensure_builtin", "generate",
            "main", "render"]

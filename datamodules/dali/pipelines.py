@@ -23,8 +23,8 @@ import numpy as np
 from nvidia.dali import fn, pipeline_def, types
 
 from datamodules.dali.augment import dali_auto_augment
+from datamodules.processes.loader_workers import InWorkersOnly
 from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
-from datamodules.workers import InWorkersOnly
 
 READER_NAME = "Reader"
 MEAN = [m * 255 for m in IMAGENET_MEAN]

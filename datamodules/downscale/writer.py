@@ -29,9 +29,9 @@ from PIL import Image, ImageOps
 from datamodules.errors import DataError
 from datamodules.index import SPLITS, find_classes, load_indexes
 from datamodules.packing import list_bad, parallel_imap, require_source
+from datamodules.processes.exits import tool
 from datamodules.processes.locks import file_lock
 from datamodules.sample.images import check_bytes, is_image_name, to_rgb
-from datamodules.tool import tool
 
 PARAMS_FILE = ".downscale.json"
 MARKER = ".complete"

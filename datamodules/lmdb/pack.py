@@ -37,9 +37,9 @@ from datamodules.lmdb.format import (
     sample_key,
 )
 from datamodules.packing import list_bad, parallel_imap, require_source, source_size
+from datamodules.processes.exits import tool
 from datamodules.processes.locks import file_lock
 from datamodules.sample.images import check_bytes, decode_rgb
-from datamodules.tool import tool
 
 COMMIT_EVERY = 1000  # images per write transaction
 COMMIT_BYTES = 128 << 20

@@ -18,6 +18,7 @@ from pathlib import Path
 from datamodules.base import BUILTIN_ROOT, REPO_ROOT, ImageDataModule
 from datamodules.errors import DataError
 from datamodules.index import SPLITS, find_classes
+from datamodules.processes.loader_workers import end_stuck_workers_at_exit, leave_stop_signals_to_the_trainer
 from datamodules.processes.locks import file_lock
 from datamodules.sample.crop import TrainCrop, ValCrop
 from datamodules.shards.errors import as_data_error, corrupt_chunk
@@ -31,7 +32,6 @@ from datamodules.shards.loader import (
 )
 from datamodules.shards.storage import endpoint_of, is_remote, redact
 from datamodules.shards.store import open_store
-from datamodules.workers import end_stuck_workers_at_exit, leave_stop_signals_to_the_trainer
 
 
 class StreamingDataModule(ImageDataModule):

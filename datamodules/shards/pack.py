@@ -29,13 +29,13 @@ from pathlib import Path
 from datamodules.errors import DataError
 from datamodules.index import SPLITS, Index, load_indexes
 from datamodules.packing import list_bad, parallel_imap, require_source
+from datamodules.processes.exits import tool
 from datamodules.sample.decode import decode  # imported before the pool forks: workers start at once
 from datamodules.sample.images import check_bytes
 from datamodules.shards.errors import as_data_error, missing_bucket
 from datamodules.shards.layout import FORMAT, INDEX, ITEM, MARKER, PROGRESS, VERSION, chunk_name, read_meta
 from datamodules.shards.storage import is_remote
 from datamodules.shards.store import LocalStore, S3Store, Store, open_store
-from datamodules.tool import tool
 
 DEFAULT_CHUNK_MB = 16  # small enough that every worker starts on its own chunk soon; large enough per GET
 DEFAULT_SEED = 0

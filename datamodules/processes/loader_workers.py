@@ -32,7 +32,7 @@ def leave_stop_signals_to_the_trainer(worker_id: int | None = None) -> None:
         signal.signal(sig, signal.SIG_IGN)
     # and dies with the training process: one SIGKILLed (by its tool, the OOM killer, a scheduler) would otherwise
     # leave its workers running until torch's watchdog notices, up to 5 s later (worker.py, MP_STATUS_CHECK_INTERVAL)
-    from datamodules.tool import die_with_parent
+    from datamodules.processes.exits import die_with_parent
 
     die_with_parent()
     if worker_id is not None and int(os.environ.get("PL_SEED_WORKERS", "0")):
