@@ -17,9 +17,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules import forksafe
+from datamodules.budget.memory import DEFAULT_BUDGET_GIB, release_cached_pinned_memory
+from datamodules.budget.sizing import LoaderSizing
 from datamodules.errors import DataError
 from datamodules.index import Index, find_classes, load_indexes
-from datamodules.memory import DEFAULT_BUDGET_GIB, release_cached_pinned_memory
 from datamodules.processes.loader_workers import end_stuck_workers_at_exit, leave_stop_signals_to_the_trainer
 from datamodules.resume import EpochSampler, ResumableLoader
 from datamodules.sample.augment import make_train_augment
@@ -27,7 +28,6 @@ from datamodules.sample.batches import SampleLoader, built_batch
 from datamodules.sample.crop import Augment, TrainCrop, ValCrop
 from datamodules.sample.dataset import SampleDataset, Source
 from datamodules.sample.transforms import normalize
-from datamodules.sizing import LoaderSizing
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILTIN_ROOT = REPO_ROOT / "data" / "builtin"
@@ -65,7 +65,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         pinned_budget_gib, shm_budget_gib, host_budget_gib: memory this training process's loaders may
             hold (GiB): page-locked batches, shared-memory batch buffers, and both plus a dataset held in
             RAM. Batches in flight (then workers) are sized to fit; the plan is printed at start-up
-            (datamodules/memory.py). Per process: a node with 8 GPUs holds 8 times as much.
+            (datamodules/budget/memory.py). Per process: a node with 8 GPUs holds 8 times as much.
     """
 
     def __init__(

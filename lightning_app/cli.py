@@ -209,7 +209,7 @@ class ClassifierCLI(LightningCLI):
         return kwargs
 
     def _warn_about_workers(self) -> None:
-        from datamodules.cpus import usable_cpus
+        from datamodules.budget.cpus import usable_cpus
 
         workers = getattr(self.datamodule, "num_workers", None)
         cpus = usable_cpus()

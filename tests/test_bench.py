@@ -237,7 +237,7 @@ def test_train_says_every_few_seconds_which_row_and_step_it_is_at(tmp_path, tiny
 
 
 def test_memory_says_which_cpus_it_sizes_for_and_no_lightning_warning(tmp_path):
-    from datamodules.cpus import cpu_share
+    from datamodules.budget.cpus import cpu_share
 
     def stderr(*extra: str) -> str:
         proc = subprocess.run([sys.executable, "-m", "bench", "memory", "--config", "configs/default.yaml", "--ranks",

@@ -12,9 +12,9 @@ import pytorch_lightning as pl
 from bench.memory import to_markdown
 from bench.memory.plan import parse_config, plan_of
 from datamodules import ImageFolderDataModule
-from datamodules.memory import GIB
+from datamodules.budget.memory import GIB
+from datamodules.budget.sizing import Layout
 from datamodules.sample.batches import ring_buffer_bytes
-from datamodules.sizing import Layout
 from lightning_app.callbacks.progressive_resizing import ProgressiveResizing
 from lightning_app.module import ImageClassifier
 from tests.helpers import REPO

@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from datamodules.cpus import cpu_share, usable_cpus
+from datamodules.budget.cpus import cpu_share, usable_cpus
 from tests.helpers.processes import finish_all, free_port, start_command
 
 CLASSES = 1000

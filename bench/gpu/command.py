@@ -72,7 +72,7 @@ def add_parser(subparsers: Subparsers, common: AddCommon) -> argparse.ArgumentPa
 
 
 def _defaults(args) -> Workload:
-    from datamodules.cpus import cpus_per_process
+    from datamodules.budget.cpus import cpus_per_process
 
     cuda = torch.cuda.is_available()
     for key, value in DEFAULTS["cuda" if cuda else "cpu"].items():

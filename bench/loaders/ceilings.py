@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from datamodules.cpus import usable_cpus
+from datamodules.budget.cpus import usable_cpus
 from datamodules.sample.images import decode_rgb
 
 READ_BLOCK = 1 << 20

@@ -14,7 +14,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from datamodules.cpus import usable_cpus
+from datamodules.budget.cpus import usable_cpus
 
 
 def dali_stage_rates(files: Sequence[str], image_size: int = 224, min_scale: float = 0.25, batch_size: int = 64,

@@ -2,7 +2,7 @@
 
 Computed, not measured: the config is parsed by the training CLI itself (configs/default.yaml first, then
 each --config, then any `--data.x y` after `--`), and the DataModule class it names sizes its loaders
-with its own `plan_for` (datamodules/sizing.py, datamodules/memory.py; DALI: datamodules/dali/loader.py):
+with its own `plan_for` (datamodules/budget/sizing.py, datamodules/budget/memory.py; DALI: datamodules/dali/loader.py):
 the code a run uses at start-up, for the layout given here instead of the one a run finds. Train sizes
 come from the config's ProgressiveResizing callback, if any: a ring holds one size at a time (the old
 size's buffers are freed as they come back), so the largest size is what counts. No data is read.
@@ -15,8 +15,8 @@ from typing import Any
 
 from bench.cli import AddCommon, BenchError, Subparsers
 from bench.memory.plan import parse_config, plan_of
-from datamodules.cpus import cpu_share
-from datamodules.sizing import Layout
+from datamodules.budget.cpus import cpu_share
+from datamodules.budget.sizing import Layout
 
 
 def add_parser(subparsers: Subparsers, common: AddCommon) -> argparse.ArgumentParser:

@@ -6,8 +6,8 @@ import importlib
 import warnings
 from typing import Any
 
-from datamodules.memory import MemoryPlan
-from datamodules.sizing import Layout
+from datamodules.budget.memory import MemoryPlan
+from datamodules.budget.sizing import Layout
 
 
 def parse_config(configs: list[str], extra: list[str]) -> dict[str, Any]:

@@ -5,7 +5,7 @@ import os
 from typing import Any
 
 from bench.report import markdown_table
-from datamodules.memory import GIB
+from datamodules.budget.memory import GIB
 
 
 def to_markdown(result: dict[str, Any]) -> str:

@@ -25,7 +25,7 @@ WORKLOADS = {
 
 def apply_workload(args, cuda: bool | None = None) -> str:
     """Fill every workload flag left unset (None) from WORKLOADS for this machine; return its name."""
-    from datamodules.cpus import cpus_per_process
+    from datamodules.budget.cpus import cpus_per_process
 
     kind = "cuda" if (torch.cuda.is_available() if cuda is None else cuda) else "cpu"
     for key, value in WORKLOADS[kind].items():

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 
 from datamodules.base import ImageDataModule
+from datamodules.budget.memory import MemoryPlan
+from datamodules.budget.sizing import Layout
 from datamodules.dali.loader import (
     DEVICE_MEMORY_PADDING,
     HOST_MEMORY_PADDING,
@@ -47,8 +49,6 @@ from datamodules.dali.loader import (
 )
 from datamodules.errors import DataError
 from datamodules.index import Index
-from datamodules.memory import MemoryPlan
-from datamodules.sizing import Layout
 
 INSTALL_HINT = "pip install -r requirements-dali-cu13.txt   (a torch built for CUDA 12: requirements-dali-cu12.txt)"
 DEVICES = ("auto", "gpu", "cpu")
@@ -181,7 +181,8 @@ class DALIDataModule(ImageDataModule):
     def pipeline_threads(self) -> int:
         """DALI threads per pipeline: data.num_threads, or this process's share of its CPUs (bench reads it too)."""
         device = self.decoder_device
-        # this process's CPUs: its whole per-task mask under srun, else its share of the node (datamodules/cpus.py)
+        # this process's CPUs: its whole per-task mask under srun, else its share of the node
+        # (datamodules/budget/cpus.py)
         threads = dali_threads(device, usable=self.cpus(), requested=self.num_threads)
         bill = dali_memory_bill(device, threads)
         if bill["device"] > 1 << 30:  # only an explicit num_threads gets here

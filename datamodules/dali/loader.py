@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from datamodules.cpus import cpus_per_process
+from datamodules.budget.cpus import cpus_per_process
+from datamodules.budget.memory import CONSUMER_BATCHES, Budget, MemoryPlan, pinned_block_bytes
 from datamodules.errors import DataError
-from datamodules.memory import CONSUMER_BATCHES, Budget, MemoryPlan, pinned_block_bytes
 from datamodules.sample.batches import batch_layout, fill_batch, new_batch
 from datamodules.sample.crop import ValCrop, resize
 
@@ -41,7 +41,7 @@ def dali_threads(decoder_device: str, processes_per_node: int = 1, usable: int |
                  requested: int | None = None) -> int:
     """DALI CPU threads for one pipeline of one training process.
 
-    `usable`: CPUs in this process's affinity mask (default: measured, `datamodules.cpus`); the
+    `usable`: CPUs in this process's affinity mask (default: measured, `datamodules.budget.cpus`); the
     process gets its share of them for `processes_per_node` processes. `mixed` is capped at
     MAX_MIXED_THREADS; an explicit `requested` count is taken as given.
     """
@@ -63,7 +63,7 @@ def dali_memory_bill(decoder_device: str, threads: int) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class DALIPlan:
-    """One DALI pipeline's memory (a `datamodules.memory.MemoryPlan` entry).
+    """One DALI pipeline's memory (a `datamodules.budget.memory.MemoryPlan` entry).
 
     pinned: nvJPEG's buffers (`dali_memory_bill`) and, with CPU decoding for a GPU run, the pinned batches
     HostFinish makes (one being finished plus the consumer's two, in blocks of torch's caching host
@@ -100,7 +100,7 @@ class DALIPlan:
 
 
 def dali_memory_plan(args, layout, train_sizes=()) -> MemoryPlan:
-    """A DALIDataModule's pipelines (`DALIPlan`) for init args `args` on `layout` (datamodules/sizing.py)."""
+    """A DALIDataModule's pipelines (`DALIPlan`) for init args `args` on `layout` (datamodules/budget/sizing.py)."""
     device = args.get("dali_device", "auto")
     decoder = "mixed" if device == "gpu" or (device == "auto" and layout.cuda) else "cpu"
     threads = dali_threads(decoder, usable=layout.cpus, requested=args.get("num_threads"))

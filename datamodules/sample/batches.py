@@ -17,7 +17,7 @@ overwritten: a consumer that never gives batches back (a plain DataLoader around
 A ring holds buffers of one batch shape: when the size changes (progressive resizing), buffers of
 the old size are dropped as soon as they are given back, so their shared memory is freed and the
 ring fills with buffers of the new size. The number of slots comes from the memory plan
-(datamodules/memory.py): the batches a worker may have in flight, plus the consumer's.
+(datamodules/budget/memory.py): the batches a worker may have in flight, plus the consumer's.
 `SampleLoader` gives back every batch of every iteration; `RingBatch.pin_memory` does it in the
 DataLoader's pin thread (torch/utils/data/_utils/pin_memory.py calls a batch's own
 `pin_memory()` before treating it as a tuple).

@@ -136,7 +136,7 @@ class SampleDataset(Dataset):
     `decode_threads`: the CPUs one process of the loader has (set by the DataModule for its loader);
     above 1, the samples of a batch are decoded side by side (see the module doc).
     `ring_slots`: shared-memory batch buffers a loader worker keeps (set by the DataModule from its
-    memory plan, datamodules/memory.py).
+    memory plan, datamodules/budget/memory.py).
     """
 
     decode_threads = SAMPLE_THREADS

@@ -133,7 +133,7 @@ class ShardBatches:
     def __init__(self, crop: Callable, size: int | torch.Tensor, url: str, decode_threads: int = 1,
                  ring_slots: int = RING_SLOTS, with_paths: bool = False) -> None:
         self.crop, self.size, self.url, self.decode_threads = crop, size, url, decode_threads
-        self.ring_slots = ring_slots  # from the memory plan (datamodules/memory.py)
+        self.ring_slots = ring_slots  # from the memory plan (datamodules/budget/memory.py)
         self.with_paths = with_paths
 
     def __call__(self, items: list[tuple]) -> tuple:

@@ -76,7 +76,7 @@ class ProgressiveResizing(pl.Callback):
         if stage == "fit":
             self._first_epoch_of_run = True
             self._apply(trainer, 0)
-            # the loaders' memory plan budgets for the largest of them (datamodules/memory.py)
+            # the loaders' memory plan budgets for the largest of them (datamodules/budget/memory.py)
             trainer.datamodule.scheduled_train_sizes = self.sizes(trainer.max_epochs)
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,

@@ -1,7 +1,7 @@
 """How big a rank's loaders are: its CPUs (who bound them) and the memory its batches in flight hold.
 
 Mixed into ImageDataModule, which supplies `trainer`, `num_workers`, `batch_size`, the image sizes,
-`budget`, `pins_memory` and `datasets`. The sizing itself is `datamodules.cpus` and `datamodules.memory`;
+`budget`, `pins_memory` and `datasets`. The sizing itself is `datamodules.budget.cpus` and `datamodules.budget.memory`;
 `python -m bench memory` calls the same `memory_plan` for a layout it is told.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
-from datamodules.cpus import CpuShare, cpu_share
-from datamodules.memory import Budget, MemoryPlan, plan_memory
+from datamodules.budget.cpus import CpuShare, cpu_share
+from datamodules.budget.memory import Budget, MemoryPlan, plan_memory
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class LoaderSizing:
         return max(1, trainer.world_size // max(1, trainer.num_nodes)) if trainer is not None else 1
 
     def cpu_share(self) -> CpuShare:
-        """This training process's CPUs: its whole per-task mask under srun, else its share (datamodules/cpus.py)."""
+        """This process's CPUs: its whole per-task mask under srun, else its share (datamodules/budget/cpus.py)."""
         return cpu_share(self.ranks_per_node())
 
     def cpus(self) -> int:
