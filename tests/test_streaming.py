@@ -31,7 +31,7 @@ from datamodules.errors import DataError
 from datamodules.index import load_indexes
 from datamodules.shards.errors import explain
 from datamodules.shards.pack import pack
-from datamodules.shards.storage import obstore_store, s3_client
+from datamodules.shards.s3_clients import obstore_store, s3_client
 from tests.helpers import REPO
 from tests.helpers.cli import quick_args, run_main, train_checkpoint
 from tests.helpers.processes import finish_all, in_fork, start_nodes

@@ -110,7 +110,7 @@ class MotoServer:
 
 def streaming_s3(s: Settings) -> Prepared:
     from datamodules import StreamingDataModule
-    from datamodules.shards.storage import s3_client
+    from datamodules.shards.s3_clients import s3_client
 
     server, saved = None, {}
     if not os.environ.get("AWS_ENDPOINT_URL"):
@@ -156,14 +156,14 @@ def streaming_s3(s: Settings) -> Prepared:
 
 def download_rate(url: str, threads: int = 4, storage_options: dict | None = None) -> ceilings.Ceiling:
     """Bytes-only ceiling: GET every train chunk of the pack with `threads` concurrent requests through the
-    obstore client LitData downloads with (datamodules/shards/storage.py), nothing decoded or written."""
+    obstore client LitData downloads with (datamodules/shards/s3_clients.py), nothing decoded or written."""
     import json
 
     import obstore
     from litdata.streaming.client import S3Client
     from litdata.streaming.downloader import _obstore_credential_provider
 
-    from datamodules.shards.storage import client_settings, obstore_store, split_url
+    from datamodules.shards.s3_clients import client_settings, obstore_store, split_url
 
     bucket, prefix = split_url(url)
     litdata_client = S3Client(storage_options=client_settings(storage_options))  # as ShardS3Downloader makes it

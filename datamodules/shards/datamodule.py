@@ -30,8 +30,8 @@ from datamodules.shards.loader import (
     ShardDataset,
     ShardLoader,
 )
-from datamodules.shards.storage import endpoint_of, is_remote, redact
-from datamodules.shards.store import open_store
+from datamodules.shards.pack_store import open_store
+from datamodules.shards.s3_clients import endpoint_of, is_remote, redact
 
 
 class StreamingDataModule(ImageDataModule):

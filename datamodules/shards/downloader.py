@@ -1,7 +1,7 @@
 """How LitData downloads the chunks of an s3:// pack: `ShardS3Downloader`, registered for s3:// through
 litdata's public `register_downloader`, is litdata 0.2.76's S3Downloader (litdata/streaming/downloader.py) with:
 
-- the store and client of storage.py: bounded retries and timeouts, `allow_http` for an http:// endpoint;
+- the store and client of s3_clients.py: bounded retries and timeouts, `allow_http` for an http:// endpoint;
 - a size check: a chunk whose object is shorter than its index.json says fails at once (ChunkSizeError),
   where litdata would wait 30 s for the rest, then download it again;
 - index.json waited for: litdata gives another process's download of it 1 s (S3Downloader.download_file,
@@ -23,7 +23,7 @@ import time
 from contextlib import suppress
 from typing import Any
 
-from datamodules.shards.storage import ATTEMPTS, READ_TIMEOUT_S, client_settings, obstore_store
+from datamodules.shards.s3_clients import ATTEMPTS, READ_TIMEOUT_S, client_settings, obstore_store
 
 INDEX_WAIT_S = READ_TIMEOUT_S * ATTEMPTS  # the longest another process's index.json download may take
 

@@ -20,7 +20,7 @@ import json
 from datamodules.errors import DataError
 from datamodules.index import SPLITS
 from datamodules.shards.errors import PACK_HINT, as_data_error
-from datamodules.shards.store import Store
+from datamodules.shards.pack_store import Store
 
 FORMAT = "fast-image-classifier-shards"
 VERSION = 1

@@ -34,8 +34,8 @@ from datamodules.sample.decode import decode  # imported before the pool forks: 
 from datamodules.sample.images import check_bytes
 from datamodules.shards.errors import as_data_error, missing_bucket
 from datamodules.shards.layout import FORMAT, INDEX, ITEM, MARKER, PROGRESS, VERSION, chunk_name, read_meta
-from datamodules.shards.storage import is_remote
-from datamodules.shards.store import LocalStore, S3Store, Store, open_store
+from datamodules.shards.pack_store import LocalStore, S3Store, Store, open_store
+from datamodules.shards.s3_clients import is_remote
 
 DEFAULT_CHUNK_MB = 16  # small enough that every worker starts on its own chunk soon; large enough per GET
 DEFAULT_SEED = 0

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from datamodules.shards.storage import is_remote, s3_client, split_url
+from datamodules.shards.s3_clients import is_remote, s3_client, split_url
 
 
 class Store:
