@@ -16,6 +16,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from datamodules.errors import DataError
 from datamodules.processes.exits import ignore_stop_signals
 
 
@@ -145,8 +146,6 @@ def source_size(paths: Iterable[str]) -> int:
 
 def require_source(src: Path) -> None:
     """A packer's --src must be an ImageFolder root: say so, naming the flag, before anything else."""
-    from datamodules.errors import DataError  # here: index.py imports this module
-
     if not Path(src).is_dir():
         raise DataError(f"--src {src} is not a folder: give the ImageFolder root that holds train/<class>/ and "
                         "val/<class>/ (e.g. --src data/builtin/small, made by python -m datamodules.builtin).")

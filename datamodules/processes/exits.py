@@ -21,6 +21,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from datamodules.errors import DataError
+
 EXIT_BAD_INPUT = 2
 QUIET_S = 0.25  # no descendant seen for this long: none is being forked any more
 
@@ -50,8 +52,6 @@ def run_tool(name: str, main: Callable[[], int | None], on_stop: str = "",
     """Run a tool's `main` and return its exit status; `on_stop` says what a rerun does after a stop. Bad input:
     `bad_input`, by default the data's DataError and a file system error (naming its path)."""
     if bad_input is None:
-        from datamodules.errors import DataError  # here: index.py itself imports the packing helpers
-
         bad_input = (DataError, OSError)
     try:
         with _sigterm_ends(name, on_stop):
