@@ -18,6 +18,7 @@ from bench.train.rows import RowSpec, row_specs, skip_reason
 from datamodules.builtin.tree import generate
 from netsim import link as netlink
 from tests.helpers import REPO
+from tests.helpers.imports import circles, import_graph
 from tests.helpers.optional import needs_dali
 
 
@@ -117,45 +118,12 @@ def test_every_suite_has_the_four_entry_points():
         assert all(callable(getattr(suite, f, None)) for f in ("add_parser", "run", "to_markdown", "chart")), name
 
 
-def _bench_imports() -> dict[str, set[str]]:
-    """{module: the bench, datamodules and lightning_app modules (or names) it imports, anywhere in its file}."""
-    import ast
-
-    root = Path(__file__).resolve().parents[1]
-    modules = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
-               for p in (root / "bench").rglob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        graph[name] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                graph[name] |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                graph[name] |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else
-                                f"{node.module}:{a.name}" for a in node.names}
-    return graph
-
-
 def test_bench_modules_import_no_circle_and_no_private_name():
-    graph = _bench_imports()
+    graph = import_graph(("bench",))
     private = sorted(f"{m} imports {t}" for m, ts in graph.items() for t in ts
                      if t.split(".")[0] in ("bench", "datamodules", "lightning_app") and ":_" in t)
     assert private == []
-    edges = {m: {t.split(":")[0] for t in ts if t.split(":")[0] in graph and t.split(":")[0] != m}
-             for m, ts in graph.items()}
-    state: dict[str, int] = {}  # 1: on the path, 2: done
-
-    def circle(m: str, path: list[str]) -> list[str] | None:
-        state[m] = 1
-        for t in sorted(edges[m]):
-            if state.get(t) == 1:
-                return path[path.index(t):] + [t] if t in path else [m, t]
-            if t not in state and (found := circle(t, path + [t])):
-                return found
-        state[m] = 2
-        return None
-
-    assert [c for m in sorted(edges) if m not in state and (c := circle(m, [m]))] == []
+    assert circles(graph) == []
 
 
 # ------------------------------------------------------------------------------ end to end

@@ -9,7 +9,8 @@
 - streaming: a StreamingDataModule that records the ids of each batch (--data.class_path), and its reader;
 - s3: S3Server, a real S3 endpoint on 127.0.0.1 (the fixtures s3, s3_session and shared_s3 wrap it);
 - event_files: what TensorBoard shows of a run folder;
-- checkpoints: a crafted checkpoint that runs code when unpickled.
+- checkpoints: a crafted checkpoint that runs code when unpickled;
+- imports: the import graph of our packages, read from their source, and its circles.
 """
 from pathlib import Path
 
