@@ -1,4 +1,4 @@
-"""What every backend shares: the init args users type (docs/design.md), the Index, the global batch size.
+"""What every backend shares: the init args users type, the Index, the global batch size.
 
 A backend subclasses `ImageDataModule`, declares only its own init args (the rest pass through
 **kwargs; LightningCLI resolves them from this signature) and implements `make_dataset(split,
@@ -43,7 +43,7 @@ def resolve_data_dir(data_dir: str | os.PathLike | None, builtin: str) -> Path:
 
 
 class ImageDataModule(LoaderSizing, pl.LightningDataModule):
-    """Shared init args (docs/design.md, "Names users type").
+    """Shared init args (docs/design.md, "Names that must not change without a note": the flags of main.py).
 
     Args:
         data_dir: root holding train/ and val/ (ImageFolder layout); None = the built-in dataset.

@@ -51,7 +51,7 @@ class Prepared:
 
 
 def datamodule_kwargs(cls: type, s: Settings, **extra: Any) -> dict[str, Any]:
-    """The shared DESIGN.md init args plus whichever of ``extra`` the class accepts."""
+    """The init args every backend shares (datamodules/base.py) plus whichever of ``extra`` the class accepts."""
     params = inspect.signature(cls.__init__).parameters
     kw = {"data_dir": str(s.root), "batch_size": s.batch_size, "num_workers": s.num_workers,
           "image_size": s.image_size}

@@ -2,7 +2,7 @@
 
 The modules, in the order a command meets them:
 - identity: run.json (training settings, host, start, SLURM jobs); IGNORED, the one list of what `last` ignores
-- network: flags win over a checkpoint, except what builds the network
+- flags_over_checkpoint: flags win over a checkpoint, except what builds the network
 - resolve: `--ckpt_path last|hpc|FILE` -> one run and one checkpoint (never an older run instead)
 - ranks: the one process that makes a run folder and takes its lock
 - lock: `version_N/.lock`, linked into place, with a heartbeat
