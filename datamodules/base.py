@@ -27,6 +27,8 @@ from datamodules.sample.augment import make_train_augment
 from datamodules.sample.batches import SampleLoader, built_batch
 from datamodules.sample.crop import Augment, TrainCrop, ValCrop
 from datamodules.sample.dataset import SampleDataset, Source
+from datamodules.sample.device_decode import DecodeStage, DeviceDecode
+from datamodules.sample.encoded import EncodedDataset
 from datamodules.sample.transforms import normalize
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +68,10 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
             hold (GiB): page-locked batches, shared-memory batch buffers, and both plus a dataset held in
             RAM. Batches in flight (then workers) are sized to fit; the plan is printed at start-up
             (datamodules/budget/memory.py). Per process: a node with 8 GPUs holds 8 times as much.
+        decode: where JPEGs are decoded and cropped. cpu: in the loader workers (libjpeg-turbo). gpu: workers
+            only read the bytes and draw the crops; the training device decodes each batch in one call
+            (nvJPEG on a GPU) and crops it (datamodules/sample/device_decode.py); files it cannot take are
+            decoded in the workers. auto: gpu when training on a CUDA device, else cpu (docs/data.md).
     """
 
     def __init__(
@@ -87,12 +93,19 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         pinned_budget_gib: float = DEFAULT_BUDGET_GIB["pinned"],
         shm_budget_gib: float = DEFAULT_BUDGET_GIB["shm"],
         host_budget_gib: float = DEFAULT_BUDGET_GIB["host"],
+        decode: Literal["auto", "cpu", "gpu"] = "auto",
     ) -> None:
         super().__init__()
         if batch_size < 1:
             raise DataError(f"data.batch_size must be >= 1, got {batch_size}.")
         if num_workers != "auto" and (not isinstance(num_workers, int) or num_workers < 0):
             raise DataError(f'data.num_workers must be "auto" or an integer >= 0, got {num_workers!r}.')
+        if decode not in ("auto", "cpu", "gpu"):
+            raise DataError(f'data.decode must be "auto", "cpu" or "gpu", got {decode!r}.')
+        if decode == "gpu" and (auto_augment is not None or random_erasing > 0):
+            raise DataError(
+                "data.decode gpu crops on the device, where the per-sample data.auto_augment and "
+                "data.random_erasing do not run. Use --data.decode cpu with them, or leave them off.")
         if not 0 < min_scale <= 1:
             raise DataError(f"data.min_scale must be in (0, 1], got {min_scale}.")
         for name, value in (("pinned", pinned_budget_gib), ("shm", shm_budget_gib), ("host", host_budget_gib)):
@@ -117,6 +130,8 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         self._train_size = torch.tensor([image_size], dtype=torch.int64).share_memory_()
         self.auto_augment = auto_augment
         self.random_erasing = random_erasing
+        self.decode = decode
+        self.device_decoders: dict[str, DeviceDecode] = {}  # per split, when batches are decoded on the device
         # per-sample hook after crop+flip (may be replaced before setup())
         self.train_augment: Augment | None = make_train_augment(auto_augment, random_erasing)
         # Read now (cheaply, and before any process group starts) so a bad layout fails
@@ -138,10 +153,27 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         raise NotImplementedError
 
     def sample_dataset(self, split: str, source: Source, labels: list[int]) -> SampleDataset:
-        """The shared sample path over `source`: train = random crop + flip (+ train_augment), else val crop."""
+        """The shared sample path over `source`: train = random crop + flip (+ train_augment), else val crop.
+        With device decode the workers pack encoded batches instead (datamodules/sample/encoded.py)."""
+        kind = EncodedDataset if self.decodes_on_device else SampleDataset
         if split == "train":
-            return SampleDataset(source, labels, TrainCrop(self.min_scale, self.train_augment), self._train_size)
-        return SampleDataset(source, labels, ValCrop(self.val_crop_ratio), self.val_image_size)
+            return kind(source, labels, TrainCrop(self.min_scale, self.train_augment), self._train_size)
+        return kind(source, labels, ValCrop(self.val_crop_ratio), self.val_image_size)
+
+    @property
+    def device(self) -> torch.device:
+        """The training device of this process (CUDA's when no trainer is attached and one is available)."""
+        trainer = self.trainer
+        if trainer is not None:
+            return trainer.strategy.root_device
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    @property
+    def decodes_on_device(self) -> bool:
+        """`decode` resolved: gpu when asked, or with auto on a CUDA device without a per-sample augment."""
+        if self.decode == "auto":
+            return self.device.type == "cuda" and self.train_augment is None
+        return self.decode == "gpu"
 
     @property
     def train_size(self) -> int:
@@ -240,18 +272,25 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         end_stuck_workers_at_exit()
         if workers > 0:
             forksafe.warm_before_fork(dataset)
-        return loader(
+        encoded = isinstance(dataset, EncodedDataset)
+        made = loader(
             dataset,
             batch_size=batch_size,
             collate_fn=built_batch if isinstance(dataset, SampleDataset) else None,
             sampler=sampler,
             drop_last=train,  # equal steps on every rank, no tiny last batch in BatchNorm
             num_workers=workers,
-            pin_memory=self.pins_memory,
+            pin_memory=self.pins_memory and not encoded,  # nvJPEG stages the bytes itself
             persistent_workers=self.persistent_workers and workers > 0,
             prefetch_factor=sizing.prefetch if workers > 0 else None,
             worker_init_fn=leave_stop_signals_to_the_trainer,
         )
+        if encoded:
+            decoder = self.device_decoders.get(split)
+            if decoder is None or decoder.device != self.device:
+                decoder = self.device_decoders[split] = DeviceDecode(self.device, dataset.source.describe)
+            made.device_stage = DecodeStage(decoder, made.loader_state if train else None)
+        return made
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", train=True)

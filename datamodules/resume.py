@@ -28,6 +28,7 @@ number of processes or loader workers cannot place this rank's workers: the epoc
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import warnings
 from collections.abc import Iterator
@@ -99,11 +100,20 @@ class ResumableLoader(StatefulDataLoader):
             warnings.filterwarnings("ignore", message=".*set_vital.* is deprecated")
             super().__init__(*args, **kwargs)
 
+    device_stage = None  # a DecodeStage (datamodules/sample/device_decode.py) with --data.decode gpu
+
     def __iter__(self):
-        return given_back(super().__iter__())
+        batches = given_back(super().__iter__())
+        return batches if self.device_stage is None else self.device_stage(batches)
+
+    def loader_state(self) -> dict[str, Any]:
+        """This rank's state as of the batches the loader itself has yielded (a copy: torchdata updates its own)."""
+        return copy.deepcopy(super().state_dict())
 
     def state_dict(self) -> dict[str, Any]:
-        mine = super().state_dict()
+        # the device stage runs a batch ahead: its state is the loader's as of the batches it handed on
+        staged = self.device_stage.state() if self.device_stage is not None else None
+        mine = staged if staged is not None else super().state_dict()
         world = _ranks()[1]
         states = [mine]
         if world > 1:  # every rank is in Trainer.save_checkpoint (fit_loop.on_save_checkpoint runs on each)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +61,21 @@ def random_resized_box(height: int, width: int, rng: random.Random, scale: tuple
     return (height - h) // 2, (width - w) // 2, h, w
 
 
+class CropPlan(NamedTuple):
+    """One sample's geometry, drawn from the image's size alone: the box cut from the image, the size it is
+    resized to, the window of that kept (the batch's size x size) and whether it is flipped."""
+
+    top: int
+    left: int
+    height: int
+    width: int
+    resize_h: int
+    resize_w: int
+    window_top: int
+    window_left: int
+    flip: bool
+
+
 class TrainCrop:
     """Random resized crop (area min_scale..1, aspect 3/4..4/3) + horizontal flip (+ `augment`)."""
 
@@ -67,10 +83,15 @@ class TrainCrop:
         self.scale = (min_scale, 1.0)
         self.augment = augment
 
+    def plan(self, height: int, width: int, size: int, rng: random.Random) -> CropPlan:
+        """The box, then the flip, drawn from `rng` in that order (what `__call__` crops: GPU decode draws it
+        in the worker and crops on the device, datamodules/sample/encoded.py)."""
+        top, left, h, w = random_resized_box(height, width, rng, self.scale)
+        return CropPlan(top, left, h, w, size, size, 0, 0, rng.random() < 0.5)
+
     def __call__(self, image: torch.Tensor, size: int, rng: random.Random) -> torch.Tensor:
-        top, left, h, w = random_resized_box(image.shape[-2], image.shape[-1], rng, self.scale)
+        top, left, h, w, *_, flip = self.plan(image.shape[-2], image.shape[-1], size, rng)
         crop = image[:, top:top + h, left:left + w]
-        flip = rng.random() < 0.5
         # Flipping commutes with the resize (its sampling grid is symmetric), so flip whichever of the
         # crop and the output has fewer pixels: for ImageNet-size images at 224 px that is the output
         # (a flip of the crop cost about half as much as the resize itself).
@@ -91,14 +112,25 @@ class ValCrop:
     def __init__(self, crop_ratio: float = 0.875) -> None:
         self.crop_ratio = crop_ratio
 
-    def __call__(self, image: torch.Tensor, size: int, rng: random.Random | None = None) -> torch.Tensor:
-        h, w = image.shape[-2:]
+    def resized(self, height: int, width: int, size: int) -> tuple[int, int]:
+        """The size the whole image is resized to (torchvision.transforms.v2.functional._geometry.
+        _compute_resized_output_size)."""
         short = round(size / self.crop_ratio)
-        # torchvision.transforms.v2.functional._geometry._compute_resized_output_size
-        if h <= w:
-            new_h, new_w = short, int(short * w / h)
-        else:
-            new_h, new_w = int(short * h / w), short
+        if height <= width:
+            return short, int(short * width / height)
+        return int(short * height / width), short
+
+    def plan(self, height: int, width: int, size: int, rng: random.Random | None = None) -> CropPlan | None:
+        """The whole image, resized, and its centre window; None when the resized image needs padding."""
+        new_h, new_w = self.resized(height, width, size)
+        if new_h < size or new_w < size:
+            return None
+        # torchvision CenterCrop: round((h - size) / 2)
+        return CropPlan(0, 0, height, width, new_h, new_w, round((new_h - size) / 2.0),
+                        round((new_w - size) / 2.0), False)
+
+    def __call__(self, image: torch.Tensor, size: int, rng: random.Random | None = None) -> torch.Tensor:
+        new_h, new_w = self.resized(image.shape[-2], image.shape[-1], size)
         resized = resize(image, new_h, new_w)
         if new_h < size or new_w < size:
             padded = torch.zeros((3, max(size, new_h), max(size, new_w)), dtype=torch.uint8)

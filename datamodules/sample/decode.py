@@ -24,6 +24,8 @@ while a `torch.ops` operator runs (torch/csrc/jit/python/pybind_utils.h, invokeO
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
@@ -34,20 +36,33 @@ _SOF_FAST = (0xC0, 0xC1, 0xC2)  # baseline, extended sequential, progressive (Hu
 _XMP = b"http://ns.adobe.com/xap/1.0/"
 
 
-def fast_jpeg(data: bytes | bytearray | memoryview) -> tuple[bool, bool]:
-    """(whether libjpeg-turbo may decode `data` with PIL's pixels, whether it carries EXIF).
+class JpegFrame(NamedTuple):
+    """What a JPEG's markers say before its scan: enough to judge a decoder and draw a crop box."""
+
+    sof: int  # the frame marker's second byte (0xC0 baseline, 0xC1 extended, 0xC2 progressive, ...)
+    precision: int
+    components: int
+    height: int
+    width: int
+    exif: bool  # an EXIF APP1 segment
+    orientation: int  # its orientation tag (1 when absent)
+    xmp: bool  # an XMP packet before the frame header (PIL may take an orientation from it)
+
+
+def jpeg_frame(data: bytes | bytearray | memoryview) -> JpegFrame | None:
+    """The frame header of a JPEG and what comes before it, or None when `data` is no JPEG this walk can read.
 
     Walks the JPEG markers up to the frame header (a few hundred bytes for most files).
     """
     mv = memoryview(data)
     n = len(mv)
     if n < 4 or mv[0] != 0xFF or mv[1] != 0xD8:
-        return False, False
-    exif = False
+        return None
+    exif, orientation, xmp = False, 1, False
     i = 2
     while i + 4 <= n:
         if mv[i] != 0xFF:
-            return False, exif
+            return None
         marker = mv[i + 1]
         if marker == 0xFF:  # fill byte
             i += 1
@@ -56,23 +71,54 @@ def fast_jpeg(data: bytes | bytearray | memoryview) -> tuple[bool, bool]:
             i += 2
             continue
         length = (mv[i + 2] << 8) | mv[i + 3]
-        if marker in _SOF_FAST:
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a frame header (SOFn)
             if i + 10 > n:
-                return False, exif
-            precision, components = mv[i + 4], mv[i + 9]
-            return precision == 8 and components in (1, 3), exif
-        if 0xC3 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # lossless, arithmetic, hierarchical
-            return False, exif
+                return None
+            return JpegFrame(marker, mv[i + 4], mv[i + 9], (mv[i + 5] << 8) | mv[i + 6],
+                             (mv[i + 7] << 8) | mv[i + 8], exif, orientation, xmp)
         if marker == 0xE1:
             head = bytes(mv[i + 4:i + 4 + len(_XMP)])
             if head.startswith(b"Exif\x00"):
                 exif = True
+                orientation = _exif_orientation(mv[i + 10:i + 2 + length])
             elif head == _XMP:
-                return False, exif  # PIL may take an orientation from XMP
-        if marker == 0xDA:  # scan data before a frame header: leave it to PIL to judge
-            return False, exif
+                xmp = True
+        if marker == 0xDA:  # scan data before a frame header
+            return None
         i += 2 + length
-    return False, exif
+    return None
+
+
+def _exif_orientation(tiff: memoryview) -> int:
+    """The orientation tag (0x0112) of IFD0 in an EXIF TIFF block, 1 when absent or unreadable."""
+    if len(tiff) < 8 or bytes(tiff[:2]) not in (b"II", b"MM"):
+        return 1
+    order = "little" if bytes(tiff[:2]) == b"II" else "big"
+
+    def u(at: int, size: int) -> int:
+        return int.from_bytes(tiff[at:at + size], order)
+
+    ifd = u(4, 4)
+    if ifd + 2 > len(tiff):
+        return 1
+    for k in range(u(ifd, 2)):
+        entry = ifd + 2 + 12 * k
+        if entry + 12 > len(tiff):
+            return 1
+        if u(entry, 2) == 0x0112:
+            return u(entry + 8, 2) if u(entry + 2, 2) == 3 else 1  # type SHORT
+    return 1
+
+
+def fast_jpeg(data: bytes | bytearray | memoryview) -> tuple[bool, bool]:
+    """(whether libjpeg-turbo may decode `data` with PIL's pixels, whether it carries EXIF)."""
+    frame = jpeg_frame(data)
+    if frame is None:
+        return False, False
+    if frame.xmp:
+        return False, frame.exif  # PIL may take an orientation from XMP
+    ok = frame.sof in _SOF_FAST and frame.precision == 8 and frame.components in (1, 3)
+    return ok, frame.exif
 
 
 def pil_decode(data: bytes | bytearray | memoryview) -> torch.Tensor:

@@ -1,0 +1,202 @@
+"""GPU decode, the device's half: an `EncodedBatch` -> a uint8 channels-last batch on the training device.
+
+`DeviceDecode` decodes a batch's JPEGs in one batched call (`torchvision.io.decode_jpeg(list, device=...)`:
+nvJPEG's hardware engine for baseline JPEGs on A100/H100/H200), then per sample crops the planned box,
+resizes it (bilinear, antialiased, in float: CUDA's antialiased resize takes no uint8) and keeps the planned
+window, flips the batch's flipped samples, and writes the CPU-decoded samples into their places.
+`on_after_batch_transfer` then only normalises (base.py).
+
+Streams (torchvision/csrc/io/image/cuda/decode_jpegs_cuda.cpp): the decode allocates its outputs on the
+caller's current stream, writes them on a private stream of its own and blocks the calling thread until it is
+done (`cudaStreamSynchronize`). Nothing orders that private stream after work queued earlier on the caller's
+stream, so memory freed there with kernels still reading it can be overwritten (pytorch/vision PR 9606: memory
+corrupted in 199 of 200 runs on an H100 from the training stream, none from a side stream). So the batch is
+decoded and cropped on a side stream of this stage's own, and:
+- before each decode the host waits for the side stream's previous batch (its resizes read the last decoded
+  images, whose memory the next decode may reuse), never for the training stream;
+- the training stream waits on an event recorded after the batch is written (`wait_event`: no host sync),
+  and `record_stream` tells the allocator that the training stream uses the batch.
+
+`DecodeStage` runs this on one thread, one batch ahead of the consumer (the decode blocks its thread; the
+training thread keeps launching the step meanwhile). It keeps the loader state as of the batches it has
+handed out, so a mid-epoch checkpoint resumes exactly (datamodules/resume.py).
+
+Without CUDA (tests, a CPU run) the same code runs on the CPU: torchvision's batched CPU decode
+(libjpeg-turbo), streams and events skipped.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torchvision.io import ImageReadMode, decode_jpeg
+
+from datamodules.errors import DataError
+from datamodules.sample.batches import batch_layout
+from datamodules.sample.decode import decode
+from datamodules.sample.encoded import EncodedBatch
+
+Describe = Callable[[int, Exception], str]  # (sample id, error) -> the message naming the file
+
+
+class Decoded(NamedTuple):
+    """A batch built on the side stream: `ready` is recorded after its last write (None on a CPU)."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    ready: torch.cuda.Event | None
+
+
+class DeviceDecode:
+    """Decodes and crops `EncodedBatch`es on `device`; counts the samples each path took."""
+
+    def __init__(self, device: torch.device | str, describe: Describe) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.describe = describe
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.last: torch.cuda.Event | None = None
+        self.counts = {"device": 0, "cpu": 0}
+
+    def __call__(self, batch: EncodedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Build and hand over on this thread."""
+        return self.hand_over(self.build(batch))
+
+    def build(self, batch: EncodedBatch) -> Decoded:
+        """The batch on the device, written on the side stream (any thread)."""
+        if not self.cuda:
+            return Decoded(*self._build(batch), None)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.no_grad():
+            if self.last is not None:
+                self.last.synchronize()  # the side stream's previous batch: see the module doc
+            images, labels = self._build(batch)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        self.last = ready
+        return Decoded(images, labels, ready)
+
+    def hand_over(self, decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the consumer's thread: its current stream waits for the batch (on the device, not the host)."""
+        if decoded.ready is not None:
+            training = torch.cuda.current_stream(self.device)
+            training.wait_event(decoded.ready)
+            decoded.images.record_stream(training)
+            decoded.labels.record_stream(training)
+        return decoded.images, decoded.labels
+
+    def _build(self, batch: EncodedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        n, size = len(batch.labels), int(batch.size)
+        shape, stride, _ = batch_layout(n, size)
+        out = torch.empty_strided(shape, stride, dtype=torch.uint8, device=self.device)
+        slots = batch.slots.tolist()
+        if slots:
+            images = self._decode(batch, batch.offsets.tolist())
+            resized = torch.empty((len(slots), 3, size, size), dtype=torch.float32, device=self.device)
+            for j, (image, plan) in enumerate(zip(images, batch.plans.tolist(), strict=True)):
+                top, left, h, w, rh, rw, wt, wl, _ = plan
+                x = image[None, :, top:top + h, left:left + w].float()
+                if (rh, rw) != (h, w):
+                    x = F.interpolate(x, size=(rh, rw), mode="bilinear", antialias=True, align_corners=False)
+                resized[j] = x[0, :, wt:wt + size, wl:wl + size]
+            # round half up (the uint8 resize's rounding), clamp, then an exact cast; flip after, on uint8
+            pixels = resized.add_(0.5).floor_().clamp_(0, 255).to(torch.uint8)
+            flips = batch.plans[:, 8].bool().to(self.device, non_blocking=True).view(-1, 1, 1, 1)
+            out[batch.slots.to(self.device, non_blocking=True)] = torch.where(flips, pixels.flip(-1), pixels)
+        if len(batch.pixel_slots):
+            out[batch.pixel_slots.to(self.device, non_blocking=True)] = batch.pixels.to(self.device, non_blocking=True)
+        self.counts["device"] += len(slots)
+        self.counts["cpu"] += len(batch.pixel_slots)
+        return out, batch.labels.to(self.device, non_blocking=True)
+
+    def _decode(self, batch: EncodedBatch, offsets: list[int]) -> list[torch.Tensor]:
+        """The batch's JPEGs as (3, H, W) uint8 on the device, in one call; a file it refuses is named."""
+        encoded = [batch.data[a:b] for a, b in itertools.pairwise(offsets)]
+        try:
+            if self.cuda:
+                return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=self.device)
+            return [image.contiguous() for image in decode_jpeg(encoded, mode=ImageReadMode.RGB)]
+        except RuntimeError as e:
+            self._name_the_file(batch, encoded, e)
+            raise
+
+    def _name_the_file(self, batch: EncodedBatch, encoded: list[torch.Tensor], error: Exception) -> None:
+        """After a batch decode failed: decode each file on the CPU and raise a DataError naming the first bad one."""
+        ids = batch.ids.tolist()
+        for slot, data in zip(batch.slots.tolist(), encoded, strict=True):
+            try:
+                decode(data.clone())
+            except Exception as e:
+                raise DataError(self.describe(ids[slot], e)) from e
+        raise DataError(f"the device JPEG decode failed on a batch whose files all decode on the CPU ({error}). "
+                        "Train with --data.decode cpu, and report it with the GPU and driver named.") from error
+
+
+_DONE = object()
+
+
+class DecodeStage:
+    """The device decode on its own thread, one batch ahead: wraps a loader's batch iterator (see the module doc).
+
+    `state()` is the wrapped loader's state as of the batches handed out so far (`loader_state` taken on the
+    thread right after each batch left the loader), so a prefetched batch is never counted as used.
+    """
+
+    def __init__(self, decoder: DeviceDecode, loader_state: Callable[[], Any] | None = None) -> None:
+        self.decoder = decoder
+        self.loader_state = loader_state
+        self._state: Any = None
+
+    def state(self) -> Any:
+        return self._state
+
+    def __call__(self, batches: Iterator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        ready: queue.Queue = queue.Queue(maxsize=1)
+        stop = threading.Event()
+        self._state = self.loader_state() if self.loader_state is not None else None  # before any batch
+        thread = threading.Thread(target=self._run, args=(batches, ready, stop), name="device-decode", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = ready.get()
+                if isinstance(item, tuple) and item[0] is _DONE:
+                    self._state = item[1]
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                decoded, self._state = item
+                yield self.decoder.hand_over(decoded)
+        finally:
+            stop.set()  # an abandoned iterator (a sanity check, limit_*_batches): the thread ends before the next
+            while thread.is_alive():
+                try:
+                    ready.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            thread.join()
+
+    def _run(self, batches: Iterator, ready: queue.Queue, stop: threading.Event) -> None:
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.05)
+                    return True
+                except queue.Full:
+                    pass
+            return False
+
+        try:
+            if self.decoder.cuda:
+                torch.cuda.set_device(self.decoder.device)
+            for batch in batches:
+                state = self.loader_state() if self.loader_state is not None else None
+                if not put((self.decoder.build(batch), state)) or stop.is_set():
+                    return
+        except BaseException as e:  # noqa: BLE001 - re-raised on the consumer's thread
+            put(e)
+            return
+        put((_DONE, self.loader_state() if self.loader_state is not None else None))
