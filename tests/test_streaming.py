@@ -92,8 +92,9 @@ def s3_pack(shared_s3, _packed) -> str:
     return _packed
 
 
-def test_pack_to_s3_then_one_epoch_sees_every_id_once(s3_pack, tiny_data, tmp_path):
-    dm = _dm(s3_pack, cache_dir=str(tmp_path / "cache"), persistent_workers=True)
+@pytest.mark.parametrize("decode", ["cpu", "gpu"])
+def test_pack_to_s3_then_one_epoch_sees_every_id_once(s3_pack, tiny_data, tmp_path, decode):
+    dm = _dm(s3_pack, cache_dir=str(tmp_path / "cache"), persistent_workers=True, decode=decode)
     indexes = load_indexes(tiny_data)
     train = dm.train_dataloader()
     for split, loader in (("train", train), ("val", dm.val_dataloader())):
@@ -331,9 +332,11 @@ def test_a_worker_killed_is_one_paragraph(s3_pack, tmp_path, capfd):
 # ------------------------------------------------------------------------------ resume, DDP, the packer
 
 @pytest.mark.slow
-def test_mid_epoch_resume_restores_the_loader_position(tiny_data, tmp_path):
+@pytest.mark.parametrize("decode", ["cpu", "gpu"])
+def test_mid_epoch_resume_restores_the_loader_position(tiny_data, tmp_path, decode):
     """Lightning #20550: reading trainer.estimated_stepping_batches in configure_optimizers keeps the fit loop
-    from restoring a stateful loader, and the resumed epoch replays from its start (lightning_app/lr_schedule.py)."""
+    from restoring a stateful loader, and the resumed epoch replays from its start (lightning_app/lr_schedule.py).
+    With decode gpu the stage a batch ahead saves the state of the batches it handed on."""
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import ModelCheckpoint
 
@@ -346,7 +349,7 @@ def test_mid_epoch_resume_restores_the_loader_position(tiny_data, tmp_path):
     def fit(max_steps: int, ckpt: str | None = None) -> None:
         pl.seed_everything(0)
         dm = IdRecordingStreamingDataModule(record_dir=str(records), data_dir=str(dst), batch_size=24, num_workers=0,
-                                            image_size=32, val_crop_ratio=1.0)
+                                            image_size=32, val_crop_ratio=1.0, decode=decode)
         model = ImageClassifier(arch="conv11", num_classes=dm.num_classes, image_size=32, global_batch_size=24,
                                 arch_kwargs={"width": 8}, pictures=[])
         every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)

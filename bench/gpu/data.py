@@ -80,19 +80,24 @@ def train_through(dm, w: Workload) -> float:
     return images / max(seconds, 1e-9)
 
 
+DEVICE_DECODE = ("imagefolder", "lmdb", "downscaled")  # the backends --data.decode gpu applies to
+
+
 def backend_rows(args, w: Workload, root: Path, ceiling: float | None) -> list[Check]:
+    """Each backend as its loader workers decode, then (ImageFolder, LMDB, downscaled) as the GPU decodes."""
     wanted = [b.strip() for b in (args.backends or ",".join(BACKENDS)).split(",") if b.strip()]
     work = Path("bench/out/work") / root.name
     work.mkdir(parents=True, exist_ok=True)
-    s = Settings(root=root, work=work, batch_size=w.batch_size, num_workers=args.num_workers,
-                 image_size=w.image_size, max_batches=None, device=w.device)
+    runs = [(name, "cpu") for name in BACKENDS] + [(name, "gpu") for name in DEVICE_DECODE]
     rows = []
-    for name in BACKENDS:
-        row = Check("backend", LABELS[name])
+    for name, decode in runs:
+        row = Check("backend", LABELS[name] + (", decode gpu" if decode == "gpu" else ""))
         rows.append(row)
         if name not in wanted:
             row.status, row.verdict = "skipped", "not selected (--backends)"
             continue
+        s = Settings(root=root, work=work, batch_size=w.batch_size, num_workers=args.num_workers,
+                     image_size=w.image_size, max_batches=None, device=w.device, decode=decode)
         try:
             prepared = FACTORIES[name](s)
         except Skip as e:
@@ -105,6 +110,9 @@ def backend_rows(args, w: Workload, root: Path, ceiling: float | None) -> list[C
             with prepared:  # then stops what the backend started (the S3 row's moto_server)
                 try:
                     row.images_s = train_through(prepared.datamodule, w)
+                    decoders = getattr(prepared.datamodule, "device_decoders", {})
+                    if decoders:
+                        row.extra["decoded"] = {split: dict(d.counts) for split, d in decoders.items()}
                 finally:
                     shutdown(prepared.datamodule)
         except Exception as e:  # noqa: BLE001
@@ -112,8 +120,8 @@ def backend_rows(args, w: Workload, root: Path, ceiling: float | None) -> list[C
             continue
         share = row.images_s / ceiling if ceiling else None
         row.extra["share"] = share
-        row.verdict = (f"end-to-end training, {w.steps} batches timed after {w.warmup}, {args.num_workers} workers"
-                       + (f"; {prepared.note}" if prepared.note else ""))
+        row.verdict = (f"end-to-end training, {w.steps} batches timed after {w.warmup}, {args.num_workers} workers, "
+                       f"--data.decode {decode}" + (f"; {prepared.note}" if prepared.note else ""))
         row.figure = f"{row.images_s:,.0f} img/s" + (f", {share:.0%} of the ceiling" if share else "")
     return rows
 

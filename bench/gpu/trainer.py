@@ -5,7 +5,8 @@ Each row fits `ImageClassifier` (its fused SGD on CUDA, its warm-up + cosine sch
 the host syncs per step in that window (CUDA's sync debug mode warns at every synchronising call; the
 window has no logging step) and the peak memory. The synthetic rows feed one uint8 batch that is already on
 the device, normalised as every backend's batch is (the step alone: the ceiling); the ImageFolder row reads
-JPEGs with the machine's cores and is reported as a share of the synthetic row with the same settings.
+JPEGs, decoded by the loader workers (--data.decode cpu) or by the GPU (--data.decode gpu, and with compile),
+each reported as a share of the synthetic row with the same settings.
 """
 from __future__ import annotations
 
@@ -26,9 +27,12 @@ SYNTHETIC = (("16-mixed", "16-mixed", False, False),
              ("bf16-mixed", "bf16-mixed", False, False),
              ("16-mixed + channels_last", "16-mixed", True, False),
              ("16-mixed + channels_last + compile", "16-mixed", True, True))
-IMAGEFOLDER = "ImageFolder data, 16-mixed + channels_last"
-CEILING = "16-mixed + channels_last"  # the synthetic row the ImageFolder row is a share of
-NAMES = [row[0] for row in SYNTHETIC] + [IMAGEFOLDER]
+# (row, --data.decode, compile, the synthetic row it is a share of)
+IMAGEFOLDER = (("ImageFolder data, decode cpu, 16-mixed + channels_last", "cpu", False, "16-mixed + channels_last"),
+               ("ImageFolder data, decode gpu, 16-mixed + channels_last", "gpu", False, "16-mixed + channels_last"),
+               ("ImageFolder data, decode gpu, 16-mixed + channels_last + compile", "gpu", True,
+                "16-mixed + channels_last + compile"))
+NAMES = [row[0] for row in SYNTHETIC] + [row[0] for row in IMAGEFOLDER]
 NUM_CLASSES = 10
 
 
@@ -117,7 +121,8 @@ def _check(name: str, w: Workload, clock: StepClock, verdict: str) -> Check:
 
 
 def trainer_rows(w: Workload, root: Path, num_workers: int) -> list[Check]:
-    """The synthetic rows, then ImageFolder as a share of the synthetic row with its settings."""
+    """The synthetic rows, then ImageFolder (decoded by the workers, then by the GPU) as a share of the synthetic
+    row with its settings."""
     from datamodules import ImageFolderDataModule
 
     checks: list[Check] = []
@@ -126,11 +131,21 @@ def trainer_rows(w: Workload, root: Path, num_workers: int) -> list[Check]:
         checks.append(_check(name, w, clock, "synthetic batch on the device: the step alone"))
         if w.device == "cuda":
             torch.cuda.empty_cache()
-    ceiling = next(c.images_s for c in checks if c.name == CEILING)
-    data = ImageFolderDataModule(data_dir=str(root), batch_size=w.batch_size, num_workers=num_workers,
-                                 image_size=w.image_size, pin_memory=True, persistent_workers=True)
-    clock = fit_rate(w, data, "16-mixed", True, False)
-    row = _check(IMAGEFOLDER, w, clock, f"{num_workers} loader workers; share of the synthetic {CEILING} row")
-    row.figure += f" ({row.images_s / ceiling:.0%} of the synthetic step)"
-    row.extra["share_of_synthetic"] = row.images_s / ceiling
-    return checks + [row]
+    rows = []
+    for name, decode, compile, synthetic in IMAGEFOLDER:
+        ceiling = next(c.images_s for c in checks if c.name == synthetic)
+        data = ImageFolderDataModule(data_dir=str(root), batch_size=w.batch_size, num_workers=num_workers,
+                                     image_size=w.image_size, pin_memory=True, persistent_workers=True, decode=decode)
+        clock = fit_rate(w, data, "16-mixed", True, compile)
+        row = _check(name, w, clock, f"{num_workers} loader workers, --data.decode {decode}; share of the synthetic "
+                     f"{synthetic} row")
+        counts = {split: dict(d.counts) for split, d in data.device_decoders.items()}
+        if counts:
+            row.extra["decoded"] = counts
+        row.figure += f" ({row.images_s / ceiling:.0%} of the synthetic step)"
+        row.extra["share_of_synthetic"] = row.images_s / ceiling
+        rows.append(row)
+        del data
+        if w.device == "cuda":
+            torch.cuda.empty_cache()
+    return checks + rows

@@ -27,6 +27,7 @@ class Settings:
     max_batches: int | None = None
     drop_caches: bool = False
     device: str = "cpu"
+    decode: str = "cpu"  # --data.decode of the backends that take it (ImageFolder, LMDB, downscaled)
 
 
 @dataclass
@@ -54,7 +55,7 @@ def datamodule_kwargs(cls: type, s: Settings, **extra: Any) -> dict[str, Any]:
     """The init args every backend shares (datamodules/base.py) plus whichever of ``extra`` the class accepts."""
     params = inspect.signature(cls.__init__).parameters
     kw = {"data_dir": str(s.root), "batch_size": s.batch_size, "num_workers": s.num_workers,
-          "image_size": s.image_size}
+          "image_size": s.image_size, "decode": s.decode}
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     kw.update({k: v for k, v in extra.items() if k in params or takes_any})
     return {k: v for k, v in kw.items() if k in params or takes_any}

@@ -27,6 +27,7 @@ Without CUDA (tests, a CPU run) the same code runs on the CPU: torchvision's bat
 from __future__ import annotations
 
 import itertools
+import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -50,6 +51,7 @@ class Decoded(NamedTuple):
     images: torch.Tensor
     labels: torch.Tensor
     ready: torch.cuda.Event | None
+    ids: torch.Tensor  # the batch's sample ids, on the host
 
 
 class DeviceDecode:
@@ -62,15 +64,16 @@ class DeviceDecode:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.last: torch.cuda.Event | None = None
         self.counts = {"device": 0, "cpu": 0}
+        self.pass_ids = False  # hand the sample ids on as a third element (a streamed batch's, shards/loader.py)
 
-    def __call__(self, batch: EncodedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, batch: EncodedBatch) -> tuple[torch.Tensor, ...]:
         """Build and hand over on this thread."""
         return self.hand_over(self.build(batch))
 
     def build(self, batch: EncodedBatch) -> Decoded:
         """The batch on the device, written on the side stream (any thread)."""
         if not self.cuda:
-            return Decoded(*self._build(batch), None)
+            return Decoded(*self._build(batch), None, batch.ids)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.no_grad():
             if self.last is not None:
                 self.last.synchronize()  # the side stream's previous batch: see the module doc
@@ -78,16 +81,16 @@ class DeviceDecode:
             ready = torch.cuda.Event()
             ready.record(self.stream)
         self.last = ready
-        return Decoded(images, labels, ready)
+        return Decoded(images, labels, ready, batch.ids)
 
-    def hand_over(self, decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor]:
+    def hand_over(self, decoded: Decoded) -> tuple[torch.Tensor, ...]:
         """On the consumer's thread: its current stream waits for the batch (on the device, not the host)."""
         if decoded.ready is not None:
             training = torch.cuda.current_stream(self.device)
             training.wait_event(decoded.ready)
             decoded.images.record_stream(training)
             decoded.labels.record_stream(training)
-        return decoded.images, decoded.labels
+        return (decoded.images, decoded.labels, decoded.ids) if self.pass_ids else (decoded.images, decoded.labels)
 
     def _build(self, batch: EncodedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         n, size = len(batch.labels), int(batch.size)
@@ -154,10 +157,20 @@ class DecodeStage:
     def state(self) -> Any:
         return self._state
 
-    def __call__(self, batches: Iterator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __call__(self, batches: Iterator) -> Iterator[tuple[torch.Tensor, ...]]:
         ready: queue.Queue = queue.Queue(maxsize=1)
         stop = threading.Event()
         self._state = self.loader_state() if self.loader_state is not None else None  # before any batch
+        # The first batch is taken on this thread: a loader that starts its workers lazily (LitData's) forks them
+        # here, and a worker's PR_SET_PDEATHSIG (processes/loader_workers.py) fires when the thread that forked
+        # it ends, which the decode thread does at every epoch's end.
+        batches = iter(batches)
+        try:
+            first = next(batches)
+        except StopIteration:
+            self._state = self.loader_state() if self.loader_state is not None else None
+            return
+        batches = itertools.chain([first], batches)
         thread = threading.Thread(target=self._run, args=(batches, ready, stop), name="device-decode", daemon=True)
         thread.start()
         try:

@@ -21,6 +21,7 @@ from datamodules.index import SPLITS, find_classes
 from datamodules.processes.loader_workers import end_stuck_workers_at_exit, leave_stop_signals_to_the_trainer
 from datamodules.processes.locks import file_lock
 from datamodules.sample.crop import TrainCrop, ValCrop
+from datamodules.sample.device_decode import DecodeStage, DeviceDecode
 from datamodules.shards.errors import as_data_error, corrupt_chunk
 from datamodules.shards.layout import INDEX, MARKER, read_meta
 from datamodules.shards.loader import (
@@ -198,12 +199,21 @@ class StreamingDataModule(ImageDataModule):
         sizing = plan.loader(split)
         workers = sizing.workers
         predict = isinstance(dataset, PredictShardDataset)
+        encoded = self.decodes_on_device and not predict
         batches = ShardBatches(crop, size, f"{self.url}/{split}", decode_threads=max(1, self.cpus() // max(1, workers)),
-                               ring_slots=sizing.ring_slots, with_paths=predict)
-        return (PredictShardLoader if predict else ShardLoader)(
+                               ring_slots=sizing.ring_slots, with_paths=predict, encoded=encoded)
+        loader = (PredictShardLoader if predict else ShardLoader)(
             dataset or self.datasets[split], batch_size=self.per_process_batch_size, num_workers=workers,
-            collate_fn=batches, pin_memory=self.pins_memory, persistent_workers=self.persistent_workers and workers > 0,
+            collate_fn=batches, pin_memory=self.pins_memory and not encoded,
+            persistent_workers=self.persistent_workers and workers > 0,
             prefetch_factor=sizing.prefetch if workers > 0 else None, worker_init_fn=leave_stop_signals_to_the_trainer)
+        if encoded:
+            decoder = self.device_decoders.get(split)
+            if decoder is None or decoder.device != self.device:
+                decoder = self.device_decoders[split] = DeviceDecode(self.device, batches.describe)
+            decoder.pass_ids = True  # the pack's sample ids go on as the batch's third element, as on the CPU path
+            loader.device_stage = DecodeStage(decoder, loader.loader_state if split == "train" else None)
+        return loader
 
     def train_dataloader(self) -> ShardLoader:
         return self._stream("train", TrainCrop(self.min_scale, self.train_augment), self._train_size)

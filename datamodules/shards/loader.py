@@ -17,6 +17,7 @@ the epoch comes exactly once across both runs.
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 import re
@@ -30,6 +31,7 @@ from litdata.utilities.env import _DistributedEnv
 from datamodules.errors import DataError
 from datamodules.sample.batches import RING_SLOTS, RingBatch, give_back
 from datamodules.sample.dataset import SampleDataset
+from datamodules.sample.encoded import EncodedDataset
 from datamodules.shards.downloader import register_downloader
 from datamodules.shards.errors import as_data_error, corrupt_chunk, worker_died
 from datamodules.shards.prefetch import quiet_explained_crashes
@@ -131,13 +133,21 @@ class ShardBatches:
     """
 
     def __init__(self, crop: Callable, size: int | torch.Tensor, url: str, decode_threads: int = 1,
-                 ring_slots: int = RING_SLOTS, with_paths: bool = False) -> None:
+                 ring_slots: int = RING_SLOTS, with_paths: bool = False, encoded: bool = False) -> None:
         self.crop, self.size, self.url, self.decode_threads = crop, size, url, decode_threads
         self.ring_slots = ring_slots  # from the memory plan (datamodules/budget/memory.py)
         self.with_paths = with_paths
+        self.encoded = encoded  # --data.decode gpu: an EncodedBatch whose ids are the pack's sample ids
+
+    def describe(self, i: int, error: Exception) -> str:
+        """A sample the device could not decode, by its id in the pack (the main process has no paths)."""
+        return ItemSource((), {i: f"sample {i}"}, self.url).describe(i, error)
 
     def __call__(self, items: list[tuple]) -> tuple:
         data, labels, paths, indices = zip(*items, strict=False)
+        if self.encoded:
+            packed = EncodedDataset(ItemSource(data, paths, self.url), labels, self.crop, self.size)
+            return packed.__getitems__(range(len(items)))._replace(ids=torch.tensor(indices, dtype=torch.int64))
         samples = SampleDataset(ItemSource(data, paths, self.url), labels, self.crop, self.size)
         samples.decode_threads = self.decode_threads
         samples.ring_slots = self.ring_slots
@@ -152,7 +162,22 @@ class ShardBatches:
 class ShardLoader(StreamingDataLoader):
     """LitData's stateful loader: ring buffers given back as batches arrive, failures as one paragraph."""
 
+    device_stage = None  # a DecodeStage (datamodules/sample/device_decode.py) with --data.decode gpu
+
     def __iter__(self):
+        batches = self._batches()
+        yield from batches if self.device_stage is None else self.device_stage(batches)
+
+    def loader_state(self) -> dict:
+        """LitData's state as of the batches this loader has yielded (a copy: LitData updates its own)."""
+        return copy.deepcopy(super().state_dict())
+
+    def state_dict(self) -> dict:
+        # the device stage runs a batch ahead: its state is the loader's as of the batches it handed on
+        staged = self.device_stage.state() if self.device_stage is not None else None
+        return staged if staged is not None else super().state_dict()
+
+    def _batches(self):
         try:
             for batch in super().__iter__():
                 yield give_back(batch) if isinstance(batch, RingBatch) else batch
