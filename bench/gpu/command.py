@@ -27,6 +27,7 @@ from bench.cli import AddCommon, BenchError, Subparsers
 from bench.gpu import checks as gc
 from bench.gpu import parallel as gp
 from bench.gpu.checks import Check, Workload
+from bench.gpu import input as gi
 from bench.gpu.data import NO_CUDA, backend_rows, batches_needed, dali_rows
 from bench.gpu.trainer import NAMES, trainer_rows
 
@@ -37,7 +38,7 @@ NO_USABLE_CUDA = (
     "or pass --allow-cpu to rehearse the rows that run on a CPU."
 )
 
-GROUPS = ("ceiling", "trainer", "backends", "dali", "precision", "flags", "dp", "ddp")
+GROUPS = ("ceiling", "trainer", "backends", "input", "dali", "precision", "flags", "dp", "ddp")
 # On a CPU the same code runs, small enough to finish in a minute or two.
 DEFAULTS = {"cuda": {"image_size": 224, "batch_size": 256, "steps": 30, "warmup": 10},
             "cpu": {"image_size": 64, "batch_size": 16, "steps": 3, "warmup": 1}}
@@ -101,14 +102,14 @@ def gpu_info() -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------ data
 
-def _root(args, w: Workload) -> Path:
-    """--data-dir, or the built-in preset with enough train images per class for warm-up + timed batches
+def _root(args, w: Workload, batches: int) -> Path:
+    """--data-dir, or the built-in preset with enough train images per class for `batches` (warm-up + timed)
     in one epoch (10 classes)."""
     if args.data_dir:
         return Path(args.data_dir)
     from bench.loaders.backends import default_root
 
-    per_class = args.train_per_class or max(100, -(-batches_needed(w) * w.batch_size // 10))
+    per_class = args.train_per_class or max(100, -(-batches * w.batch_size // 10))
     return default_root(args.builtin, per_class, None)
 
 
@@ -145,7 +146,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ceiling = checks[-1].images_s
     else:
         skipped("compute ceiling", ["compute ceiling"], "not selected (--groups)")
-    root = _root(args, w) if groups & {"backends", "dali", "trainer"} else None
+    # one tree for every data group, large enough for the longest window (the input group's: whole rounds of workers)
+    batches = max([batches_needed(w)] * bool(groups & {"backends", "dali", "trainer"})
+                  + [gi.batches_needed(w, gi.worker_counts(cuda))] * ("input" in groups), default=0)
+    root = _root(args, w, batches) if batches else None
     if "trainer" not in groups:
         skipped("trainer", NAMES, "not selected (--groups)")
     elif not cuda:
@@ -156,6 +160,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         checks += guarded("backend", "backends", lambda: backend_rows(args, w, root, ceiling))
     else:
         skipped("backend", ["backends"], "not selected (--groups)")
+    if "input" in groups:
+        checks += guarded(gi.GROUP, "input", lambda: gi.input_rows(w, root))
+    else:
+        skipped(gi.GROUP, ["input"], "not selected (--groups)")
     if "dali" in groups:
         checks += guarded("DALI mixed", "DALI mixed", lambda: dali_rows(args, w, root))
     else:
