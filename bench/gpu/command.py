@@ -25,9 +25,9 @@ import torch
 
 from bench.cli import AddCommon, BenchError, Subparsers
 from bench.gpu import checks as gc
+from bench.gpu import input as gi
 from bench.gpu import parallel as gp
 from bench.gpu.checks import Check, Workload
-from bench.gpu import input as gi
 from bench.gpu.data import NO_CUDA, backend_rows, batches_needed, dali_rows
 from bench.gpu.trainer import NAMES, trainer_rows
 

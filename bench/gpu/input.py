@@ -17,10 +17,10 @@ one epoch (`batches_needed`): at an epoch's end the workers wait for the next ep
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -36,13 +36,13 @@ from datamodules.cpus import cpus_per_process
 GROUP = "input"
 LIMITS = ("decode CPU", "the main process", "contention", "the H2D copy / pinning", "the GPU step")
 TOLERANCE = 0.15   # two rates within 15% are "about equal"
-BUSY_CORE = 0.85   # the training process at >= 85% of one core is saturated (its Python runs on one)
+BUSY_CORE = 0.85   # a thread of the training process at >= 85% of one core is saturated
 
 
 @dataclass
 class Figures:
     """What `name_limit` judges (images/s unless said): the best loader-alone row, pinned and not, end to end,
-    the step alone, one core's decode rate x workers, and the training process's CPU (cores)."""
+    the step alone, one core's decode rate x workers, and the training process's busiest thread (cores)."""
 
     loader: float
     unpinned: float | None
@@ -72,9 +72,9 @@ def name_limit(f: Figures) -> tuple[str, str]:
     if f.loader >= (1 - TOLERANCE) * f.decode_ceiling:
         return "decode CPU", why + share + f" >= {1 - TOLERANCE:.2f}"
     if f.main_cpu >= BUSY_CORE:
-        return "the main process", why + share + f"; the training process uses {f.main_cpu:.2f} of a core"
-    return "contention", why + share + (f" while the training process uses {f.main_cpu:.2f} of a core: the workers "
-                                        "run below their one-core rate (shared cores, SMT siblings, memory)")
+        return "the main process", why + share + f"; its busiest thread uses {f.main_cpu:.2f} of a core"
+    return "contention", why + share + (f" while the training process's busiest thread uses {f.main_cpu:.2f} of a "
+                                        "core: the workers run below their one-core rate (shared cores, SMT, memory)")
 
 
 # ------------------------------------------------------------------------------ loaders
@@ -89,6 +89,7 @@ class LoaderRun:
     steps: int
     epoch: int           # batches per epoch
     main_cpu: float      # the training process's CPU over the window, in cores (all its threads)
+    busiest_thread: float  # its busiest thread's (the main loop or the pin thread), in cores
     workers_cpu: float | None  # the workers' together, in cores (/proc), None where unreadable
 
 
@@ -130,79 +131,77 @@ def make_dm(root: Path, w: Workload, workers: int, pin: bool = True, dm_kwargs: 
     return dm
 
 
-def _cpu_seconds(pids: list[int]) -> float | None:
-    """utime + stime of `pids` (each with all its threads) from /proc/<pid>/stat; None where unreadable."""
+@contextlib.contextmanager
+def _loader(root: Path, w: Workload, workers: int, pin: bool, dm_kwargs: dict[str, Any] | None):
+    """(DataModule, its train loader, (warm-up, timed) batches, its plan), the workers stopped afterwards."""
+    dm = make_dm(root, w, workers, pin, dm_kwargs)
+    loader = dm.train_dataloader()
+    plan = dm.memory_plan(fit=True).loader("train")  # the workers and prefetch it runs
+    prepare(loader)
+    try:
+        yield dm, loader, window(w, plan.workers, plan.prefetch), plan
+    finally:
+        close(loader)
+        shutdown(dm)
+
+
+def _cpu_seconds(stats: list[Path]) -> float | None:
+    """utime + stime of /proc/<pid>/stat files (a process: all its threads; /proc/<pid>/task/<tid>/stat: one
+    thread); None where one is unreadable (the process or thread is gone)."""
     total = 0
-    for pid in pids:
+    for stat in stats:
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             return None
         total += int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5), after pid and (comm)
-    return total / os.sysconf("SC_CLK_TCK") if pids else None
+    return total / os.sysconf("SC_CLK_TCK") if stats else None
 
 
-def _measured(loader, dm, w: Workload, step: Callable[[Any], int], warmup: int, steps: int) -> tuple[float, float,
-                                                                                                    float | None]:
-    """(images/s, the training process's cores, the workers' cores) of `steps` batches after `warmup`."""
-    batches: Iterator = stream(loader)
-    for _ in range(warmup):
-        step(next(batches))
-    gc.sync(w.device)
-    pids = [p.pid for p in getattr(getattr(loader, "_iterator", None), "_workers", [])]
-    t0, cpu0, workers0 = time.perf_counter(), time.process_time(), _cpu_seconds(pids)
-    images = sum(step(next(batches)) for _ in range(steps))
-    gc.sync(w.device)
-    seconds = time.perf_counter() - t0
-    workers1 = _cpu_seconds(pids)
-    busy = (workers1 - workers0) / seconds if workers0 is not None and workers1 is not None else None
-    return images / max(seconds, 1e-9), (time.process_time() - cpu0) / seconds, busy
+def _threads() -> dict[str, float]:
+    """CPU seconds of each thread of this process (the main thread, the pin thread, ...)."""
+    seconds = {stat.parent.name: _cpu_seconds([stat]) for stat in Path("/proc/self/task").glob("*/stat")}
+    return {tid: s for tid, s in seconds.items() if s is not None}
 
 
 def loader_alone(root: Path, w: Workload, workers: int, pin: bool = True,
                  dm_kwargs: dict[str, Any] | None = None) -> LoaderRun:
-    """The train loader with no model: each batch to the device and through on_after_batch_transfer."""
-    dm = make_dm(root, w, workers, pin, dm_kwargs)
+    """The train loader with no model: each batch to the device and through on_after_batch_transfer; the
+    training process's CPU (time.process_time: all its threads) and the workers' (/proc) over the window."""
     device = torch.device(w.device)
-    loader = dm.train_dataloader()
-    prepare(loader)
-    ran, prefetch = planned(w, workers, pin, dm_kwargs)
-    warmup, steps = window(w, ran, prefetch)
-    try:
-        def step(batch) -> int:
-            return int(dm.on_after_batch_transfer(to_device(batch, device), 0)[0].shape[0])
-
-        ips, main, busy = _measured(loader, dm, w, step, warmup, steps)
-    finally:
-        close(loader)
-        shutdown(dm)
-    return LoaderRun(ips, workers, ran, prefetch, warmup, steps, dm.train_batches(), main, busy)
+    with _loader(root, w, workers, pin, dm_kwargs) as (dm, loader, (warmup, steps), plan):
+        batches = stream(loader)
+        for _ in range(warmup):
+            dm.on_after_batch_transfer(to_device(next(batches), device), 0)
+        gc.sync(w.device)
+        stats = [Path(f"/proc/{p.pid}/stat") for p in getattr(getattr(loader, "_iterator", None), "_workers", [])]
+        t0, cpu0, busy0, threads0 = time.perf_counter(), time.process_time(), _cpu_seconds(stats), _threads()
+        images = sum(int(dm.on_after_batch_transfer(to_device(next(batches), device), 0)[0].shape[0])
+                     for _ in range(steps))
+        gc.sync(w.device)
+        seconds, cpu, busy1 = time.perf_counter() - t0, time.process_time() - cpu0, _cpu_seconds(stats)
+        threads = [s - threads0.get(tid, 0.0) for tid, s in _threads().items()]
+    busy = (busy1 - busy0) / seconds if busy0 is not None and busy1 is not None else None
+    return LoaderRun(images / seconds, workers, plan.workers, plan.prefetch, warmup, steps, dm.train_batches(),
+                     cpu / seconds, min(max(threads, default=cpu), cpu) / seconds, busy)  # /proc: 10 ms ticks
 
 
 def end_to_end(root: Path, w: Workload, workers: int, dm_kwargs: dict[str, Any] | None = None) -> tuple[float, float]:
     """(training images/s through the loader, images/s of the same step alone on its last batch, on the device):
     the ceiling's step (fastest precision, channels_last), as bench/gpu/data.py's train_through."""
-    dm = make_dm(root, w, workers, True, dm_kwargs)
     device = torch.device(w.device)
-    loader = dm.train_dataloader()
-    prepare(loader)
-    warmup, steps = window(w, *planned(w, workers, True, dm_kwargs))
     last: list[torch.Tensor] = []
-    try:
-        with gc.cudnn_flags(benchmark=device.type == "cuda"):
-            train = gc.TrainStep(gc.make_model(w, num_classes=dm.num_classes), gc.fastest_precision(w),
-                                 channels_last=True)
+    with _loader(root, w, workers, True, dm_kwargs) as (dm, loader, (warmup, steps), _), \
+            gc.cudnn_flags(benchmark=device.type == "cuda"):
+        train = gc.TrainStep(gc.make_model(w, num_classes=dm.num_classes), gc.fastest_precision(w), channels_last=True)
 
-            def step(batch) -> int:
-                last[:] = dm.on_after_batch_transfer(to_device(batch, device), 0)
-                train(*last)
-                return int(last[0].shape[0])
+        def step(batch) -> int:
+            last[:] = dm.on_after_batch_transfer(to_device(batch, device), 0)
+            train(*last)
+            return int(last[0].shape[0])
 
-            images, seconds = timed_stream(stream(loader), step, replace(w, warmup=warmup, steps=steps))
-            alone, _ = gc.rate(lambda: train(*last), int(last[0].shape[0]), w.warmup, w.steps, w.device)
-    finally:
-        close(loader)
-        shutdown(dm)
+        images, seconds = timed_stream(stream(loader), step, replace(w, warmup=warmup, steps=steps))
+        alone, _ = gc.rate(lambda: train(*last), int(last[0].shape[0]), w.warmup, w.steps, w.device)
     return images / max(seconds, 1e-9), alone
 
 
@@ -237,29 +236,34 @@ def physical_cores() -> int | None:
     return len(cores)
 
 
+def _workers(n: int) -> str:
+    return f"{n} worker{'s' * (n != 1)}"
+
+
 def _loader_check(name: str, run: LoaderRun, pin: bool) -> Check:
     capped = f" (of {run.asked} asked: the memory budget, data.*_budget_gib)" if run.workers < run.asked else ""
     rounds = run.steps // max(1, run.workers)
     crosses = "" if run.warmup + run.steps <= run.epoch else " (the window crosses epochs: more train images)"
     busy = f", the workers {run.workers_cpu:.1f} cores" if run.workers_cpu is not None else ""
-    verdict = (f"no model: batches to the device + on_after_batch_transfer; {run.workers} workers{capped}, "
+    verdict = (f"no model: batches to the device + on_after_batch_transfer; {_workers(run.workers)}{capped}, "
                f"{run.prefetch} batch(es) each in flight, pin_memory {'on' if pin else 'off'}; {run.warmup} warm-up "
                f"batches ({run.prefetch + 1} rounds: start-up, rings and pinned blocks filled) then {run.steps} timed "
                f"({rounds} whole rounds: {rounds} per worker); epoch {run.epoch} batches{crosses}; the training "
-               f"process {run.main_cpu:.2f} of a core{busy}")
+               f"process {run.main_cpu:.2f} of a core (busiest thread {run.busiest_thread:.2f}){busy}")
     return Check(GROUP, name, "ok", verdict, run.images_s, f"{run.images_s:,.0f} img/s",
                  {k: v for k, v in run.__dict__.items() if k != "images_s"})
 
 
 def _loader_rows(root: Path, w: Workload, counts: list[int], dm_kwargs: dict[str, Any] | None,
                  label: str) -> tuple[list[Check], LoaderRun | None]:
+    """A row per count, pinned (a count the memory budget runs as another count's is skipped); the fastest run."""
     rows, best = [], None
     for n in counts:
         ran = planned(w, n, dm_kwargs=dm_kwargs)[0]
-        name = f"{label}loader alone, {n} workers"
+        name = f"{label}loader alone, {_workers(n)}"
         if ran != n and ran in counts:
-            rows.append(Check(GROUP, name, "skipped", f"the memory budget (data.*_budget_gib) runs {ran} workers "
-                              f"for {n} at batch {w.batch_size}, {w.image_size} px: the {ran}-worker row"))
+            rows.append(Check(GROUP, name, "skipped", f"the memory budget (data.*_budget_gib) runs {ran} for {n} at "
+                              f"batch {w.batch_size}, {w.image_size} px: the {_workers(ran)} row"))
             continue
         run = loader_alone(root, w, n, True, dm_kwargs)
         rows.append(_loader_check(name, run, True))
@@ -267,42 +271,40 @@ def _loader_rows(root: Path, w: Workload, counts: list[int], dm_kwargs: dict[str
     return rows, best
 
 
+def _cpu_check(name: str, run: LoaderRun) -> Check:
+    cores = physical_cores()
+    busy = f"; the workers together {run.workers_cpu:.1f} cores" if run.workers_cpu is not None else ""
+    return Check(GROUP, name, "ok", f"during the loader-alone row at {_workers(run.workers)}: time.process_time() "
+                 "over wall time (all its threads: the main loop, the pin thread), and its busiest thread's "
+                 f"(/proc/self/task){busy}; {cpus_per_process(1)} CPUs" + (f" on {cores} cores" if cores else ""),
+                 figure=f"{run.main_cpu:.2f} of a core, busiest thread {run.busiest_thread:.2f}",
+                 extra={"main_cpu": run.main_cpu, "busiest_thread": run.busiest_thread, "workers_cpu": run.workers_cpu,
+                        "physical_cores": cores})
+
+
 def input_rows(w: Workload, root: Path, counts: list[int] | None = None, dm_kwargs: dict[str, Any] | None = None,
                label: str = "") -> list[Check]:
     """Every row of the group (see the module doc); `label` starts each row's name (rows with other dm_kwargs)."""
     cuda = w.device == "cuda"
-    counts = counts or worker_counts(cuda)
-    per_core = decode_per_core(root, w, 1.5 if cuda else 0.5, dm_kwargs)
-    rows, best = _loader_rows(root, w, counts, dm_kwargs, label)
+    per_core = decode_per_core(root, w, 1.5 if cuda else 0.5, dm_kwargs)  # first: on an idle machine
+    rows, best = _loader_rows(root, w, counts or worker_counts(cuda), dm_kwargs, label)
     if best is None:
         return rows
-    n = best.workers
+    n, ceiling = best.workers, per_core * best.workers
     unpinned = loader_alone(root, w, n, False, dm_kwargs)
-    rows.append(_loader_check(f"{label}loader alone, {n} workers, pin_memory off", unpinned, False))
-    if not cuda:
-        rows[-1].verdict = "no CUDA: nothing is pinned either way; " + rows[-1].verdict
+    rows.append(_loader_check(f"{label}loader alone, {_workers(n)}, pin_memory off", unpinned, False))
+    rows[-1].verdict = ("" if cuda else "no CUDA: nothing is pinned either way; ") + rows[-1].verdict
     e2e, alone = end_to_end(root, w, n, dm_kwargs)
-    precision = gc.fastest_precision(w)
-    rows.append(Check(GROUP, f"{label}end-to-end, {n} workers", "ok",
-                      f"the ceiling's step ({w.arch}, {precision}, channels_last) fed by the loader, the same window "
-                      f"({best.warmup} + {best.steps} batches)", e2e, f"{e2e:,.0f} img/s, {e2e / best.images_s:.0%} "
-                      "of the loader alone"))
-    rows.append(Check(GROUP, f"{label}step alone", "ok", f"the same step, model and precision on its last real batch, "
-                      f"already on the device: {w.warmup} + {w.steps} steps", alone, f"{alone:,.0f} img/s"))
-    ceiling = per_core * n
-    rows.append(Check(GROUP, f"{label}decode + crop, one core", "ok",
-                      "one process, one thread (torch.set_num_threads(1)): SampleDataset.sample (read, decode, random "
-                      f"crop to {w.image_size} px) over the train files; x {n} workers = the CPU decode ceiling, if "
-                      "each worker had a core to itself", per_core,
-                      f"{per_core:,.0f} img/s; x {n} = {ceiling:,.0f} img/s", {"decode_ceiling": ceiling}))
-    cores = physical_cores()
-    busy = f"; the workers together {best.workers_cpu:.1f} cores" if best.workers_cpu is not None else ""
-    rows.append(Check(GROUP, f"{label}training process CPU", "ok",
-                      f"during the {n}-worker loader-alone row: time.process_time() over wall time (all its threads, "
-                      f"the pin thread too){busy}; {cpus_per_process(1)} CPUs"
-                      + (f" on {cores} physical cores" if cores else ""), figure=f"{best.main_cpu:.2f} of a core",
-                      extra={"main_cpu": best.main_cpu, "workers_cpu": best.workers_cpu, "physical_cores": cores}))
+    rows += [Check(GROUP, f"{label}end-to-end, {_workers(n)}", "ok", f"the ceiling's step ({w.arch}, "
+                   f"{gc.fastest_precision(w)}, channels_last) fed by the loader, the same window ({best.warmup} + "
+                   f"{best.steps} batches)", e2e, f"{e2e:,.0f} img/s, {e2e / best.images_s:.0%} of the loader alone"),
+             Check(GROUP, f"{label}step alone", "ok", "the same step, model and precision on its last real batch, "
+                   f"already on the device: {w.warmup} + {w.steps} steps", alone, f"{alone:,.0f} img/s"),
+             Check(GROUP, f"{label}decode + crop, one core", "ok", "one process, one thread (torch.set_num_threads(1)):"
+                   f" SampleDataset.sample (read, decode, random crop to {w.image_size} px) over the train files; x "
+                   f"{_workers(n)} = the CPU decode ceiling, if each had a core to itself", per_core,
+                   f"{per_core:,.0f} img/s; x {n} = {ceiling:,.0f} img/s", {"decode_ceiling": ceiling}),
+             _cpu_check(f"{label}training process CPU", best)]
     limit, why = name_limit(Figures(best.images_s, unpinned.images_s if cuda else None, e2e, alone, ceiling,
-                                    best.main_cpu))
-    rows.append(Check(GROUP, f"{label}VERDICT", "ok", why, figure=limit, extra={"limit": limit}))
-    return rows
+                                    best.busiest_thread))
+    return [*rows, Check(GROUP, f"{label}VERDICT", "ok", why, figure=limit, extra={"limit": limit})]
