@@ -118,7 +118,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", default=None, help="comma list of parts to run, by their last word (gpu, ceiling, "
-                    "trainer, precision, flags, backends, dali, ddp, input): a rerun of the ones that failed; default all")
+                    "trainer, precision, flags, backends, dali, ddp, input): a rerun of the ones that failed; "
+                    "default all")
     ap.add_argument("--deadline-s", type=float, default=DEADLINE_S, help=f"the whole check (default {DEADLINE_S})")
     ap.add_argument("--rehearse-on-cpu", action="store_true", help="without CUDA, run every part anyway at a tiny "
                     "size (bench gpu --allow-cpu): a test of this runner, never a result")

@@ -8,7 +8,12 @@ without the hardware JPEG decoder), 16-mixed and bf16-mixed against 32-true with
 training runs at on Ampere and later), channels_last, cudnn.benchmark and compile against the plain
 step, dp (>= 2 GPUs) and NCCL DDP (every GPU of the node), and the template's own training step under a
 Lightning Trainer (ImageClassifier, its fused SGD: 16-mixed, bf16-mixed, channels_last, compile, synthetic
-and ImageFolder data, with its host syncs per step and peak memory).
+and ImageFolder data, with its host syncs per step and peak memory). The `input` group says where the input time
+goes with real JPEGs: the ImageFolder loader alone (to the device and normalised, no model) at 16, 14, 12 and 8
+workers (capped at the CPUs), the best count with pin_memory off, end-to-end training and the step alone at that
+count, one core's decode + crop rate (x the workers: the CPU decode ceiling), the training process's CPU, and a
+VERDICT naming the limit (decode CPU, the main process, contention, the H2D copy / pinning, or the GPU step) with
+its arithmetic (bench/gpu/input.py).
 
 Without a usable CUDA device it says so in one paragraph and exits 2. `--allow-cpu` rehearses on a CPU
 instead: every GPU row skipped with its reason, the compute ceiling (at a small size) and the backend shares
@@ -46,8 +51,8 @@ DEFAULTS = {"cuda": {"image_size": 224, "batch_size": 256, "steps": 30, "warmup"
 
 def add_parser(subparsers: Subparsers, common: AddCommon) -> argparse.ArgumentParser:
     g = subparsers.add_parser(
-        "gpu", help="every GPU path checked and timed: DALI mixed, AMP, speed flags, dp, NCCL DDP, and each "
-                    "backend's training images/s as a share of the compute ceiling",
+        "gpu", help="every GPU path checked and timed: DALI mixed, AMP, speed flags, dp, NCCL DDP, each "
+                    "backend's training images/s as a share of the compute ceiling, and where the input time goes",
         description=__doc__.split("\n\n", 1)[1])
     g.add_argument("--data-dir", default=None, help="ImageFolder tree for the backend and DALI rows "
                    "(default: the built-in --builtin)")
