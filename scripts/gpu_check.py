@@ -26,8 +26,13 @@ PARTS = [("pytest -m gpu", ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cachepr
                             "--timeout", "150", "-rfEs", "--tb=short"], 180)]
 PARTS += [(f"bench gpu {group}", ["-m", "bench", "gpu", "--groups", group], seconds)
           for group, seconds in (("ceiling", 45), ("trainer", 140), ("precision", 45), ("flags", 120),
-                                 ("backends", 75), ("dali", 30), ("dp,ddp", 40))]
+                                 ("backends", 75), ("dali", 30), ("dp,ddp", 40), ("input", 100))]
+# The input group last: the parts above took 350 s in all on an H200 (run 4), so it gets its 100 s within the
+# deadline, and a slow input part cannot starve the others.
 TRAIN_PER_CLASS = "256"  # the built-in data for the data rows: 2,560 ImageNet-sized JPEGs, 10 batches of 256
+# The input group sizes its own data (a timed window of whole rounds of 14 workers must fit in one epoch: 57 batches,
+# 14,592 JPEGs at --steps 20) and times 20+ batches a row: its loader rows, pinned and not, end to end, in ~90 s.
+INPUT_SIZE = ["--steps", "20"]
 
 
 def versions() -> dict:
@@ -113,7 +118,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", default=None, help="comma list of parts to run, by their last word (gpu, ceiling, "
-                    "trainer, precision, flags, backends, dali, ddp): a rerun of the ones that failed; default all")
+                    "trainer, precision, flags, backends, dali, ddp, input): a rerun of the ones that failed; "
+                    "default all")
     ap.add_argument("--deadline-s", type=float, default=DEADLINE_S, help=f"the whole check (default {DEADLINE_S})")
     ap.add_argument("--rehearse-on-cpu", action="store_true", help="without CUDA, run every part anyway at a tiny "
                     "size (bench gpu --allow-cpu): a test of this runner, never a result")
@@ -142,7 +148,8 @@ def main() -> int:
         folder = None
         if name.startswith("bench"):
             folder = out / "bench" / argv[-1].replace(",", "-")
-            size = (["--train-per-class", TRAIN_PER_CLASS, *precision] if v["usable"] else  # else --rehearse-on-cpu
+            data = INPUT_SIZE if argv[-1] == "input" else ["--train-per-class", TRAIN_PER_CLASS]
+            size = ([*data, *precision] if v["usable"] else  # else --rehearse-on-cpu
                     ["--allow-cpu", "--builtin", "tiny", "--train-per-class", "16", "--arch", "conv11",
                      "--image-size", "32", "--batch-size", "8", "--steps", "2", "--warmup", "1",
                      "--backends", "imagefolder"])

@@ -118,12 +118,13 @@ def test_the_gpu_check_stops_without_a_usable_gpu_and_its_runner_reports_every_p
                                check=False)
     report = json.loads((tmp_path / "cpu" / "gpu-check.json").read_text())
     parts = {p["part"]: p for p in report["parts"]}
-    groups = ("ceiling", "trainer", "precision", "flags", "backends", "dali", "dp,ddp")
+    groups = ("ceiling", "trainer", "precision", "flags", "backends", "dali", "dp,ddp", "input")
     assert list(parts) == ["pytest -m gpu", *(f"bench gpu {g}" for g in groups)]
     assert all(p["status"] == "ok" for name, p in parts.items() if name.startswith("bench")), parts
     assert parts["pytest -m gpu"]["status"] == "ok", parts["pytest -m gpu"]  # every gpu test skips here
     rows = {(c["group"], c["name"]): c for c in report["checks"]}
     assert rows[("compute ceiling", "compute ceiling")]["status"] == "ok"
     assert all(c["status"] == "skipped" for (group, _), c in rows.items() if group == "trainer")
+    assert rows[("input", "VERDICT")]["status"] == "ok"
     assert (tmp_path / "cpu" / "gpu-check.md").read_text().startswith("# GPU check, ")
     assert rehearsal.returncode == 0, rehearsal.stdout[-3000:]

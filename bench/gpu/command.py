@@ -8,7 +8,12 @@ without the hardware JPEG decoder), 16-mixed and bf16-mixed against 32-true with
 training runs at on Ampere and later), channels_last, cudnn.benchmark and compile against the plain
 step, dp (>= 2 GPUs) and NCCL DDP (every GPU of the node), and the template's own training step under a
 Lightning Trainer (ImageClassifier, its fused SGD: 16-mixed, bf16-mixed, channels_last, compile, synthetic
-and ImageFolder data, with its host syncs per step and peak memory).
+and ImageFolder data, with its host syncs per step and peak memory). The `input` group says where the input time
+goes with real JPEGs: the ImageFolder loader alone (to the device and normalised, no model) at 16, 14, 12 and 8
+workers (capped at the CPUs), the best count with pin_memory off, end-to-end training and the step alone at that
+count, one core's decode + crop rate (x the workers: the CPU decode ceiling), the training process's CPU, and a
+VERDICT naming the limit (decode CPU, the main process, contention, the H2D copy / pinning, or the GPU step) with
+its arithmetic (bench/gpu/input.py).
 
 Without a usable CUDA device it says so in one paragraph and exits 2. `--allow-cpu` rehearses on a CPU
 instead: every GPU row skipped with its reason, the compute ceiling (at a small size) and the backend shares
@@ -25,6 +30,7 @@ import torch
 
 from bench.cli import AddCommon, BenchError, Subparsers
 from bench.gpu import checks as gc
+from bench.gpu import input as gi
 from bench.gpu import parallel as gp
 from bench.gpu.checks import Check, Workload
 from bench.gpu.data import NO_CUDA, backend_rows, batches_needed, dali_rows
@@ -37,7 +43,7 @@ NO_USABLE_CUDA = (
     "or pass --allow-cpu to rehearse the rows that run on a CPU."
 )
 
-GROUPS = ("ceiling", "trainer", "backends", "dali", "precision", "flags", "dp", "ddp")
+GROUPS = ("ceiling", "trainer", "backends", "input", "dali", "precision", "flags", "dp", "ddp")
 # On a CPU the same code runs, small enough to finish in a minute or two.
 DEFAULTS = {"cuda": {"image_size": 224, "batch_size": 256, "steps": 30, "warmup": 10},
             "cpu": {"image_size": 64, "batch_size": 16, "steps": 3, "warmup": 1}}
@@ -45,8 +51,8 @@ DEFAULTS = {"cuda": {"image_size": 224, "batch_size": 256, "steps": 30, "warmup"
 
 def add_parser(subparsers: Subparsers, common: AddCommon) -> argparse.ArgumentParser:
     g = subparsers.add_parser(
-        "gpu", help="every GPU path checked and timed: DALI mixed, AMP, speed flags, dp, NCCL DDP, and each "
-                    "backend's training images/s as a share of the compute ceiling",
+        "gpu", help="every GPU path checked and timed: DALI mixed, AMP, speed flags, dp, NCCL DDP, each "
+                    "backend's training images/s as a share of the compute ceiling, and where the input time goes",
         description=__doc__.split("\n\n", 1)[1])
     g.add_argument("--data-dir", default=None, help="ImageFolder tree for the backend and DALI rows "
                    "(default: the built-in --builtin)")
@@ -101,14 +107,14 @@ def gpu_info() -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------ data
 
-def _root(args, w: Workload) -> Path:
-    """--data-dir, or the built-in preset with enough train images per class for warm-up + timed batches
+def _root(args, w: Workload, batches: int) -> Path:
+    """--data-dir, or the built-in preset with enough train images per class for `batches` (warm-up + timed)
     in one epoch (10 classes)."""
     if args.data_dir:
         return Path(args.data_dir)
     from bench.loaders.backends import default_root
 
-    per_class = args.train_per_class or max(100, -(-batches_needed(w) * w.batch_size // 10))
+    per_class = args.train_per_class or max(100, -(-batches * w.batch_size // 10))
     return default_root(args.builtin, per_class, None)
 
 
@@ -145,7 +151,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ceiling = checks[-1].images_s
     else:
         skipped("compute ceiling", ["compute ceiling"], "not selected (--groups)")
-    root = _root(args, w) if groups & {"backends", "dali", "trainer"} else None
+    # one tree for every data group, large enough for the longest window (the input group's: whole rounds of workers)
+    batches = max([batches_needed(w)] * bool(groups & {"backends", "dali", "trainer"})
+                  + [gi.batches_needed(w, gi.worker_counts(cuda))] * ("input" in groups), default=0)
+    root = _root(args, w, batches) if batches else None
     if "trainer" not in groups:
         skipped("trainer", NAMES, "not selected (--groups)")
     elif not cuda:
@@ -156,6 +165,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         checks += guarded("backend", "backends", lambda: backend_rows(args, w, root, ceiling))
     else:
         skipped("backend", ["backends"], "not selected (--groups)")
+    if "input" in groups:
+        checks += guarded(gi.GROUP, "input", lambda: gi.input_rows(w, root))
+    else:
+        skipped(gi.GROUP, ["input"], "not selected (--groups)")
     if "dali" in groups:
         checks += guarded("DALI mixed", "DALI mixed", lambda: dali_rows(args, w, root))
     else:
