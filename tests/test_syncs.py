@@ -118,9 +118,12 @@ def _assert_quiet(counts: dict[int, int], logged: list[int], steps: int) -> None
 @pytest.mark.slow
 @pytest.mark.parametrize("device", [
     [],
+    ["--data.decode", "gpu"],
     pytest.param(CUDA_16_MIXED, marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                  reason="needs CUDA: 16-mixed's GradScaler (fused SGD skips its found_inf .item())")]),
-], ids=["cpu", "cuda-16-mixed"])
+    pytest.param([*CUDA_16_MIXED, "--data.decode", "gpu"], marks=[pytest.mark.gpu, pytest.mark.skipif(
+                 not torch.cuda.is_available(), reason="needs CUDA: nvJPEG and 16-mixed's GradScaler")]),
+], ids=["cpu", "cpu-decode-gpu", "cuda-16-mixed", "cuda-16-mixed-decode-gpu"])
 def test_no_host_sync_on_steps_that_do_not_log(tiny_data, tmp_path, device):
     steps = 8
     _assert_quiet(*_count(_args(tiny_data, tmp_path, steps, *device)), steps)

@@ -167,6 +167,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         skipped("backend", ["backends"], "not selected (--groups)")
     if "input" in groups:
         checks += guarded(gi.GROUP, "input", lambda: gi.input_rows(w, root))
+        best = gi.best_workers(checks)  # the same attribution with the GPU decoding, at the CPU path's best count
+        checks += guarded(gi.GROUP, "input", lambda: gi.input_rows(w, root, [best] if best else None,
+                                                                   {"decode": "gpu"}, "decode gpu: "))
     else:
         skipped(gi.GROUP, ["input"], "not selected (--groups)")
     if "dali" in groups:

@@ -31,7 +31,7 @@ from bench.gpu import checks as gc
 from bench.gpu.checks import Check, Workload
 from bench.gpu.data import stream, timed_stream
 from bench.loaders.timing import close, prepare, shutdown, to_device
-from datamodules.cpus import cpus_per_process
+from datamodules.budget.cpus import cpus_per_process
 
 GROUP = "input"
 LIMITS = ("decode CPU", "the main process", "contention", "the H2D copy / pinning", "the GPU step")
@@ -110,8 +110,8 @@ def _args(w: Workload, workers: int, pin: bool, dm_kwargs: dict[str, Any] | None
 
 
 def planned(w: Workload, workers: int, pin: bool = True, dm_kwargs: dict[str, Any] | None = None) -> tuple[int, int]:
-    """(workers, prefetch) the DataModule's memory plan runs for `workers` asked (datamodules/memory.py)."""
-    from datamodules.sizing import Layout, LoaderSizing
+    """(workers, prefetch) the DataModule's memory plan runs for `workers` asked (datamodules/budget/memory.py)."""
+    from datamodules.budget.sizing import Layout, LoaderSizing
 
     layout = Layout(world=1, ranks_per_node=1, cpus=cpus_per_process(1), cuda=w.device == "cuda")
     plan = LoaderSizing.plan_for(_args(w, workers, pin, dm_kwargs), layout).loader("train")
@@ -206,16 +206,23 @@ def end_to_end(root: Path, w: Workload, workers: int, dm_kwargs: dict[str, Any] 
 
 
 def decode_per_core(root: Path, w: Workload, seconds: float, dm_kwargs: dict[str, Any] | None = None) -> float:
-    """Images/s of one thread running the dataset's own sample path (read, decode, random crop) over its files."""
+    """Images/s of one thread running the dataset's own sample path (read, decode, random crop) over its files;
+    with --data.decode gpu, the worker's share of it (read, header, box)."""
     dataset = make_dm(root, w, 0, False, dm_kwargs).datasets["train"]
+    if hasattr(dataset, "plan"):  # --data.decode gpu: a worker only reads, walks the header and draws the box
+        def one(i: int, rng: random.Random) -> object:
+            return dataset.plan(dataset.source.read(i), w.image_size, rng)
+    else:
+        def one(i: int, rng: random.Random) -> object:
+            return dataset.sample(i, w.image_size, rng)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for i in range(4):  # untimed: the decoders' first calls
-            dataset.sample(i, w.image_size, random.Random(i))
+            one(i, random.Random(i))
         t0, count = time.perf_counter(), 0
         while count < 8 or time.perf_counter() - t0 < seconds:
-            dataset.sample(count * 7919 % len(dataset), w.image_size, random.Random(count))  # spread over the files
+            one(count * 7919 % len(dataset), random.Random(count))  # spread over the files
             count += 1
         return count / (time.perf_counter() - t0)
     finally:
@@ -308,3 +315,10 @@ def input_rows(w: Workload, root: Path, counts: list[int] | None = None, dm_kwar
     limit, why = name_limit(Figures(best.images_s, unpinned.images_s if cuda else None, e2e, alone, ceiling,
                                     best.busiest_thread))
     return [*rows, Check(GROUP, f"{label}VERDICT", "ok", why, figure=limit, extra={"limit": limit})]
+
+
+def best_workers(checks: list[Check]) -> int | None:
+    """The worker count of the fastest loader-alone row (pinned, CPU path) among `checks`, if one ran."""
+    runs = [c for c in checks if c.group == GROUP and c.status == "ok" and c.name.startswith("loader alone")
+            and "pin_memory off" not in c.name and c.images_s]
+    return max(runs, key=lambda c: c.images_s).extra["workers"] if runs else None
