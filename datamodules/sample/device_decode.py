@@ -27,7 +27,6 @@ Without CUDA (tests, a CPU run) the same code runs on the CPU: torchvision's bat
 from __future__ import annotations
 
 import itertools
-import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterator
