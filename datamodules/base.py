@@ -71,7 +71,8 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         decode: where JPEGs are decoded and cropped. cpu: in the loader workers (libjpeg-turbo). gpu: workers
             only read the bytes and draw the crops; the training device decodes each batch in one call
             (nvJPEG on a GPU) and crops it (datamodules/sample/device_decode.py); files it cannot take are
-            decoded in the workers. auto: gpu when training on a CUDA device, else cpu (docs/data.md).
+            decoded in the workers. cpu is the default until the offline GPU check has timed gpu on a GPU
+            (docs/data.md, "Which decode").
     """
 
     def __init__(
@@ -93,15 +94,15 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         pinned_budget_gib: float = DEFAULT_BUDGET_GIB["pinned"],
         shm_budget_gib: float = DEFAULT_BUDGET_GIB["shm"],
         host_budget_gib: float = DEFAULT_BUDGET_GIB["host"],
-        decode: Literal["auto", "cpu", "gpu"] = "auto",
+        decode: Literal["cpu", "gpu"] = "cpu",
     ) -> None:
         super().__init__()
         if batch_size < 1:
             raise DataError(f"data.batch_size must be >= 1, got {batch_size}.")
         if num_workers != "auto" and (not isinstance(num_workers, int) or num_workers < 0):
             raise DataError(f'data.num_workers must be "auto" or an integer >= 0, got {num_workers!r}.')
-        if decode not in ("auto", "cpu", "gpu"):
-            raise DataError(f'data.decode must be "auto", "cpu" or "gpu", got {decode!r}.')
+        if decode not in ("cpu", "gpu"):
+            raise DataError(f'data.decode must be "cpu" or "gpu", got {decode!r}.')
         if decode == "gpu" and (auto_augment is not None or random_erasing > 0):
             raise DataError(
                 "data.decode gpu crops on the device, where the per-sample data.auto_augment and "
@@ -170,9 +171,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
 
     @property
     def decodes_on_device(self) -> bool:
-        """`decode` resolved: gpu when asked, or with auto on a CUDA device without a per-sample augment."""
-        if self.decode == "auto":
-            return self.device.type == "cuda" and self.train_augment is None
+        """Whether the workers pack encoded batches for the training device to decode (--data.decode gpu)."""
         return self.decode == "gpu"
 
     @property

@@ -155,8 +155,8 @@ def test_the_stage_a_batch_ahead_saves_the_loader_state_of_the_batches_it_handed
 def test_decode_gpu_with_a_per_sample_augment_is_refused_in_one_paragraph(tiny_data):
     with pytest.raises(DataError, match="--data.decode cpu"):
         ImageFolderDataModule(data_dir=str(tiny_data), decode="gpu", auto_augment="trivialaugment")
-    dm = ImageFolderDataModule(data_dir=str(tiny_data), random_erasing=0.25)  # auto: the CPU path, no error
-    assert dm.decode == "auto" and not dm.decodes_on_device
+    dm = ImageFolderDataModule(data_dir=str(tiny_data), random_erasing=0.25)  # the default: the CPU path
+    assert dm.decode == "cpu" and not dm.decodes_on_device
 
 
 # ---------------------------------------------------------------------------- the CUDA part
