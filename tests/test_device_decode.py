@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from datamodules.sample.dataset import FileSource, SampleDataset
 from datamodules.sample.decode import jpeg_frame
 from datamodules.sample.device_decode import DeviceDecode
 from datamodules.sample.encoded import EncodedDataset, gpu_takes
+from tests.helpers.cli import quick_args, run_main
 from tests.helpers.optional import needs_gpus
 from tests.helpers.trees import jpeg, make_tree, odd_images
 
@@ -157,6 +159,19 @@ def test_decode_gpu_with_a_per_sample_augment_is_refused_in_one_paragraph(tiny_d
         ImageFolderDataModule(data_dir=str(tiny_data), decode="gpu", auto_augment="trivialaugment")
     dm = ImageFolderDataModule(data_dir=str(tiny_data), random_erasing=0.25)  # the default: the CPU path
     assert dm.decode == "cpu" and not dm.decodes_on_device
+
+
+def test_the_end_of_run_line_counts_the_files_the_device_could_not_take(tmp_path):
+    root = make_tree(tmp_path / "data", {"a": 12, "b": 12}, size=(64, 48))
+    rgb = Image.fromarray(np.random.default_rng(5).integers(0, 255, (48, 64, 3), dtype=np.uint8))
+    for i in range(6):
+        (root / "train" / "a" / f"progressive{i}.jpg").write_bytes(jpeg(rgb, progressive=True))
+    run = run_main(["fit", *quick_args(root, tmp_path, epochs=1, batch=8), "--data.decode", "gpu",
+                    "--data.image_size", "32", "--trainer.num_sanity_val_steps", "0", "--model.pictures", "[]"])
+    done = next(line for line in (run.stdout + run.stderr).splitlines() if line.startswith("Done:"))
+    found = re.search(r"--data.decode gpu: (\d+) of (\d+) images \(([\d.]+)%\) took the CPU path", done)
+    assert found, done
+    assert 0 < int(found[1]) <= 6 and int(found[2]) == 24 + 24  # 3 train batches of 8, then all 24 val images
 
 
 # ---------------------------------------------------------------------------- the CUDA part

@@ -212,3 +212,14 @@ class DecodeStage:
             put(e)
             return
         put((_DONE, self.loader_state() if self.loader_state is not None else None))
+
+
+def cpu_share_line(decoders: dict[str, DeviceDecode], above: float = 0.01) -> str | None:
+    """The end-of-run words on the files the device could not decode, when more than `above` of them took the CPU
+    path (this process's loaders); None otherwise."""
+    device = sum(d.counts["device"] for d in decoders.values())
+    cpu = sum(d.counts["cpu"] for d in decoders.values())
+    if not cpu or cpu <= above * (device + cpu):
+        return None
+    return (f"--data.decode gpu: {cpu:,} of {device + cpu:,} images ({cpu / (device + cpu):.1%}) took the CPU path "
+            "(progressive, grayscale, CMYK, EXIF-rotated or not JPEG; docs/data.md)")
