@@ -227,3 +227,21 @@ def test_the_training_stream_waits_for_the_side_streams_batch(photo_tree):
         images, _ = slow(packed)
         assert torch.equal(images, reference)  # read on the training stream, ordered by the event alone
         images.fill_(0)  # the next batch's block is likely this one: unwritten, it would read zeros
+
+
+@needs_gpus(1, "CUDA memory")
+def test_the_memory_probes_figure_covers_what_a_decoded_batch_holds(photo_tree):
+    """memory_probe.py adds `device_bytes_per_image` per image with --data.decode gpu: it must not undercount."""
+    from datamodules.sample.device_decode import device_bytes_per_image
+
+    _, dev = _pair(photo_tree, "train", TrainCrop(0.25), 64)
+    packed = dev.__getitems__(list(range(len(dev))))
+    decoder = DeviceDecode("cuda", dev.source.describe)
+    decoder(packed)  # nvJPEG's own buffers made once, outside the count
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    kept = [decoder(packed) for _ in range(2)]  # the batch trained on and the one decoded ahead
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert len(kept) == 2 and 0 < peak <= len(dev) * device_bytes_per_image(64, decoded=3 * 200 * 150)

@@ -42,6 +42,14 @@ from datamodules.sample.decode import decode
 from datamodules.sample.encoded import EncodedBatch
 
 Describe = Callable[[int, Exception], str]  # (sample id, error) -> the message naming the file
+DECODED_BYTES = 3 * 500 * 400  # a decoded ImageNet-sized JPEG (about 500 x 400 px), uint8 RGB
+BATCHES_ON_DEVICE = 2  # the batch the step trains on, and the one decoded ahead
+
+
+def device_bytes_per_image(size: int, decoded: int = DECODED_BYTES) -> int:
+    """GPU memory one image of a batch holds while the device decodes (for the memory probe): its decoded pixels,
+    the float crop, the rounded uint8, the flipped batch and the output, for each batch on the device."""
+    return BATCHES_ON_DEVICE * (decoded + 3 * size * size * (4 + 1 + 1 + 1))
 
 
 class Decoded(NamedTuple):

@@ -5,8 +5,10 @@ kernel killed it (exit 137, no message). `MemoryProbe` runs the model's forward 
 random images (train mode, the run's precision, the train crop size) and adds up the bytes of every
 tensor autograd keeps for the backward pass (`torch.autograd.graph.saved_tensors_hooks`, counting each
 storage once). The difference is the activation memory per image; weights, gradients and the SGD
-momentum come on top. Against the memory free for this process (CUDA: `torch.cuda.mem_get_info`; CPU:
-MemAvailable and the cgroup limit, shared by the training processes of the node):
+momentum come on top, and with --data.decode gpu the decode's buffers per image on the GPU
+(datamodules/sample/device_decode.py, `device_bytes_per_image`). Against the memory free for this
+process (CUDA: `torch.cuda.mem_get_info`; CPU: MemAvailable and the cgroup limit, shared by the training
+processes of the node):
 
 - clearly too much (estimate > STOP_FACTOR x free): the fit stops with one paragraph that names a
   --data.batch_size that fits (exit status 2);
@@ -226,6 +228,10 @@ class MemoryProbe(pl.Callback):
         split = max(1, len(getattr(strategy, "cuda_devices", []) or []))  # dp: each GPU holds a slice
         size = int(getattr(dm, "train_size", None) or pl_module.hparams.get("image_size") or 224)
         estimate = probe(pl_module, trainer, size, math.ceil(per_process / split))
+        if getattr(dm, "decodes_on_device", False) and pl_module.device.type == "cuda":
+            from datamodules.sample.device_decode import device_bytes_per_image
+
+            estimate.per_image += device_bytes_per_image(size)  # --data.decode gpu: its buffers are the step's
         on_node = max(1, processes // max(1, trainer.num_nodes))
         free = free_memory(pl_module.device, on_node)
         if not free:
