@@ -60,14 +60,15 @@ def _assert_same(whole: dict, resumed: dict) -> None:
     assert resumed["batches"] == whole["batches"] and resumed["digests"] == whole["digests"]
 
 
-@pytest.mark.parametrize("backend", ["imagefolder", "lmdb", "downscaled"])
-def test_resumed_epoch_delivers_the_uninterrupted_runs_batches(backend, sources, tmp_path):
+@pytest.mark.parametrize(("backend", "decode"), [("imagefolder", "cpu"), ("lmdb", "cpu"), ("downscaled", "cpu"),
+                                                 ("lmdb", "gpu")])
+def test_resumed_epoch_delivers_the_uninterrupted_runs_batches(backend, decode, sources, tmp_path):
     """The uninterrupted run saves last.ckpt mid-epoch (a step save) and goes on; that checkpoint, put back as
     last.ckpt (what a run killed right after the save leaves), resumed with --ckpt_path last, delivers the rest of
-    the uninterrupted run's epoch."""
+    the uninterrupted run's epoch. With --data.decode gpu the device stage runs a batch ahead of the step."""
     config, data = sources[backend]
     kept = tmp_path / "step.ckpt"
-    steps = ["--checkpoint.every_n_train_steps", str(SAVED_AT),
+    steps = ["--data.decode", decode, "--checkpoint.every_n_train_steps", str(SAVED_AT),
              "--trainer.callbacks+=tests.helpers.callbacks.KeepCheckpointAt",
              f"--trainer.callbacks.step={SAVED_AT}", f"--trainer.callbacks.path={kept}"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
@@ -110,11 +111,13 @@ def test_loader_state_holds_the_epoch_and_another_worker_count_restarts_the_epoc
 
 
 @pytest.mark.slow
-def test_ddp_each_rank_resumes_its_own_shard_after_sigterm(sources, tmp_path):
+@pytest.mark.parametrize("decode", ["cpu", "gpu"])
+def test_ddp_each_rank_resumes_its_own_shard_after_sigterm(sources, tmp_path, decode):
     """2 gloo processes, 2 workers each: SIGTERM mid-epoch (CheckpointOnSigterm saves last.ckpt after the batch),
-    then --ckpt_path last: each rank delivers the rest of its own uninterrupted epoch, samples and pixels."""
+    then --ckpt_path last: each rank delivers the rest of its own uninterrupted epoch, samples and pixels. With
+    --data.decode gpu each rank decodes its own shard's batches."""
     config, data = sources["lmdb"]
-    ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2"]
+    ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--data.decode", decode]
     whole, cut, resumed = tmp_path / "whole", tmp_path / "cut", tmp_path / "resumed"
     run_main(_args(config, data, tmp_path / "a", whole, *ddp))
     sigterm = ["--trainer.callbacks+=tests.helpers.callbacks.SignalAt", "--trainer.callbacks.epoch=1",
