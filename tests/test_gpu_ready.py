@@ -84,7 +84,8 @@ def test_bench_gpu_on_cpu_skips_every_gpu_row_and_runs_the_ceiling_and_shares(ti
     rc = main(["gpu", "--allow-cpu", "--data-dir", str(tiny_data), "--arch", "conv11", "--image-size", "32",
                "--batch-size", "8",
                "--steps", "2", "--warmup", "1", "--num-workers", "0",
-               "--backends", "imagefolder,dali-cpu", "--out", str(out), "--machine", "test"])
+               "--backends", "imagefolder,dali-cpu", "--out", str(out), "--machine", "test",
+               "--groups", "ceiling,trainer,backends,dali,precision,flags,dp,ddp"])  # input: test_bench_gpu_input.py
     assert rc == 0
     data = json.loads((out / "test.gpu.json").read_text())
     md = (out / "test.gpu.md").read_text()
@@ -97,7 +98,11 @@ def test_bench_gpu_on_cpu_skips_every_gpu_row_and_runs_the_ceiling_and_shares(ti
         assert row["status"] == "ok" and row["images_s"] > 0, row
         assert row["extra"]["share"] == pytest.approx(row["images_s"] / ceiling["images_s"])
     assert checks["LMDB"]["verdict"] == "not selected (--backends)"
-    gpu_rows = [c for c in data["checks"] if c["group"] not in ("compute ceiling", "backend")]
+    decoded = checks["ImageFolder, decode gpu"]  # the workers read, the training device (here the CPU) decodes
+    assert decoded["status"] == "ok" and decoded["images_s"] > 0 and "--data.decode gpu" in decoded["verdict"]
+    assert decoded["extra"]["decoded"]["train"]["device"] > 0
+    assert {c["status"] for c in data["checks"] if c["group"] == "input"} == {"skipped"}
+    gpu_rows = [c for c in data["checks"] if c["group"] not in ("compute ceiling", "backend", "input")]
     assert {c["group"] for c in gpu_rows} == {"trainer", "DALI mixed", "precision", "speed flag", "dp", "DDP"}
     if not torch.cuda.is_available():
         assert all(c["status"] == "skipped" and "no CUDA GPU" in c["verdict"] for c in gpu_rows)
