@@ -129,7 +129,12 @@ def test_the_input_group_runs_on_a_cpu(tiny_data, tmp_path):
     timed = [f"loader alone, {workers(k)}" for k in counts] + [f"loader alone, {workers(n)}, pin_memory off",
                                                              f"end-to-end, {workers(n)}", "step alone",
                                                              "decode + crop, one core"]
-    assert set(rows) == {*timed, "training process CPU", "VERDICT"}, list(rows)
+    gpu = [f"decode gpu: {name}" for name in timed
+           if not name.startswith("loader alone") or name.startswith(f"loader alone, {workers(n)}")]
+    assert set(rows) == {*timed, "training process CPU", "VERDICT", *gpu, "decode gpu: training process CPU",
+                         "decode gpu: VERDICT"}, list(rows)  # the same at the best count with the device decoding
+    assert rows["decode gpu: VERDICT"]["figure"] in gi.LIMITS
+    timed += gpu
     assert all(c["status"] == "ok" for c in rows.values()), rows
     for name in timed:
         assert rows[name]["images_s"] > 0, rows[name]
