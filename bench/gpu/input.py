@@ -34,6 +34,9 @@ from bench.loaders.timing import close, prepare, shutdown, to_device
 from datamodules.budget.cpus import cpus_per_process
 
 GROUP = "input"
+PER_CORE = {False: "decode + crop", True: "read + header + box"}  # a worker's share of a sample, per decode
+PER_CORE_HOW = {False: "SampleDataset.sample (read, decode, random crop)",
+                True: "EncodedDataset.plan (read, walk the JPEG header, draw the box: --data.decode gpu)"}
 LIMITS = ("decode CPU", "the main process", "contention", "the H2D copy / pinning", "the GPU step")
 TOLERANCE = 0.15   # two rates within 15% are "about equal"
 BUSY_CORE = 0.85   # a thread of the training process at >= 85% of one core is saturated
@@ -293,6 +296,7 @@ def input_rows(w: Workload, root: Path, counts: list[int] | None = None, dm_kwar
                label: str = "") -> list[Check]:
     """Every row of the group (see the module doc); `label` starts each row's name (rows with other dm_kwargs)."""
     cuda = w.device == "cuda"
+    on_device = (dm_kwargs or {}).get("decode") == "gpu"
     per_core = decode_per_core(root, w, 1.5 if cuda else 0.5, dm_kwargs)  # first: on an idle machine
     rows, best = _loader_rows(root, w, counts or worker_counts(cuda), dm_kwargs, label)
     if best is None:
@@ -307,9 +311,9 @@ def input_rows(w: Workload, root: Path, counts: list[int] | None = None, dm_kwar
                    f"{best.steps} batches)", e2e, f"{e2e:,.0f} img/s, {e2e / best.images_s:.0%} of the loader alone"),
              Check(GROUP, f"{label}step alone", "ok", "the same step, model and precision on its last real batch, "
                    f"already on the device: {w.warmup} + {w.steps} steps", alone, f"{alone:,.0f} img/s"),
-             Check(GROUP, f"{label}decode + crop, one core", "ok", "one process, one thread (torch.set_num_threads(1)):"
-                   f" SampleDataset.sample (read, decode, random crop to {w.image_size} px) over the train files; x "
-                   f"{_workers(n)} = the CPU decode ceiling, if each had a core to itself", per_core,
+             Check(GROUP, f"{label}{PER_CORE[on_device]}, one core", "ok", "one process, one thread "
+                   f"(torch.set_num_threads(1)): {PER_CORE_HOW[on_device]} over the train files, {w.image_size} px; x "
+                   f"{_workers(n)} = the workers' CPU ceiling, if each had a core to itself", per_core,
                    f"{per_core:,.0f} img/s; x {n} = {ceiling:,.0f} img/s", {"decode_ceiling": ceiling}),
              _cpu_check(f"{label}training process CPU", best)]
     limit, why = name_limit(Figures(best.images_s, unpinned.images_s if cuda else None, e2e, alone, ceiling,
