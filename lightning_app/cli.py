@@ -31,7 +31,7 @@ from lightning_app.callbacks.reseed import ReseedEveryEpoch
 from lightning_app.callbacks.saved_config import RedactedSaveConfigCallback
 from lightning_app.callbacks.throughput import TrainSpeedMonitor
 from lightning_app.cli_parser import ClassifierArgumentParser
-from lightning_app.devices import hide_gpus_from_a_cpu_run, refuse_unusable_gpu
+from lightning_app.devices import cpu_precision, hide_gpus_from_a_cpu_run, refuse_unusable_gpu
 from lightning_app.errors import (
     EXIT_USER_ERROR,
     find_user_error,
@@ -138,6 +138,13 @@ class ClassifierCLI(LightningCLI):
             accelerator = (self._get(self.config, "trainer") or {}).get("accelerator", "auto")
             refuse_unusable_gpu(accelerator)
             hide_gpus_from_a_cpu_run(accelerator)
+            trainer_config = self._get(self.config, "trainer")
+            instead = cpu_precision(trainer_config.get("precision"), accelerator) if trainer_config else None
+            if instead:
+                rank_zero_info(f"--trainer.precision {trainer_config.get('precision')} on this CPU: it has no native "
+                               "bfloat16 (AVX512-BF16 or AMX), where bf16 autocast runs many times slower than "
+                               f"float32, so this run trains in {instead}; --trainer.precision bf16-mixed insists.")
+                trainer_config["precision"] = instead
         # jsonargparse reports an error raised inside a strategy's __init__ as "Does not validate against any
         # of the Union subtypes" chained to the str subtype's error, not ours: check our settings first
         strategy = (self._get(self.config, "trainer") or {}).get("strategy")

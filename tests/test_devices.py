@@ -128,3 +128,19 @@ def test_the_gpu_check_stops_without_a_usable_gpu_and_its_runner_reports_every_p
     assert rows[("input", "VERDICT")]["status"] == "ok"
     assert (tmp_path / "cpu" / "gpu-check.md").read_text().startswith("# GPU check, ")
     assert rehearsal.returncode == 0, rehearsal.stdout[-3000:]
+
+
+@pytest.mark.parametrize(("native", "precision", "accelerator", "expected"), [
+    (False, "16-mixed", "cpu", "32-true"), (True, "16-mixed", "cpu", None), (False, "bf16-mixed", "cpu", None),
+    (False, "32-true", "cpu", None), (False, "16-mixed", "gpu", None),
+])
+def test_16_mixed_on_a_cpu_without_native_bf16_trains_in_32_true(monkeypatch, native, precision, accelerator,
+                                                                   expected):
+    """Lightning would run 16-mixed on a CPU as bf16-mixed, emulated op by op without AVX512-BF16 or AMX."""
+    import torch
+
+    from lightning_app.devices import cpu_precision
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert cpu_precision(precision, accelerator) == expected
