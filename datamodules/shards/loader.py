@@ -141,7 +141,7 @@ class ShardBatches:
 
     def describe(self, i: int, error: Exception) -> str:
         """A sample the device could not decode, by its id in the pack (the main process has no paths)."""
-        return ItemSource((), {i: f"sample {i}"}, self.url).describe(i, error)
+        return ItemSource((), [f"sample {i}"], self.url).describe(0, error)
 
     def __call__(self, items: list[tuple]) -> tuple:
         data, labels, paths, indices = zip(*items, strict=False)
