@@ -24,6 +24,7 @@ from datamodules.index import Index, find_classes, load_indexes
 from datamodules.processes.loader_workers import end_stuck_workers_at_exit, leave_stop_signals_to_the_trainer
 from datamodules.resume import EpochSampler, ResumableLoader
 from datamodules.sample.augment import make_train_augment
+from datamodules.sample.balance import CpuShare, shared_overflow
 from datamodules.sample.batches import SampleLoader, built_batch
 from datamodules.sample.crop import Augment, TrainCrop, ValCrop
 from datamodules.sample.dataset import SampleDataset, Source
@@ -73,6 +74,9 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
             (nvJPEG on a GPU) and crops it (datamodules/sample/device_decode.py); files it cannot take are
             decoded in the workers. cpu is the default until the offline GPU check has timed gpu on a GPU
             (docs/data.md, "Which decode").
+        cpu_decode_share: with decode gpu, the share of the files the device could decode that the workers
+            decode instead: null balances it after every batch so neither the workers nor the device wait
+            (datamodules/sample/balance.py); 0 leaves every such file to the device.
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         shm_budget_gib: float = DEFAULT_BUDGET_GIB["shm"],
         host_budget_gib: float = DEFAULT_BUDGET_GIB["host"],
         decode: Literal["cpu", "gpu"] = "cpu",
+        cpu_decode_share: float | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -103,6 +108,9 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
             raise DataError(f'data.num_workers must be "auto" or an integer >= 0, got {num_workers!r}.')
         if decode not in ("cpu", "gpu"):
             raise DataError(f'data.decode must be "cpu" or "gpu", got {decode!r}.')
+        if cpu_decode_share is not None and (decode != "gpu" or not 0 <= cpu_decode_share <= 1):
+            raise DataError(f"data.cpu_decode_share is the workers' share under --data.decode gpu: null (balanced) or "
+                            f"a number in [0, 1], with decode gpu; got {cpu_decode_share!r} with decode {decode}.")
         if decode == "gpu" and (auto_augment is not None or random_erasing > 0):
             raise DataError(
                 "data.decode gpu crops on the device, where the per-sample data.auto_augment and "
@@ -132,6 +140,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         self.auto_augment = auto_augment
         self.random_erasing = random_erasing
         self.decode = decode
+        self.cpu_decode_share = cpu_decode_share
         self.device_decoders: dict[str, DeviceDecode] = {}  # per split, when batches are decoded on the device
         # per-sample hook after crop+flip (may be replaced before setup())
         self.train_augment: Augment | None = make_train_augment(auto_augment, random_erasing)
@@ -272,6 +281,8 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         if workers > 0:
             forksafe.warm_before_fork(dataset)
         encoded = isinstance(dataset, EncodedDataset)
+        if encoded and dataset.overflow is None:
+            dataset.overflow = shared_overflow()  # before the workers start: they read it (balance.py)
         made = loader(
             dataset,
             batch_size=batch_size,
@@ -288,6 +299,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
             decoder = self.device_decoders.get(split)
             if decoder is None or decoder.device != self.device:
                 decoder = self.device_decoders[split] = DeviceDecode(self.device, dataset.source.describe)
+            decoder.share = CpuShare(dataset.overflow, workers, self.cpu_decode_share)
             made.device_stage = DecodeStage(decoder, made.loader_state if train else None)
         return made
 

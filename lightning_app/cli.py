@@ -267,11 +267,11 @@ class ClassifierCLI(LightningCLI):
             f"{img_s:,.0f} images/s ({trainer.world_size} process{'es' if trainer.world_size > 1 else ''})"
             if img_s else "images/s n/a",
         ]
-        from datamodules.sample.device_decode import cpu_share_line
+        from datamodules.sample.device_decode import decode_line
 
-        fallbacks = cpu_share_line(getattr(trainer.datamodule, "device_decoders", None) or {})
-        if fallbacks:
-            parts.append(fallbacks)
+        decoding = decode_line(getattr(trainer.datamodule, "device_decoders", None) or {})
+        if decoding:
+            parts.append(decoding)
         if trainer.checkpoint_callback and trainer.checkpoint_callback.best_model_path:
             parts.append(f"best checkpoint {trainer.checkpoint_callback.best_model_path}")
         if self._get(self.config, "trackers", default=None):  # the default line stays as it was: TensorBoard's

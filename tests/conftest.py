@@ -6,8 +6,10 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 _REPO = Path(__file__).resolve().parents[1]
 if str(_REPO) not in sys.path:
@@ -21,7 +23,7 @@ if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
 from datamodules.builtin.tree import generate  # noqa: E402
 from tests.helpers.optional import DALI_MISSING, REQUIRE_DALI_ENV  # noqa: E402
 from tests.helpers.s3 import S3Server  # noqa: E402
-from tests.helpers.trees import make_odd_tree, make_slow_tree  # noqa: E402
+from tests.helpers.trees import jpeg, make_odd_tree, make_slow_tree  # noqa: E402
 
 
 def pytest_sessionstart(session) -> None:
@@ -113,3 +115,18 @@ def shared_s3(s3_session, monkeypatch):
     for k, v in s3_session.env.items():
         monkeypatch.setenv(k, v)
     return s3_session
+
+
+@pytest.fixture(scope="session")
+def photo_tree(tmp_path_factory) -> Path:
+    """Smooth 200 x 150 JPEGs (a resize of random noise would hide a wrong box less well than a gradient)."""
+    root = tmp_path_factory.mktemp("photos")
+    yy, xx = np.mgrid[0:150, 0:200]
+    for split in ("train", "val"):
+        for c, name in enumerate(("a", "b")):
+            d = root / split / name
+            d.mkdir(parents=True)
+            for i in range(12):
+                arr = np.stack([(xx * (i + 1)) % 256, (yy * (c + 2)) % 256, (xx + yy + 7 * i) % 256], -1)
+                (d / f"{i:02d}.jpg").write_bytes(jpeg(Image.fromarray(arr.astype(np.uint8)), quality=90))
+    return root

@@ -27,21 +27,6 @@ from tests.helpers.optional import needs_gpus
 from tests.helpers.trees import jpeg, make_tree, odd_images
 
 
-@pytest.fixture(scope="module")
-def photo_tree(tmp_path_factory) -> Path:
-    """Smooth 200 x 150 JPEGs (a resize of random noise would hide a wrong box less well than a gradient)."""
-    root = tmp_path_factory.mktemp("photos")
-    yy, xx = np.mgrid[0:150, 0:200]
-    for split in ("train", "val"):
-        for c, name in enumerate(("a", "b")):
-            d = root / split / name
-            d.mkdir(parents=True)
-            for i in range(12):
-                arr = np.stack([(xx * (i + 1)) % 256, (yy * (c + 2)) % 256, (xx + yy + 7 * i) % 256], -1)
-                (d / f"{i:02d}.jpg").write_bytes(jpeg(Image.fromarray(arr.astype(np.uint8)), quality=90))
-    return root
-
-
 def _pair(root: Path, split: str, crop, size: int) -> tuple[SampleDataset, EncodedDataset]:
     paths = sorted(str(p) for p in (root / split).rglob("*.*") if not p.name.startswith("."))
     labels = [0] * len(paths)
@@ -64,7 +49,7 @@ def test_device_path_crops_the_cpu_paths_boxes_with_its_pixels(photo_tree, split
     crop = TrainCrop(0.25) if split == "train" else ValCrop(0.875)
     cpu, dev = _pair(photo_tree, split, crop, 64)
     want, want_labels, got, got_labels, packed, decoder = _both(cpu, dev, list(range(len(cpu))))
-    assert decoder.counts == {"device": len(cpu), "cpu": 0}
+    assert decoder.counts == {"device": len(cpu), "cpu": 0, "cannot": 0}
     assert got.shape == want.shape and got.is_contiguous(memory_format=torch.channels_last)
     diff = (got.float() - want.float()).abs()
     # the same libjpeg-turbo decode here; the float resize against the uint8 kernel: within 1 grey level
@@ -100,7 +85,7 @@ def test_files_the_device_cannot_take_join_the_batch_from_the_cpu_path(tmp_path)
     names = [Path(dev.source.paths[i]).name for i in indices]
     fallback = {names[k] for k in packed.pixel_slots.tolist()}
     assert fallback == set(odd) - {"one_pixel.jpg", "very_wide.jpg"}
-    assert decoder.counts == {"device": len(indices) - len(fallback), "cpu": len(fallback)}
+    assert decoder.counts == {"device": len(indices) - len(fallback), "cpu": len(fallback), "cannot": len(fallback)}
     for k in packed.pixel_slots.tolist():  # decoded and cropped by the CPU path itself: the same pixels
         assert torch.equal(got[k], want[k]), names[k]
     assert (got.float() - want.float()).abs().max() <= 1
@@ -129,7 +114,7 @@ def test_the_stage_a_batch_ahead_saves_the_loader_state_of_the_batches_it_handed
     resumed from it delivers batches 4 and 5 of the uninterrupted run, pixels and labels."""
     monkeypatch.setenv("PL_GLOBAL_SEED", "3")
     kwargs = {"data_dir": str(photo_tree), "batch_size": 4, "num_workers": 2, "image_size": 32, "decode": "gpu",
-              "persistent_workers": False}
+              "cpu_decode_share": 0.0, "persistent_workers": False}  # share 0: exact pixels (docs/data.md)
     dm = ImageFolderDataModule(**kwargs)
     dm.setup("fit")
     torch.manual_seed(0)
@@ -169,9 +154,11 @@ def test_the_end_of_run_line_counts_the_files_the_device_could_not_take(tmp_path
     run = run_main(["fit", *quick_args(root, tmp_path, epochs=1, batch=8), "--data.decode", "gpu",
                     "--data.image_size", "32", "--trainer.num_sanity_val_steps", "0", "--model.pictures", "[]"])
     done = next(line for line in (run.stdout + run.stderr).splitlines() if line.startswith("Done:"))
-    found = re.search(r"--data.decode gpu: (\d+) of (\d+) images \(([\d.]+)%\) took the CPU path", done)
+    found = re.search(r"--data.decode gpu: (\d+) images, \d+% decoded by the workers, (\d+) of them because the "
+                      r"device cannot take them .*per image [\d.]+ ms to read in a worker.* ms on the device "
+                      r"\(\d+ workers\), the decode thread waited \d+% of its time for the workers", done)
     assert found, done
-    assert 0 < int(found[1]) <= 6 and int(found[2]) == 24 + 24  # 3 train batches of 8, then all 24 val images
+    assert int(found[1]) == 24 and 0 < int(found[2]) <= 6  # the training loader's: 3 batches of 8
 
 
 # ---------------------------------------------------------------------------- the CUDA part
@@ -186,7 +173,9 @@ def test_nvjpeg_pixels_against_the_cpu_path(photo_tree, split):
     assert decoder.counts["device"] == len(cpu)
     diff = (got.float() - want.float()).abs()
     print(f"nvJPEG against libjpeg-turbo, {split}: mean |diff| {diff.mean():.3f}, max {diff.max():.0f}")
-    assert diff.mean() <= 1.0 and torch.equal(got_labels, want_labels)
+    # nvJPEG's hardware engine and libjpeg-turbo differ in the IDCT and the chroma upsampling: a mean of 1.05 (val)
+    # and 1.08 (train) on an H200 (bench/results/gpu-check-h200-decode.md); a box one pixel off differs by about 9
+    assert diff.mean() <= 1.5 and torch.equal(got_labels, want_labels)
 
 
 @needs_gpus(1, "nvJPEG's private stream")

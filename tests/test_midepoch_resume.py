@@ -68,7 +68,10 @@ def test_resumed_epoch_delivers_the_uninterrupted_runs_batches(backend, decode, 
     the uninterrupted run's epoch. With --data.decode gpu the device stage runs a batch ahead of the step."""
     config, data = sources[backend]
     kept = tmp_path / "step.ckpt"
-    steps = ["--data.decode", decode, "--checkpoint.every_n_train_steps", str(SAVED_AT),
+    # decode gpu: every file the device can take, on the device (the balanced share, timing-driven, would decode
+    # some on the CPU path instead: the same boxes, pixels a grey level apart; docs/data.md)
+    pinned = ["--data.cpu_decode_share", "0"] if decode == "gpu" else []
+    steps = ["--data.decode", decode, *pinned, "--checkpoint.every_n_train_steps", str(SAVED_AT),
              "--trainer.callbacks+=tests.helpers.callbacks.KeepCheckpointAt",
              f"--trainer.callbacks.step={SAVED_AT}", f"--trainer.callbacks.path={kept}"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
@@ -117,7 +120,8 @@ def test_ddp_each_rank_resumes_its_own_shard_after_sigterm(sources, tmp_path, de
     then --ckpt_path last: each rank delivers the rest of its own uninterrupted epoch, samples and pixels. With
     --data.decode gpu each rank decodes its own shard's batches."""
     config, data = sources["lmdb"]
-    ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--data.decode", decode]
+    ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--data.decode", decode,
+           *(["--data.cpu_decode_share", "0"] if decode == "gpu" else [])]  # exact pixels: see above
     whole, cut, resumed = tmp_path / "whole", tmp_path / "cut", tmp_path / "resumed"
     run_main(_args(config, data, tmp_path / "a", whole, *ddp))
     sigterm = ["--trainer.callbacks+=tests.helpers.callbacks.SignalAt", "--trainer.callbacks.epoch=1",

@@ -69,6 +69,9 @@ def add_parser(subparsers: Subparsers, common: AddCommon) -> argparse.ArgumentPa
                    help="AMP of the backend rows and speed flags (default: the ceiling's, the faster one it "
                         "measured, when the ceiling runs; else bf16-mixed where the GPU has it)")
     g.add_argument("--backends", default=None, help="comma list of backends (default: all)")
+    g.add_argument("--synthetic", default="all", choices=["all", "ceiling"],
+                   help="the trainer group's synthetic rows: all, or only the one its data rows are a share of "
+                        "(16-mixed + channels_last)")
     g.add_argument("--groups", default=",".join(GROUPS), help=f"comma list from {','.join(GROUPS)} (default: all)")
     g.add_argument("--allow-cpu", action="store_true", help="without a usable CUDA device, rehearse on the CPU "
                    "(GPU rows skipped) instead of stopping with exit status 2")
@@ -160,7 +163,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     elif not cuda:
         skipped("trainer", NAMES, NO_CUDA)
     else:
-        checks += guarded("trainer", "trainer", lambda: trainer_rows(w, root, args.num_workers))
+        checks += guarded("trainer", "trainer", lambda: trainer_rows(w, root, args.num_workers,
+                                                                           args.synthetic == "ceiling"))
     if "backends" in groups:
         checks += guarded("backend", "backends", lambda: backend_rows(args, w, root, ceiling))
     else:

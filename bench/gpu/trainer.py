@@ -5,13 +5,15 @@ Each row fits `ImageClassifier` (its fused SGD on CUDA, its warm-up + cosine sch
 the host syncs per step in that window (CUDA's sync debug mode warns at every synchronising call; the
 window has no logging step) and the peak memory. The synthetic rows feed one uint8 batch that is already on
 the device, normalised as every backend's batch is (the step alone: the ceiling); the ImageFolder row reads
-JPEGs, decoded by the loader workers (--data.decode cpu) or by the GPU (--data.decode gpu, and with compile),
-each reported as a share of the synthetic row with the same settings.
+JPEGs, decoded by the loader workers (--data.decode cpu), by the GPU alone (--data.decode gpu with
+--data.cpu_decode_share 0) or by both, balanced (--data.decode gpu), each reported as a share of the synthetic
+row with the same settings, after a longer warm-up (the balance settles within it: datamodules/sample/balance.py).
 """
 from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -19,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from bench.gpu.checks import Check, Workload
+from datamodules.sample.device_decode import decode_line
 from datamodules.sample.transforms import normalize
 
 GROUP = "trainer"
@@ -27,11 +30,12 @@ SYNTHETIC = (("16-mixed", "16-mixed", False, False),
              ("bf16-mixed", "bf16-mixed", False, False),
              ("16-mixed + channels_last", "16-mixed", True, False),
              ("16-mixed + channels_last + compile", "16-mixed", True, True))
-# (row, --data.decode, compile, the synthetic row it is a share of)
-IMAGEFOLDER = (("ImageFolder data, decode cpu, 16-mixed + channels_last", "cpu", False, "16-mixed + channels_last"),
-               ("ImageFolder data, decode gpu, 16-mixed + channels_last", "gpu", False, "16-mixed + channels_last"),
-               ("ImageFolder data, decode gpu, 16-mixed + channels_last + compile", "gpu", True,
-                "16-mixed + channels_last + compile"))
+# (row, the data module's decode arguments); each a share of the synthetic 16-mixed + channels_last row
+IMAGEFOLDER = (("ImageFolder data, decode cpu, 16-mixed + channels_last", {"decode": "cpu"}),
+               ("ImageFolder data, decode gpu alone, 16-mixed + channels_last",
+                {"decode": "gpu", "cpu_decode_share": 0.0}),
+               ("ImageFolder data, decode gpu balanced, 16-mixed + channels_last", {"decode": "gpu"}))
+DATA_WARMUP = 25  # steps before the data rows' window: workers started, the balance settled
 NAMES = [row[0] for row in SYNTHETIC] + [row[0] for row in IMAGEFOLDER]
 NUM_CLASSES = 10
 
@@ -120,28 +124,35 @@ def _check(name: str, w: Workload, clock: StepClock, verdict: str) -> Check:
                   "batch_size": w.batch_size, "image_size": w.image_size, "steps": w.steps, "warmup": w.warmup})
 
 
-def trainer_rows(w: Workload, root: Path, num_workers: int) -> list[Check]:
-    """The synthetic rows, then ImageFolder (decoded by the workers, then by the GPU) as a share of the synthetic
-    row with its settings."""
+def trainer_rows(w: Workload, root: Path, num_workers: int, ceiling_only: bool = False) -> list[Check]:
+    """The synthetic rows (`ceiling_only`: the one the data rows are a share of), then ImageFolder (decoded by the
+    workers, by the GPU, by both) as a share of it."""
     from datamodules import ImageFolderDataModule
 
     checks: list[Check] = []
+    synthetic = "16-mixed + channels_last"
     for name, precision, channels_last, compile in SYNTHETIC:
+        if ceiling_only and name != synthetic:
+            continue
         clock = fit_rate(w, SyntheticData(w, w.warmup + w.steps), precision, channels_last, compile)
         checks.append(_check(name, w, clock, "synthetic batch on the device: the step alone"))
         if w.device == "cuda":
             torch.cuda.empty_cache()
     rows = []
-    for name, decode, compile, synthetic in IMAGEFOLDER:
-        ceiling = next(c.images_s for c in checks if c.name == synthetic)
+    ceiling = next(c.images_s for c in checks if c.name == synthetic)
+    data_w = replace(w, warmup=max(w.warmup, DATA_WARMUP))
+    for name, decode in IMAGEFOLDER:
         data = ImageFolderDataModule(data_dir=str(root), batch_size=w.batch_size, num_workers=num_workers,
-                                     image_size=w.image_size, pin_memory=True, persistent_workers=True, decode=decode)
-        clock = fit_rate(w, data, "16-mixed", True, compile)
-        row = _check(name, w, clock, f"{num_workers} loader workers, --data.decode {decode}; share of the synthetic "
+                                     image_size=w.image_size, pin_memory=True, persistent_workers=True, **decode)
+        clock = fit_rate(data_w, data, "16-mixed", True, False)
+        flags = " ".join(f"--data.{k} {v}" for k, v in decode.items())
+        row = _check(name, data_w, clock, f"{num_workers} loader workers, {flags}; share of the synthetic "
                      f"{synthetic} row")
         counts = {split: dict(d.counts) for split, d in data.device_decoders.items()}
         if counts:
             row.extra["decoded"] = counts
+            row.extra["decode_line"] = decode_line(data.device_decoders)
+            row.verdict += f"; {row.extra['decode_line']}"
         row.figure += f" ({row.images_s / ceiling:.0%} of the synthetic step)"
         row.extra["share_of_synthetic"] = row.images_s / ceiling
         rows.append(row)

@@ -19,7 +19,9 @@ decoded and cropped on a side stream of this stage's own, and:
 
 `DecodeStage` runs this on one thread, one batch ahead of the consumer (the decode blocks its thread; the
 training thread keeps launching the step meanwhile). It keeps the loader state as of the batches it has
-handed out, so a mid-epoch checkpoint resumes exactly (datamodules/resume.py).
+handed out, so a mid-epoch checkpoint resumes exactly (datamodules/resume.py), and times where its thread
+waits: for the workers, on the device, for the step (`Waits`, said at the end of a run: decode_line).
+After each batch it tells the workers how much of the next to decode themselves (balance.py).
 
 Without CUDA (tests, a CPU run) the same code runs on the CPU: torchvision's batched CPU decode
 (libjpeg-turbo), streams and events skipped.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from datamodules.errors import DataError
+from datamodules.sample.balance import CANNOT, CpuShare
 from datamodules.sample.batches import batch_layout
 from datamodules.sample.decode import decode
 from datamodules.sample.encoded import EncodedBatch
@@ -61,16 +65,32 @@ class Decoded(NamedTuple):
     ids: torch.Tensor  # the batch's sample ids, on the host
 
 
-class DeviceDecode:
-    """Decodes and crops `EncodedBatch`es on `device`; counts the samples each path took."""
+class Waits:
+    """Seconds the stage's thread spent waiting for the workers' next batch, building a batch on the device, and
+    waiting for the step to take the batch it built; and the batches."""
 
-    def __init__(self, device: torch.device | str, describe: Describe) -> None:
+    def __init__(self) -> None:
+        self.workers = self.device = self.step = 0.0
+        self.batches = 0
+
+    def shares(self) -> dict[str, float]:
+        total = self.workers + self.device + self.step
+        return {k: getattr(self, k) / total if total else 0.0 for k in ("workers", "device", "step")}
+
+
+class DeviceDecode:
+    """Decodes and crops `EncodedBatch`es on `device`; counts the samples each path took. `share` sets the
+    workers' part of each batch (balance.py; None: the workers decode only what the device cannot)."""
+
+    def __init__(self, device: torch.device | str, describe: Describe, share: CpuShare | None = None) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.describe = describe
+        self.share = share
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.last: torch.cuda.Event | None = None
-        self.counts = {"device": 0, "cpu": 0}
+        self.counts = {"device": 0, "cpu": 0, "cannot": 0}  # decoded on the device, by the workers; cannot: of theirs
+        self.waits = Waits()
         self.pass_ids = False  # hand the sample ids on as a third element (a streamed batch's, shards/loader.py)
 
     def __call__(self, batch: EncodedBatch) -> tuple[torch.Tensor, ...]:
@@ -79,16 +99,24 @@ class DeviceDecode:
 
     def build(self, batch: EncodedBatch) -> Decoded:
         """The batch on the device, written on the side stream (any thread)."""
+        start = time.perf_counter()
         if not self.cuda:
-            return Decoded(*self._build(batch), None, batch.ids)
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.no_grad():
-            if self.last is not None:
-                self.last.synchronize()  # the side stream's previous batch: see the module doc
-            images, labels = self._build(batch)
-            ready = torch.cuda.Event()
-            ready.record(self.stream)
-        self.last = ready
-        return Decoded(images, labels, ready, batch.ids)
+            decoded = Decoded(*self._build(batch), None, batch.ids)
+        else:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.no_grad():
+                if self.last is not None:
+                    self.last.synchronize()  # the side stream's previous batch: see the module doc
+                images, labels = self._build(batch)
+                ready = torch.cuda.Event()
+                ready.record(self.stream)
+            self.last = ready
+            decoded = Decoded(images, labels, ready, batch.ids)
+        seconds = time.perf_counter() - start
+        self.waits.device += seconds
+        self.waits.batches += 1
+        if self.share is not None:
+            self.share.update(batch.costs, seconds, len(batch.slots))
+        return decoded
 
     def hand_over(self, decoded: Decoded) -> tuple[torch.Tensor, ...]:
         """On the consumer's thread: its current stream waits for the batch (on the device, not the host)."""
@@ -121,6 +149,7 @@ class DeviceDecode:
             out[batch.pixel_slots.to(self.device, non_blocking=True)] = batch.pixels.to(self.device, non_blocking=True)
         self.counts["device"] += len(slots)
         self.counts["cpu"] += len(batch.pixel_slots)
+        self.counts["cannot"] += int(batch.costs[CANNOT])
         return out, batch.labels.to(self.device, non_blocking=True)
 
     def _decode(self, batch: EncodedBatch, offsets: list[int]) -> list[torch.Tensor]:
@@ -212,22 +241,42 @@ class DecodeStage:
         try:
             if self.decoder.cuda:
                 torch.cuda.set_device(self.decoder.device)
+            waits = self.decoder.waits
+            asked = time.perf_counter()
             for batch in batches:
+                got = time.perf_counter()
+                waits.workers += got - asked
                 state = self.loader_state() if self.loader_state is not None else None
-                if not put((self.decoder.build(batch), state)) or stop.is_set():
+                decoded = self.decoder.build(batch)
+                built = time.perf_counter()
+                if not put((decoded, state)) or stop.is_set():
                     return
+                asked = time.perf_counter()
+                waits.step += asked - built
         except BaseException as e:  # noqa: BLE001 - re-raised on the consumer's thread
             put(e)
             return
         put((_DONE, self.loader_state() if self.loader_state is not None else None))
 
 
-def cpu_share_line(decoders: dict[str, DeviceDecode], above: float = 0.01) -> str | None:
-    """The end-of-run words on the files the device could not decode, when more than `above` of them took the CPU
-    path (this process's loaders); None otherwise."""
-    device = sum(d.counts["device"] for d in decoders.values())
-    cpu = sum(d.counts["cpu"] for d in decoders.values())
-    if not cpu or cpu <= above * (device + cpu):
+def decode_line(decoders: dict[str, DeviceDecode]) -> str | None:
+    """The end-of-run words on --data.decode gpu (the training loader's, else any): how much the workers decoded,
+    what an image cost each half, where the decode thread waited. None without device decode."""
+    decoder = decoders.get("train") or next(iter(decoders.values()), None)
+    if decoder is None or not decoder.waits.batches:
         return None
-    return (f"--data.decode gpu: {cpu:,} of {device + cpu:,} images ({cpu / (device + cpu):.1%}) took the CPU path "
-            "(progressive, grayscale, CMYK, EXIF-rotated or not JPEG; docs/data.md)")
+    counts = decoder.counts
+    total = counts["device"] + counts["cpu"]
+    words = [f"--data.decode gpu: {total:,} images, {counts['cpu'] / max(1, total):.0%} decoded by the workers"]
+    if counts["cannot"]:
+        words.append(f"{counts['cannot']:,} of them because the device cannot take them (progressive, grayscale, "
+                     "CMYK, EXIF-rotated or not JPEG: docs/data.md)")
+    costs = decoder.share.costs() if decoder.share is not None else None
+    if costs is not None:
+        decode = f", {costs['decode'] * 1e3:.2f} ms to decode there" if costs["decode"] is not None else ""
+        words.append(f"per image {costs['read'] * 1e3:.2f} ms to read in a worker{decode}, "
+                     f"{costs['device'] * 1e3:.2f} ms on the device ({decoder.share.workers} workers)")
+    waits = decoder.waits.shares()
+    words.append(f"the decode thread waited {waits['workers']:.0%} of its time for the workers and "
+                 f"{waits['step']:.0%} for the step")
+    return ", ".join(words)

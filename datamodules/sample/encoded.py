@@ -7,13 +7,15 @@ With `--data.decode gpu` a loader worker does not decode. Per batch it
 3. draws the crop box and the flip from the sample's own `random.Random`, seeded exactly as the CPU path
    seeds it (`crop.TrainCrop.plan`, the same draws in the same order), so a seeded or resumed run crops the
    same boxes whichever decode runs;
-4. packs bytes, boxes, labels and sample ids into one `EncodedBatch`.
+4. packs bytes, boxes, labels and sample ids into one `EncodedBatch`, with the seconds it spent.
 Files the GPU path cannot take are decoded and cropped here, on the CPU path with the same seed, and join
-the batch as pixels (`gpu_takes` says which). The device half is device_decode.py.
+the batch as pixels (`gpu_takes` says which); so does a share of the others when the workers have time to
+spare (`overflow`, balance.py). The device half is device_decode.py.
 """
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -35,7 +37,9 @@ class EncodedBatch(NamedTuple):
     data: the encoded bytes of the samples the device decodes, back to back; offsets: (m + 1) int64 bounds
     of each in `data`; slots: their (m) places in the batch; plans: (m, 9) int64 `CropPlan`s; pixels: the
     (k, 3, size, size) uint8 samples decoded here, channels-last; pixel_slots: their (k) places;
-    labels, ids: (n) int64 labels and sample ids (ids name a file in an error); size: the batch's size.
+    labels, ids: (n) int64 labels and sample ids (ids name a file in an error); size: the batch's size;
+    costs: what the worker spent on it (float64, balance.py: images, seconds reading and planning, images
+    decoded here, seconds decoding them, images the device cannot take).
     """
 
     data: torch.Tensor
@@ -47,6 +51,7 @@ class EncodedBatch(NamedTuple):
     labels: torch.Tensor
     ids: torch.Tensor
     size: torch.Tensor
+    costs: torch.Tensor
 
 
 def gpu_takes(frame: JpegFrame | None, data: Encoded) -> bool:
@@ -74,7 +79,13 @@ def _shared_bytes(n: int) -> torch.Tensor:
 
 
 class EncodedDataset(SampleDataset):
-    """A SampleDataset whose batches are `EncodedBatch`es: see the module doc. `crop` is TrainCrop or ValCrop."""
+    """A SampleDataset whose batches are `EncodedBatch`es: see the module doc. `crop` is TrainCrop or ValCrop.
+
+    `overflow` (shared memory, set by the device stage; balance.py): the chance that a file the device could
+    decode is decoded here instead.
+    """
+
+    overflow: torch.Tensor | None = None
 
     def plan(self, data: Encoded, size: int, rng: random.Random) -> CropPlan | None:
         """The device's crop of this sample, or None for the CPU path."""
@@ -90,13 +101,17 @@ class EncodedDataset(SampleDataset):
         return None
 
     def __getitems__(self, indices: Sequence[int]) -> EncodedBatch:
+        began = time.perf_counter()
         size = self.size()
+        overflow = float(self.overflow[0]) if self.overflow is not None else 0.0
         seeds = torch.randint(2**62, (len(indices),)).tolist()  # as SampleDataset draws them: the same crops
         device: list[tuple[int, Encoded, CropPlan]] = []
         here: list[tuple[int, Encoded | Exception]] = []
+        cannot = 0
         for k, data in enumerate(read_ahead(self.source, indices, sample_pool())):
             plan = None if isinstance(data, Exception) else self.plan(data, size, random.Random(seeds[k]))
-            if plan is None:
+            cannot += plan is None
+            if plan is None or seeds[k] < overflow * 2**62:  # the seed is uniform: a fair draw of the overflow
                 here.append((k, data))
             else:
                 device.append((k, data, plan))
@@ -109,12 +124,16 @@ class EncodedDataset(SampleDataset):
             flat[start:end] = np.frombuffer(data, np.uint8) if not isinstance(data, torch.Tensor) else data.numpy()
         shape, stride, _ = batch_layout(len(here), size)
         pixels = torch.empty_strided(shape, stride, dtype=torch.uint8)
+        decoding = time.perf_counter()
         for j, (k, data) in enumerate(here):  # a failure raises a DataError naming the file, as on the CPU path
             pixels[j].copy_(self.sample(indices[k], size, random.Random(seeds[k]), data))
+        done = time.perf_counter()
+        costs = torch.tensor([len(indices), decoding - began, len(here), done - decoding, cannot],  # balance.COSTS
+                             dtype=torch.float64)
         return EncodedBatch(
             data=packed, offsets=torch.from_numpy(offsets),
             slots=torch.tensor([k for k, _, _ in device], dtype=torch.int64),
             plans=torch.tensor([tuple(plan) for _, _, plan in device], dtype=torch.int64).reshape(-1, 9),
             pixels=pixels, pixel_slots=torch.tensor([k for k, _ in here], dtype=torch.int64),
             labels=self.labels[list(indices)], ids=torch.as_tensor(list(indices), dtype=torch.int64),
-            size=torch.tensor(size, dtype=torch.int64))
+            size=torch.tensor(size, dtype=torch.int64), costs=costs)

@@ -20,6 +20,7 @@ from datamodules.errors import DataError
 from datamodules.index import SPLITS, find_classes
 from datamodules.processes.loader_workers import end_stuck_workers_at_exit, leave_stop_signals_to_the_trainer
 from datamodules.processes.locks import file_lock
+from datamodules.sample.balance import CpuShare, shared_overflow
 from datamodules.sample.crop import TrainCrop, ValCrop
 from datamodules.sample.device_decode import DecodeStage, DeviceDecode
 from datamodules.shards.errors import as_data_error, corrupt_chunk
@@ -202,6 +203,8 @@ class StreamingDataModule(ImageDataModule):
         encoded = self.decodes_on_device and not predict
         batches = ShardBatches(crop, size, f"{self.url}/{split}", decode_threads=max(1, self.cpus() // max(1, workers)),
                                ring_slots=sizing.ring_slots, with_paths=predict, encoded=encoded)
+        if encoded:
+            batches.overflow = shared_overflow()  # before the workers start: they read it (sample/balance.py)
         loader = (PredictShardLoader if predict else ShardLoader)(
             dataset or self.datasets[split], batch_size=self.per_process_batch_size, num_workers=workers,
             collate_fn=batches, pin_memory=self.pins_memory and not encoded,
@@ -211,6 +214,7 @@ class StreamingDataModule(ImageDataModule):
             decoder = self.device_decoders.get(split)
             if decoder is None or decoder.device != self.device:
                 decoder = self.device_decoders[split] = DeviceDecode(self.device, batches.describe)
+            decoder.share = CpuShare(batches.overflow, workers, self.cpu_decode_share)
             decoder.pass_ids = True  # the pack's sample ids go on as the batch's third element, as on the CPU path
             loader.device_stage = DecodeStage(decoder, loader.loader_state if split == "train" else None)
         return loader

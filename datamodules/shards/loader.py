@@ -138,6 +138,7 @@ class ShardBatches:
         self.ring_slots = ring_slots  # from the memory plan (datamodules/budget/memory.py)
         self.with_paths = with_paths
         self.encoded = encoded  # --data.decode gpu: an EncodedBatch whose ids are the pack's sample ids
+        self.overflow: torch.Tensor | None = None  # with encoded: the workers' decode share (sample/balance.py)
 
     def describe(self, i: int, error: Exception) -> str:
         """A sample the device could not decode, by its id in the pack (the main process has no paths)."""
@@ -147,6 +148,7 @@ class ShardBatches:
         data, labels, paths, indices = zip(*items, strict=False)
         if self.encoded:
             packed = EncodedDataset(ItemSource(data, paths, self.url), labels, self.crop, self.size)
+            packed.overflow = self.overflow
             return packed.__getitems__(range(len(items)))._replace(ids=torch.tensor(indices, dtype=torch.int64))
         samples = SampleDataset(ItemSource(data, paths, self.url), labels, self.crop, self.size)
         samples.decode_threads = self.decode_threads
