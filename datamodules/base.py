@@ -75,8 +75,9 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
             decoded in the workers. cpu is the default until the offline GPU check has timed gpu on a GPU
             (docs/data.md, "Which decode").
         cpu_decode_share: with decode gpu, the share of the files the device could decode that the workers
-            decode instead: null balances it after every batch so neither the workers nor the device wait
-            (datamodules/sample/balance.py); 0 leaves every such file to the device.
+            decode instead: 0 (the default) leaves every such file to the device; null balances it after every
+            batch so that neither the workers nor the device wait (datamodules/sample/balance.py; on an H200 with
+            16 CPUs it did not beat 0: docs/data.md, "Which decode").
     """
 
     def __init__(
@@ -99,7 +100,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         shm_budget_gib: float = DEFAULT_BUDGET_GIB["shm"],
         host_budget_gib: float = DEFAULT_BUDGET_GIB["host"],
         decode: Literal["cpu", "gpu"] = "cpu",
-        cpu_decode_share: float | None = None,
+        cpu_decode_share: float | None = 0.0,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -108,7 +109,8 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
             raise DataError(f'data.num_workers must be "auto" or an integer >= 0, got {num_workers!r}.')
         if decode not in ("cpu", "gpu"):
             raise DataError(f'data.decode must be "cpu" or "gpu", got {decode!r}.')
-        if cpu_decode_share is not None and (decode != "gpu" or not 0 <= cpu_decode_share <= 1):
+        if (cpu_decode_share != 0 and decode != "gpu") or (cpu_decode_share is not None
+                                                            and not 0 <= cpu_decode_share <= 1):
             raise DataError(f"data.cpu_decode_share is the workers' share under --data.decode gpu: null (balanced) or "
                             f"a number in [0, 1], with decode gpu; got {cpu_decode_share!r} with decode {decode}.")
         if decode == "gpu" and (auto_augment is not None or random_erasing > 0):

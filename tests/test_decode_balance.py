@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from datamodules.errors import DataError
 from datamodules.imagefolder import ImageFolderDataModule
 from datamodules.sample.balance import WARMUP_BATCHES, CpuShare, shared_overflow
 from datamodules.sample.crop import TrainCrop
@@ -77,6 +78,8 @@ def test_the_share_reaches_forked_workers_and_the_overflow_is_the_cpu_paths_own_
         assert torch.equal(got, want)
 
 
-def test_a_share_without_decode_gpu_is_refused():
-    with pytest.raises(Exception, match="cpu_decode_share"):
-        ImageFolderDataModule(cpu_decode_share=0.5)
+def test_a_share_without_decode_gpu_or_outside_0_1_is_refused():
+    for bad in ({"cpu_decode_share": 0.5}, {"cpu_decode_share": None}, {"decode": "gpu", "cpu_decode_share": 1.5}):
+        with pytest.raises(DataError, match="cpu_decode_share"):
+            ImageFolderDataModule(**bad)
+    assert ImageFolderDataModule(decode="gpu", cpu_decode_share=None).cpu_decode_share is None

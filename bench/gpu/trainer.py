@@ -5,8 +5,8 @@ Each row fits `ImageClassifier` (its fused SGD on CUDA, its warm-up + cosine sch
 the host syncs per step in that window (CUDA's sync debug mode warns at every synchronising call; the
 window has no logging step) and the peak memory. The synthetic rows feed one uint8 batch that is already on
 the device, normalised as every backend's batch is (the step alone: the ceiling); the ImageFolder row reads
-JPEGs, decoded by the loader workers (--data.decode cpu), by the GPU alone (--data.decode gpu with
---data.cpu_decode_share 0) or by both, balanced (--data.decode gpu), each reported as a share of the synthetic
+JPEGs, decoded by the loader workers (--data.decode cpu), by the GPU alone (--data.decode gpu) or by both,
+balanced (--data.decode gpu --data.cpu_decode_share null), each reported as a share of the synthetic
 row with the same settings, after a longer warm-up (the balance settles within it: datamodules/sample/balance.py).
 """
 from __future__ import annotations
@@ -34,7 +34,8 @@ SYNTHETIC = (("16-mixed", "16-mixed", False, False),
 IMAGEFOLDER = (("ImageFolder data, decode cpu, 16-mixed + channels_last", {"decode": "cpu"}),
                ("ImageFolder data, decode gpu alone, 16-mixed + channels_last",
                 {"decode": "gpu", "cpu_decode_share": 0.0}),
-               ("ImageFolder data, decode gpu balanced, 16-mixed + channels_last", {"decode": "gpu"}))
+               ("ImageFolder data, decode gpu balanced, 16-mixed + channels_last",
+                {"decode": "gpu", "cpu_decode_share": None}))
 DATA_WARMUP = 25  # steps before the data rows' window: workers started, the balance settled
 NAMES = [row[0] for row in SYNTHETIC] + [row[0] for row in IMAGEFOLDER]
 NUM_CLASSES = 10
@@ -145,7 +146,7 @@ def trainer_rows(w: Workload, root: Path, num_workers: int, ceiling_only: bool =
         data = ImageFolderDataModule(data_dir=str(root), batch_size=w.batch_size, num_workers=num_workers,
                                      image_size=w.image_size, pin_memory=True, persistent_workers=True, **decode)
         clock = fit_rate(data_w, data, "16-mixed", True, False)
-        flags = " ".join(f"--data.{k} {v}" for k, v in decode.items())
+        flags = " ".join(f"--data.{k} {'null' if v is None else v}" for k, v in decode.items())
         row = _check(name, data_w, clock, f"{num_workers} loader workers, {flags}; share of the synthetic "
                      f"{synthetic} row")
         counts = {split: dict(d.counts) for split, d in data.device_decoders.items()}

@@ -40,9 +40,10 @@ def shared_overflow() -> torch.Tensor:
 
 
 class CpuShare:
-    """The CPU's share of each batch under --data.decode gpu: fixed (`fixed` in [0, 1]) or balanced (`fixed`
-    None, see the module doc). `overflow` is the workers' shared value; `workers` the loader's worker count
-    (0: the batches are packed on the stage's own thread, where decoding on the CPU only adds to it)."""
+    """The CPU's share of each batch under --data.decode gpu: fixed (`fixed` in [0, 1]: 0, the default, leaves
+    every file the device can take to it) or balanced (`fixed` None, see the module doc). `overflow` is the
+    workers' shared value; `workers` the loader's worker count (0: the batches are packed on the stage's own
+    thread, where decoding on the CPU only adds to it)."""
 
     def __init__(self, overflow: torch.Tensor | None, workers: int, fixed: float | None = None) -> None:
         self.overflow = overflow
@@ -54,15 +55,17 @@ class CpuShare:
             overflow.fill_(fixed or 0.0)
 
     def update(self, costs: torch.Tensor, stage_s: float, device_images: int) -> None:
-        """Fold in one batch: its worker's costs and the stage's seconds on its `device_images`."""
+        """Fold in one batch: its worker's costs and the stage's seconds on its `device_images` (kept with a fixed
+        share too: the end-of-run line reports them)."""
         self.batches += 1
-        if self.batches <= WARMUP_BATCHES or self.overflow is None or self.fixed is not None:
+        if self.batches <= WARMUP_BATCHES:
             return
         self.sums.mul_(DECAY)
         self.sums[:COSTS] += costs.to(torch.float64)
         self.sums[COSTS] += stage_s
         self.sums[COSTS + 1] += device_images
-        self.overflow.fill_(self.target_overflow())
+        if self.overflow is not None and self.fixed is None:
+            self.overflow.fill_(self.target_overflow())
 
     def costs(self) -> dict[str, float] | None:
         """The running per-image seconds: read (r), decode (c, None before a CPU decode), device (g); and the share
