@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,29 @@ from datamodules.builtin.tree import generate  # noqa: E402
 from tests.helpers.optional import DALI_MISSING, REQUIRE_DALI_ENV  # noqa: E402
 from tests.helpers.s3 import S3Server  # noqa: E402
 from tests.helpers.trees import jpeg, make_odd_tree, make_slow_tree  # noqa: E402
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--share", default=None, metavar="K/N",
+                     help="run the K-th of N parts of the selected tests (parts by a hash of each test's id; tests "
+                          "marked every_ci always run): CI's rotation through the slow tests, .ci/run")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    share = config.getoption("--share")
+    if not share:
+        return
+    try:
+        k, n = (int(x) for x in share.split("/"))
+        assert 0 <= k < n
+    except (ValueError, AssertionError):
+        raise pytest.UsageError(f"--share takes K/N with 0 <= K < N, got {share!r}") from None
+    keep, drop = [], []
+    for item in items:
+        picked = item.get_closest_marker("every_ci") or zlib.crc32(item.nodeid.encode()) % n == k
+        (keep if picked else drop).append(item)
+    config.hook.pytest_deselected(items=drop)
+    items[:] = keep
 
 
 def pytest_sessionstart(session) -> None:

@@ -9,6 +9,7 @@ from tests.helpers.cli import run_main
 
 
 @pytest.mark.slow
+@pytest.mark.every_ci  # the README's first promise
 def test_quickstart_reaches_90_percent(tmp_path):
     # about a minute on a 2-core VM; below pytest's 600 s (pyproject.toml), so a hang ends as this run's TimeoutExpired
     proc = run_main(["fit", "--config", "configs/ddp_amp.yaml", "--trainer.default_root_dir", str(tmp_path)],
