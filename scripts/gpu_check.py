@@ -121,13 +121,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", default=None, help="comma list of parts to run, by their last word (gpu, ceiling, "
-                    "trainer, precision, flags, backends, dali, ddp, input): a rerun of the ones that failed; "
+                    "trainer, input, backends, precision, flags, dali, ddp): a rerun of the ones that failed; "
                     "default all")
     ap.add_argument("--deadline-s", type=float, default=DEADLINE_S, help=f"the whole check (default {DEADLINE_S})")
     ap.add_argument("--rehearse-on-cpu", action="store_true", help="without CUDA, run every part anyway at a tiny "
                     "size (bench gpu --allow-cpu): a test of this runner, never a result")
     args = ap.parse_args()
     out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)  # run on its own (a rerun), not only from gpu_check.sh
     # the deadline counts from gpu_check.sh's start (its venv and wheel install included)
     start = time.monotonic() - max(0.0, time.time() - float(os.environ.get("GPU_CHECK_STARTED", time.time())))
     result = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "versions": versions(),
@@ -178,7 +179,12 @@ def main() -> int:
     tested = [p for p in result["parts"]
               if p["part"].startswith("pytest") and p["status"] == "ok" and " passed" in p["summary"]]
     nothing = not ran and (any(p["part"].startswith("bench") for p in result["parts"]) or not tested)
-    if failed:
+    if args.rehearse_on_cpu and not v["usable"]:
+        result["rehearsal"] = True
+        result["verdict"] = (f"rehearsal on a CPU, not a check: {len(result['parts'])} parts ran at a tiny size, "
+                             f"{len(ran)} rows; " + (f"FAILED: {', '.join(failed)}" if failed else "the runner works")
+                             + ". No figure here is a GPU's.")
+    elif failed:
         result["verdict"] = f"FAILED: {', '.join(failed)}"
     elif nothing:
         result["verdict"] = "every row was skipped: nothing was checked"

@@ -127,7 +127,17 @@ def test_the_gpu_check_stops_without_a_usable_gpu_and_its_runner_reports_every_p
     assert all(c["status"] == "skipped" for (group, _), c in rows.items() if group == "trainer")
     assert rows[("input", "VERDICT")]["status"] == "ok"
     assert (tmp_path / "cpu" / "gpu-check.md").read_text().startswith("# GPU check, ")
+    assert report["verdict"].startswith("rehearsal on a CPU, not a check") and "passed" not in report["verdict"]
     assert rehearsal.returncode == 0, rehearsal.stdout[-3000:]
+
+
+def test_a_rerun_of_some_parts_without_a_gpu_exits_2_in_one_paragraph(tmp_path):
+    """docs/clusters.md's rerun line, run where torch sees no GPU, into a folder that does not exist yet."""
+    rerun = subprocess.run([sys.executable, "scripts/gpu_check.py", "--out", str(tmp_path / "new" / "rerun"),
+                            "--parts", "gpu,flags"], cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert rerun.returncode == 2, rerun.stdout[-2000:] + rerun.stderr[-2000:]
+    assert "Traceback" not in rerun.stderr and "no usable CUDA device" in rerun.stdout
+    assert json.loads((tmp_path / "new" / "rerun" / "gpu-check.json").read_text())["parts"] == []
 
 
 @pytest.mark.parametrize(("native", "precision", "accelerator", "expected"), [
