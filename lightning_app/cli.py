@@ -262,7 +262,7 @@ class ClassifierCLI(LightningCLI):
         pruned = next((c.pruned_at for c in trainer.callbacks if getattr(c, "pruned_at", None) is not None), None)
         parts = [
             f"best val/acc1 {float(best):.4f}" if best is not None else "best val/acc1 n/a",
-            f"{trainer.current_epoch} epochs" + (f" (pruned by the sweep after epoch {pruned})"
+            f"{trainer.current_epoch} epoch{'' if trainer.current_epoch == 1 else 's'}" + (f" (pruned by the sweep after epoch {pruned})"
                                                  if pruned is not None else ""),
             f"{img_s:,.0f} images/s ({trainer.world_size} process{'es' if trainer.world_size > 1 else ''})"
             if img_s else "images/s n/a",

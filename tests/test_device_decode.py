@@ -154,6 +154,7 @@ def test_the_end_of_run_line_counts_the_files_the_device_could_not_take(tmp_path
     run = run_main(["fit", *quick_args(root, tmp_path, epochs=1, batch=8), "--data.decode", "gpu",
                     "--data.image_size", "32", "--trainer.num_sanity_val_steps", "0", "--model.pictures", "[]"])
     done = next(line for line in (run.stdout + run.stderr).splitlines() if line.startswith("Done:"))
+    assert "; 1 epoch;" in done, done  # one epoch, said so
     found = re.search(r"--data.decode gpu: (\d+) images, \d+% decoded by the workers, (\d+) of them because the "
                       r"device cannot take them .*per image [\d.]+ ms to read in a worker.* ms on the device "
                       r"\(\d+ workers\), the decode thread waited \d+% of its time for the workers", done)

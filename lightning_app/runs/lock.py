@@ -112,10 +112,10 @@ class RunLock:
         pid, host = owner.get("pid"), owner.get("host")
         who = f"process {pid} on host {host}" if pid else "an unreadable lock"
         if _requeued_after(owner):
-            because = f"SLURM requeued job {owner.get('slurm_job_id')}; the lock was its previous attempt's"
+            because = f"the previous attempt of SLURM job {owner.get('slurm_job_id')}, which SLURM requeued"
         elif _restarted_after(owner):
-            because = (f"torchrun restarted the worker group of {owner.get('torchelastic')}; the lock was its attempt "
-                       f"{owner.get('torchelastic_restart_count')}'s")
+            because = (f"attempt {owner.get('torchelastic_restart_count')} of the torchrun worker group "
+                       f"{owner.get('torchelastic')}, which torchrun restarted")
         elif isinstance(pid, int) and host == socket.gethostname():
             if _alive(pid, owner.get("pid_start")):
                 raise UserError(
@@ -124,7 +124,8 @@ class RunLock:
                     "or train into a fresh run (leave out --ckpt_path).")
             because = f"{who}, which is no longer running"
         elif age > STALE_S:
-            because = f"{who}, whose heartbeat stopped {age / 60:.0f} min ago"
+            because = (f"{who}, whose heartbeat stopped {age / 60:.0f} min ago (a lock from another host is taken "
+                       f"over after {STALE_S / 60:.0f} min without a heartbeat)")
         else:
             raise UserError(
                 f"run folder {self.path.parent} is locked by {who} (started {owner.get('started', '?')}; "

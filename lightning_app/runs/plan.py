@@ -19,7 +19,7 @@ from lightning_app.callbacks.predictions import FILENAME as RESULT_FILE
 from lightning_app.runs import identity
 from lightning_app.runs.folders import RUN_PATTERN, new_run, new_subfolder
 from lightning_app.runs.guard import RunGuard
-from lightning_app.runs.lock import STALE_S, RunLock
+from lightning_app.runs.lock import RunLock
 from lightning_app.runs.ranks import is_launch_rank_zero
 from lightning_app.runs.resolve import resolve
 from lightning_app.runs.signature import ModelSignature, check_compatible, fingerprint
@@ -96,8 +96,7 @@ def discard_evaluation_folder(plan: RunPlan, logged_metrics: bool) -> None:
 def _lock(run_dir: Path, lines: list[str]) -> RunLock:
     lock = RunLock(run_dir).acquire()
     if lock.took_over is not None:
-        lines.append(f"took over the lock of {run_dir} from {lock.took_over_because} "
-                     f"(locks are taken over from another host after {STALE_S / 60:.0f} min without a heartbeat).")
+        lines.append(f"took over the lock of {run_dir} from {lock.took_over_because}.")
     return lock
 
 
