@@ -260,10 +260,11 @@ class ClassifierCLI(LightningCLI):
         img_s = monitor.summary.get("train_img_s") if monitor else None
         # a sweep's ReportToStudy (lightning_app/sweep/pruning.py) that stopped this trial says after which epoch
         pruned = next((c.pruned_at for c in trainer.callbacks if getattr(c, "pruned_at", None) is not None), None)
+        epochs = trainer.current_epoch
         parts = [
             f"best val/acc1 {float(best):.4f}" if best is not None else "best val/acc1 n/a",
-            f"{trainer.current_epoch} epoch{'' if trainer.current_epoch == 1 else 's'}" + (f" (pruned by the sweep after epoch {pruned})"
-                                                 if pruned is not None else ""),
+            f"{epochs} epoch{'' if epochs == 1 else 's'}" + (f" (pruned by the sweep after epoch {pruned})"
+                                                            if pruned is not None else ""),
             f"{img_s:,.0f} images/s ({trainer.world_size} process{'es' if trainer.world_size > 1 else ''})"
             if img_s else "images/s n/a",
         ]

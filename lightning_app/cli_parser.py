@@ -45,9 +45,19 @@ def option_names(parser) -> list[str]:
     return sorted(names | set(data_option_names()))
 
 
+# names other tools give the same settings: a spelling distance would not find these (model.learning_rate is
+# nearer to model.weights than to model.lr)
+ALIASES = {"learning_rate": "lr", "wd": "weight_decay", "bs": "batch_size", "epochs": "max_epochs",
+           "workers": "num_workers", "img_size": "image_size", "model": "arch"}
+
+
 def closest(option: str, names: list[str]) -> str | None:
-    """The valid option nearest to a mistyped one (difflib's ratio), or None when nothing is close."""
+    """The valid option nearest to a mistyped one (a known alias, else difflib's ratio), or None when nothing is
+    close."""
     key = option.split("=", 1)[0]
+    group, _, leaf = key.rpartition(".")
+    if leaf in ALIASES and f"{group}.{ALIASES[leaf]}" in names:
+        return f"{group}.{ALIASES[leaf]}"
     same_group = [n for n in names if n.rsplit(".", 1)[0] == key.rsplit(".", 1)[0]]
     for pool in (same_group, names):
         match = difflib.get_close_matches(key, pool, n=1, cutoff=0.6)

@@ -22,6 +22,7 @@ def _fails(args: list[str], capsys) -> str:
     (["--trainer.max_epoks", "3"], "did you mean --trainer.max_epochs?"),
     (["--trainer.max_epoch", "3"], "did you mean --trainer.max_epochs?"),  # no abbreviation is taken
     (["--data.batch_sise", "8"], "did you mean --data.batch_size?"),
+    (["--model.learning_rate", "0.1"], "did you mean --model.lr?"),  # another tool's name for it
 ])
 def test_a_mistyped_option_names_the_closest_one(typed, said, tiny_data, tmp_path, capsys):
     err = _fails(["fit", *quick_args(tiny_data, tmp_path), *typed], capsys)

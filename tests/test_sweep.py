@@ -164,6 +164,7 @@ def test_resume_finishes_the_interrupted_trial_from_its_last_checkpoint(tiny_dat
 @pytest.mark.parametrize("changes, said", [
     ({"model.lrr": "loguniform 0.01 1"}, ("model.lrr is not a setting of `python main.py fit` with this config "
                                          "(did you mean model.lr?)")),
+    ({"model.learning_rate": "loguniform 0.01 1"}, "(did you mean model.lr?)"),  # an alias, not a spelling
     ({"model.lr": "lognormal 0.01 1"}, "model.lr: 'lognormal 0.01 1' names no known distribution"),
     ({"model.lr": "uniform 1 0.5"}, "LOW 1.0 is not below HIGH 0.5"),
     ({"model.lr": "loguniform 0 1"}, "a log scale needs LOW > 0"),

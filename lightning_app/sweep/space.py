@@ -13,7 +13,6 @@ The fingerprint covers everything that decides what a trial means; a study folde
 """
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import math
@@ -23,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from lightning_app.cli_parser import closest
 from lightning_app.errors import UserError
 from lightning_app.runs.identity import flatten
 
@@ -179,9 +179,9 @@ def locate(space: Space, config: dict) -> dict[str, tuple[str, ...]]:
         place = place_of(key, config)
         if place is None:
             names = sorted({k.replace(".init_args.", ".") for k in flatten(config)})
-            near = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+            near = closest(key, names)
             raise UserError(f"{space.path}: {key} is not a setting of `python main.py fit` with this config"
-                            f"{f' (did you mean {near[0]}?)' if near else ''}; every setting: python main.py fit "
+                            f"{f' (did you mean {near}?)' if near else ''}; every setting: python main.py fit "
                             "--print_config.")
         places[key] = place
     return places
