@@ -19,7 +19,7 @@ def _fed(share: CpuShare, batches: int, n: int, read: float, decode: float, devi
     for _ in range(batches):
         on_cpu = round(n * float(share.overflow[0])) + cannot
         on_cpu = min(n, max(on_cpu, cannot))
-        costs = torch.tensor([n, n * read, on_cpu, on_cpu * decode, cannot], dtype=torch.float64)
+        costs = [n, n * read, on_cpu, on_cpu * decode, cannot]
         share.update(costs, (n - on_cpu) * device, n - on_cpu)
     return float(share.overflow[0])
 
@@ -54,7 +54,7 @@ def test_a_fixed_share_and_no_workers_stay_put():
 def test_a_cpu_decode_is_tried_before_any_was_timed_and_warm_up_is_not_counted():
     share = CpuShare(shared_overflow(), workers=4)
     assert _fed(share, WARMUP_BATCHES, 64, read=1e-3, decode=4e-3, device=1.0) == 0.0  # not counted
-    costs = torch.tensor([64, 64e-3, 0, 0, 0], dtype=torch.float64)
+    costs = [64, 64e-3, 0, 0, 0]
     share.update(costs, 64e-3, 64)
     assert float(share.overflow[0]) == 0.05
 

@@ -50,27 +50,24 @@ class CpuShare:
         self.workers = workers
         self.fixed = fixed
         self.batches = 0
-        self.sums = torch.zeros(COSTS + 2, dtype=torch.float64)  # the costs, then the stage's seconds and images
+        self.sums = [0.0] * (COSTS + 2)  # the costs, then the stage's seconds and images
         if overflow is not None:
             overflow.fill_(fixed or 0.0)
 
-    def update(self, costs: torch.Tensor, stage_s: float, device_images: int) -> None:
-        """Fold in one batch: its worker's costs and the stage's seconds on its `device_images` (kept with a fixed
-        share too: the end-of-run line reports them)."""
+    def update(self, costs: list[float], stage_s: float, device_images: int) -> None:
+        """Fold in one batch: its worker's costs (`EncodedBatch.costs` as a list) and the stage's seconds on its
+        `device_images` (kept with a fixed share too: the end-of-run line reports them)."""
         self.batches += 1
         if self.batches <= WARMUP_BATCHES:
             return
-        self.sums.mul_(DECAY)
-        self.sums[:COSTS] += costs.to(torch.float64)
-        self.sums[COSTS] += stage_s
-        self.sums[COSTS + 1] += device_images
+        self.sums = [DECAY * old + new for old, new in zip(self.sums, [*costs, stage_s, device_images], strict=True)]
         if self.overflow is not None and self.fixed is None:
             self.overflow.fill_(self.target_overflow())
 
     def costs(self) -> dict[str, float] | None:
         """The running per-image seconds: read (r), decode (c, None before a CPU decode), device (g); and the share
         of files the device cannot take. None before both halves have been measured."""
-        s = self.sums.tolist()
+        s = self.sums
         if s[IMAGES] <= 0 or s[COSTS + 1] <= 0:
             return None
         return {"read": s[READ_S] / s[IMAGES], "decode": s[DECODE_S] / s[ON_CPU] if s[ON_CPU] > 0 else None,

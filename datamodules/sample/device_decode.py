@@ -114,8 +114,10 @@ class DeviceDecode:
         seconds = time.perf_counter() - start
         self.waits.device += seconds
         self.waits.batches += 1
+        costs = batch.costs.tolist()
+        self.counts["cannot"] += int(costs[CANNOT])
         if self.share is not None:
-            self.share.update(batch.costs, seconds, len(batch.slots))
+            self.share.update(costs, seconds, len(batch.slots))
         return decoded
 
     def hand_over(self, decoded: Decoded) -> tuple[torch.Tensor, ...]:
@@ -149,7 +151,6 @@ class DeviceDecode:
             out[batch.pixel_slots.to(self.device, non_blocking=True)] = batch.pixels.to(self.device, non_blocking=True)
         self.counts["device"] += len(slots)
         self.counts["cpu"] += len(batch.pixel_slots)
-        self.counts["cannot"] += int(batch.costs[CANNOT])
         return out, batch.labels.to(self.device, non_blocking=True)
 
     def _decode(self, batch: EncodedBatch, offsets: list[int]) -> list[torch.Tensor]:
