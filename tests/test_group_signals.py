@@ -79,13 +79,18 @@ def test_a_stop_signal_to_the_group_saves_and_resumes(backend, sig, tiny_data, t
     assert _step(root) == 12
 
 
-def test_sigterm_to_the_group_of_a_two_process_run_saves_once_and_resumes(tiny_data, tmp_path):
+@pytest.mark.parametrize("decode", [
+    [],
+    # each rank's decode thread, its workers decoding a balanced share (datamodules/sample/balance.py)
+    pytest.param(["--data.decode", "gpu", "--data.cpu_decode_share", "null"], marks=pytest.mark.slow, id="gpu-share"),
+], ids=lambda d: "cpu" if d == [] else None)
+def test_sigterm_to_the_group_of_a_two_process_run_saves_once_and_resumes(tiny_data, tmp_path, decode):
     """ImageFolder; DALI's workers are covered by the one-process test above (its 2-process run took 3 min)."""
     root = tmp_path / "logs"
     # the ranks agree on logging steps: the signal in global step 8 is agreed at the end of step 9, so the loaders
     # (and their workers, which got the signal too) must deliver one more batch after it
     ddp = ["--config", "configs/ddp.yaml", "--trainer.devices", "2",
-           "--trainer.log_every_n_steps", "3"]
+           "--trainer.log_every_n_steps", "3", *decode]
     code, out = _fit(tiny_data, root, *ddp, *_signal_group_at(1, 1))
     assert code == 0, out[-4000:]
     assert out.count("SIGTERM: saved") == 1 and "killed by signal" not in out and "Traceback" not in out, out[-4000:]
