@@ -126,7 +126,7 @@ def test_the_pruner_stops_a_collapsing_trial_after_its_first_epoch(tiny_data, tm
     assert list(trial.intermediate_values) == [0] and trial.user_attrs["pruned_at_epoch"] == 0
     log = (folder / "trials" / "trial_0.log").read_text()
     assert "Sweep trial 0: pruned after epoch 0" in log, log
-    assert "; 1 epochs (pruned by the sweep after epoch 0);" in next(x for x in log.splitlines() if "Done:" in x), log
+    assert "; 1 epoch (pruned by the sweep after epoch 0);" in next(x for x in log.splitlines() if "Done:" in x), log
     said = json.loads((Path(trial.user_attrs["run_dir"]) / "run.json").read_text())["sweep"]
     assert said == {"folder": str(folder), "trial": 0, "state": "pruned", "pruned_at_epoch": 0}
 
