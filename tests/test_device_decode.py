@@ -157,9 +157,11 @@ def test_the_end_of_run_line_counts_the_files_the_device_could_not_take(tmp_path
     assert "; 1 epoch;" in done, done  # one epoch, said so
     found = re.search(r"--data.decode gpu: (\d+) images, \d+% decoded by the workers, (\d+) of them because the "
                       r"device cannot take them .*per image [\d.]+ ms to read in a worker.* ms on the device "
-                      r"\(\d+ workers\), the decode thread waited \d+% of its time for the workers", done)
+                      r"\(\d+ workers\), the decode thread waited \d+% of its time for the workers.*, its device "
+                      r"time (\d+)% in the JPEG decode, (\d+)% cropping, (\d+)% waiting for its previous batch", done)
     assert found, done
     assert int(found[1]) == 24 and 0 < int(found[2]) <= 6  # the training loader's: 3 batches of 8
+    assert 98 <= sum(int(found[i]) for i in (3, 4, 5)) <= 102 and int(found[3]) > 0  # shares of one whole
 
 
 # ---------------------------------------------------------------------------- the CUDA part

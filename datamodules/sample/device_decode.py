@@ -67,11 +67,18 @@ class Decoded(NamedTuple):
 
 class Waits:
     """Seconds the stage's thread spent waiting for the workers' next batch, building a batch on the device, and
-    waiting for the step to take the batch it built; and the batches."""
+    waiting for the step to take the batch it built; and the batches. The device's part split three ways: the
+    batched JPEG decode (the call blocks until its private stream is done), the crops and resizes (launches), and
+    the wait for the side stream's previous batch before each decode."""
 
     def __init__(self) -> None:
         self.workers = self.device = self.step = 0.0
+        self.jpeg = self.crop = self.previous = 0.0
         self.batches = 0
+
+    def device_shares(self) -> dict[str, float]:
+        total = self.jpeg + self.crop + self.previous
+        return {k: getattr(self, k) / total if total else 0.0 for k in ("jpeg", "crop", "previous")}
 
     def shares(self) -> dict[str, float]:
         total = self.workers + self.device + self.step
@@ -106,6 +113,7 @@ class DeviceDecode:
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.no_grad():
                 if self.last is not None:
                     self.last.synchronize()  # the side stream's previous batch: see the module doc
+                self.waits.previous += time.perf_counter() - start
                 images, labels = self._build(batch)
                 ready = torch.cuda.Event()
                 ready.record(self.stream)
@@ -135,7 +143,10 @@ class DeviceDecode:
         out = torch.empty_strided(shape, stride, dtype=torch.uint8, device=self.device)
         slots = batch.slots.tolist()
         if slots:
+            start = time.perf_counter()
             images = self._decode(batch, batch.offsets.tolist())
+            decoded = time.perf_counter()
+            self.waits.jpeg += decoded - start
             resized = torch.empty((len(slots), 3, size, size), dtype=torch.float32, device=self.device)
             for j, (image, plan) in enumerate(zip(images, batch.plans.tolist(), strict=True)):
                 top, left, h, w, rh, rw, wt, wl, _ = plan
@@ -147,6 +158,7 @@ class DeviceDecode:
             pixels = resized.add_(0.5).floor_().clamp_(0, 255).to(torch.uint8)
             flips = batch.plans[:, 8].bool().to(self.device, non_blocking=True).view(-1, 1, 1, 1)
             out[batch.slots.to(self.device, non_blocking=True)] = torch.where(flips, pixels.flip(-1), pixels)
+            self.waits.crop += time.perf_counter() - decoded
         if len(batch.pixel_slots):
             out[batch.pixel_slots.to(self.device, non_blocking=True)] = batch.pixels.to(self.device, non_blocking=True)
         self.counts["device"] += len(slots)
@@ -280,4 +292,8 @@ def decode_line(decoders: dict[str, DeviceDecode]) -> str | None:
     waits = decoder.waits.shares()
     words.append(f"the decode thread waited {waits['workers']:.0%} of its time for the workers and "
                  f"{waits['step']:.0%} for the step")
+    parts = decoder.waits.device_shares()
+    if decoder.waits.jpeg:
+        words.append(f"its device time {parts['jpeg']:.0%} in the JPEG decode, {parts['crop']:.0%} cropping, "
+                     f"{parts['previous']:.0%} waiting for its previous batch")
     return ", ".join(words)
