@@ -318,7 +318,10 @@ def input_rows(w: Workload, root: Path, counts: list[int] | None = None, dm_kwar
              _cpu_check(f"{label}training process CPU", best)]
     limit, why = name_limit(Figures(best.images_s, unpinned.images_s if cuda else None, e2e, alone, ceiling,
                                     best.busiest_thread))
-    return [*rows, Check(GROUP, f"{label}VERDICT", "ok", why, figure=limit, extra={"limit": limit})]
+    rows.append(Check(GROUP, f"{label}VERDICT", "ok", why, figure=limit, extra={"limit": limit}))
+    for row in rows:  # said as each attribution ends: a part stopped at its timeout keeps them in its log
+        print(f"input: {row.name}: {row.figure}; {row.verdict}", flush=True)
+    return rows
 
 
 def best_workers(checks: list[Check]) -> int | None:
