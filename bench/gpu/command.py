@@ -70,8 +70,8 @@ def add_parser(subparsers: Subparsers, common: AddCommon) -> argparse.ArgumentPa
                         "measured, when the ceiling runs; else bf16-mixed where the GPU has it)")
     g.add_argument("--backends", default=None, help="comma list of backends (default: all)")
     g.add_argument("--synthetic", default="all", choices=["all", "ceiling"],
-                   help="the trainer group's synthetic rows: all, or only the one its data rows are a share of "
-                        "(16-mixed + channels_last)")
+                   help="the trainer group's synthetic rows: all, or only the two its data rows are a share of "
+                        "(16-mixed + channels_last, with and without compile)")
     g.add_argument("--groups", default=",".join(GROUPS), help=f"comma list from {','.join(GROUPS)} (default: all)")
     g.add_argument("--allow-cpu", action="store_true", help="without a usable CUDA device, rehearse on the CPU "
                    "(GPU rows skipped) instead of stopping with exit status 2")
