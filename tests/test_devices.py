@@ -119,9 +119,10 @@ def test_the_gpu_check_stops_without_a_usable_gpu_and_its_runner_reports_every_p
     report = json.loads((tmp_path / "cpu" / "gpu-check.json").read_text())
     parts = {p["part"]: p for p in report["parts"]}
     groups = ("ceiling", "trainer", "input", "backends", "precision", "flags", "dali", "dp,ddp")
-    assert list(parts) == ["pytest -m gpu", *(f"bench gpu {g}" for g in groups)]
+    assert list(parts) == ["pytest -m gpu", "gpu mutants", *(f"bench gpu {g}" for g in groups)]
     assert all(p["status"] == "ok" for name, p in parts.items() if name.startswith("bench")), parts
     assert parts["pytest -m gpu"]["status"] == "ok", parts["pytest -m gpu"]  # every gpu test skips here
+    assert parts["gpu mutants"]["status"] == "ok" and "nothing to put back" in parts["gpu mutants"]["summary"]
     rows = {(c["group"], c["name"]): c for c in report["checks"]}
     assert rows[("compute ceiling", "compute ceiling")]["status"] == "ok"
     assert all(c["status"] == "skipped" for (group, _), c in rows.items() if group == "trainer")
