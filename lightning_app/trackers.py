@@ -12,13 +12,14 @@ config.yaml and predictions.csv follow trainer.log_dir, which is the run folder 
 from __future__ import annotations
 
 import csv
+import difflib
 import io
 import json
 import os
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pytorch_lightning.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from pytorch_lightning.utilities import rank_zero_only
@@ -35,9 +36,10 @@ FILE = "file:"
 
 def add_arguments(parser) -> None:
     """--trackers and each tracker's own settings (parsed by every subcommand, saved in config.yaml)."""
-    parser.add_argument("--trackers", type=list[Literal[NAMES]] | None, default=None,
-                        help="Experiment trackers (docs/trackers.md); unset: TensorBoard. configs/logger/*.yaml add "
-                             "one each.")
+    # a name or a list, checked by `chosen` (a Literal list gets jsonargparse's "does not validate" without names)
+    parser.add_argument("--trackers", type=list[str] | str | None, default=None,
+                        help=f"Experiment trackers, one name or a list of {', '.join(NAMES)} (docs/trackers.md); "
+                             "unset: TensorBoard. configs/logger/*.yaml add one each.")
     parser.add_argument("--mlflow.tracking_uri", type=str | None, default=None,
                         help="MLflow store; unset: MLFLOW_TRACKING_URI, else file:ROOT/mlruns")
     parser.add_argument("--mlflow.experiment_name", type=str, default="lightning_logs")
@@ -47,10 +49,21 @@ def add_arguments(parser) -> None:
                         help="unset: offline unless WANDB_MODE is online")
 
 
-def chosen(names: list[str] | None, logger_setting: Any) -> list[str] | None:
-    """The trackers named (in order, once each), or None for the default; a missing package is one paragraph."""
+def chosen(names: list[str] | str | None, logger_setting: Any) -> list[str] | None:
+    """The trackers named (one name or a list; in order, once each), or None for the default; an unknown name or a
+    missing package is one paragraph."""
+    if isinstance(names, str):
+        names = [names]
     if not names:
         return None
+    for name in names:
+        if name not in NAMES:
+            near = difflib.get_close_matches(str(name), NAMES, n=1, cutoff=0.5)
+            raise UserError(f"--trackers: no tracker is called {name!r}"
+                            + (f" (did you mean {near[0]}?)" if near else "")
+                            + f". The trackers: {', '.join(NAMES)}. Name one (--trackers mlflow) or a list "
+                            "(--trackers '[tensorboard, mlflow]'); --trackers+=csv adds one to those the configs "
+                            "named (docs/trackers.md).")
     if logger_setting not in (None, True):
         raise UserError(f"--trackers {list(names)} and --trainer.logger {logger_setting!r} both choose the loggers: "
                         "keep one (remove trainer.logger from your config, or the configs/logger/*.yaml files).")

@@ -225,3 +225,28 @@ def _wandb_history(path: Path) -> list[dict]:
             if record.WhichOneof("record_type") == "history":
                 rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
     return rows
+
+
+@pytest.mark.parametrize(("value", "near"), [("mlfow", "mlflow"), ("[tensorboard, mlfow]", "mlflow"),
+                                             ("[tensorbord]", "tensorboard"), ("comet", None)])
+def test_an_unknown_tracker_is_one_paragraph_with_the_names(tiny_data, tmp_path, capsys, value, near):
+    from lightning_app.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["fit", *quick_args(tiny_data, tmp_path), "--trackers", value])
+    err = capsys.readouterr().err.strip()
+    assert stopped.value.code == 2 and "\n" not in err and "Traceback" not in err, err
+    assert "no tracker is called" in err and "tensorboard, csv, mlflow, wandb" in err, err
+    assert (f"did you mean {near}?" in err) if near else "did you mean" not in err, err
+    assert not list(tmp_path.glob("version_*"))
+
+
+@pytest.mark.parametrize(("args", "names"), [(["--trackers", "csv"], ["csv"]),
+                                             (["--trackers", "[csv, mlflow]"], ["csv", "mlflow"]),
+                                             (["--config", "configs/logger/csv.yaml", "--trackers+=mlflow"],
+                                              ["csv", "mlflow"])])
+def test_trackers_takes_one_name_or_a_list(tiny_data, tmp_path, args, names):
+    from lightning_app.cli import ClassifierCLI
+
+    cli = ClassifierCLI(args=[*quick_args(tiny_data, tmp_path), *args], run=False)
+    assert cli.tracker_names == names
