@@ -4,12 +4,13 @@ Each row fits `ImageClassifier` (its fused SGD on CUDA, its warm-up + cosine sch
 `pl.Trainer` for `warmup + steps` steps and times the last `steps` (synchronised at both ends): images/s,
 the host syncs per step in that window (CUDA's sync debug mode warns at every synchronising call; the
 window has no logging step) and the peak memory. The synthetic rows feed one uint8 batch that is already on
-the device, normalised as every backend's batch is (the step alone: the ceiling); the ImageFolder row reads
-JPEGs, decoded by the loader workers (--data.decode cpu), by the GPU alone (--data.decode gpu), by both at
+the device, normalised as every backend's batch is (the step alone: the ceiling). The ImageFolder rows read
+JPEGs decoded by the loader workers (--data.decode cpu), by the GPU alone (--data.decode gpu), by both at
 fixed shares (--data.cpu_decode_share 0.4 ...: the workers decode that part of each batch) or balanced (null),
-each a share of the synthetic row with the same settings, after a longer warm-up; then the fastest of those
-with compile, against the synthetic compile row. The balanced row starts from a share of 0 and the workers
-have 2 batches each packed ahead, so its share lags the balance by about 2 x workers batches: a short row
+each a share of the synthetic row with the same settings, after a longer warm-up; then LMDB, packed from the
+same tree, decoded by the workers; then the fastest ImageFolder row with compile, against the synthetic compile
+row. The balanced row starts from a share of 0 and the workers have 2 batches each packed ahead, so its share
+lags the balance by about 2 x workers batches: a short row
 shows the start, not where it settles (datamodules/sample/balance.py).
 """
 from __future__ import annotations
@@ -41,9 +42,10 @@ IMAGEFOLDER = (("ImageFolder data, decode cpu, 16-mixed + channels_last", {"deco
                   {"decode": "gpu", "cpu_decode_share": share}) for share in (0.4, 0.55, 0.7)),
                ("ImageFolder data, decode gpu balanced, 16-mixed + channels_last",
                 {"decode": "gpu", "cpu_decode_share": None}))
+LMDB = "LMDB data (packed from the same tree before the fit), decode cpu, 16-mixed + channels_last"
 COMPILED = "ImageFolder data, the fastest decode above + compile"
 DATA_WARMUP = 25  # steps before the data rows' window: workers started, the balance settled
-NAMES = [row[0] for row in SYNTHETIC] + [row[0] for row in IMAGEFOLDER] + [COMPILED]
+NAMES = [row[0] for row in SYNTHETIC] + [row[0] for row in IMAGEFOLDER] + [LMDB, COMPILED]
 NUM_CLASSES = 10
 
 
@@ -147,9 +149,11 @@ def trainer_rows(w: Workload, root: Path, num_workers: int, ceiling_only: bool =
     checks = [synthetic_row(*row) for row in SYNTHETIC if not ceiling_only or row[0] == synthetic]
     ceiling = next(c.images_s for c in checks if c.name == synthetic)
     rows = [_data_row(w, root, num_workers, name, decode, False, ceiling, synthetic) for name, decode in IMAGEFOLDER]
+    lmdb = _data_row(w, root, num_workers, LMDB, {"decode": "cpu"}, False, ceiling, synthetic, lmdb=True)
     if ceiling_only:  # the compile rows last: the longest to start, and the least asked for
         checks += [synthetic_row(*row) for row in SYNTHETIC if row[0] == compiled]
     fastest = max(rows, key=lambda row: row.images_s)
+    rows.append(lmdb)
     rows.append(_data_row(w, root, num_workers, COMPILED, dict(IMAGEFOLDER)[fastest.name], True,
                           next(c.images_s for c in checks if c.name == compiled), compiled))
     return checks + rows
@@ -161,12 +165,14 @@ def _said(row: Check) -> Check:
 
 
 def _data_row(w: Workload, root: Path, num_workers: int, name: str, decode: dict, compile: bool, ceiling: float,
-              synthetic: str) -> Check:
-    from datamodules import ImageFolderDataModule
+              synthetic: str, lmdb: bool = False) -> Check:
+    from datamodules import ImageFolderDataModule, LMDBDataModule
 
     data_w = replace(w, warmup=max(w.warmup, DATA_WARMUP))
-    data = ImageFolderDataModule(data_dir=str(root), batch_size=w.batch_size, num_workers=num_workers,
-                                 image_size=w.image_size, pin_memory=True, persistent_workers=True, **decode)
+    # LMDBDataModule packs the tree into its cache the first time (in setup, before any timed step)
+    module = LMDBDataModule if lmdb else ImageFolderDataModule
+    data = module(data_dir=str(root), batch_size=w.batch_size, num_workers=num_workers, image_size=w.image_size,
+                  pin_memory=True, persistent_workers=True, **decode)
     clock = fit_rate(data_w, data, "16-mixed", True, compile)
     flags = " ".join(f"--data.{k} {'null' if v is None else v}" for k, v in decode.items())
     row = _check(name, data_w, clock, f"{num_workers} loader workers, {flags}; share of the synthetic {synthetic} row")
