@@ -44,6 +44,7 @@ from lightning_app.runs.flags_over_checkpoint import network_settings
 from lightning_app.runs.guard import use_atomic_checkpoints
 from lightning_app.runs.identity import training_settings
 from lightning_app.runs.plan import discard_evaluation_folder
+from lightning_app.runs.predict_data import check_predict_data, data_args, run_of
 from lightning_app.settings import check_settings, require_trained_weights
 from lightning_app.strategies import STRATEGY_HELP, ClusterDDPStrategy  # registers --trainer.strategy dp, ddp
 from lightning_app.strategies.peers import describe_distributed_failure
@@ -134,6 +135,11 @@ class ClassifierCLI(LightningCLI):
                                              (self._get(self.config, "trainer") or {}).get("logger"))
         if self.subcommand not in (None, "fit"):
             require_trained_weights(self.subcommand, self._get(self.config, "ckpt_path"), model.get("weights"))
+            # a checkpoint file, before its data is generated or read (`last` and `best` find only a run whose data
+            # settings are these: lightning_app/runs/resolve.py)
+            ckpt_path = self._get(self.config, "ckpt_path")
+            check_predict_data(self.subcommand, data_args(self._get(self.config, "data")), run_of(ckpt_path),
+                               ckpt_path)
         if self.subcommand is not None:  # a GPU torch cannot use: never a quiet CPU run
             accelerator = (self._get(self.config, "trainer") or {}).get("accelerator", "auto")
             refuse_unusable_gpu(accelerator)

@@ -290,10 +290,27 @@ class ImageClassifier(pl.LightningModule):
                 self.configure_model()
         if names:
             if self.class_names and self.class_names != list(names):
+                self._refuse_other_classes(list(names))
                 rank_zero_warn(f"the data's classes {self.class_names[:5]}... differ from the checkpoint's "
                                f"{list(names)[:5]}...: the checkpoint's names are used.")
             self.class_names = list(names)
         self.inference_settings = dict(checkpoint.get("inference") or self.inference_settings)
+
+    def _refuse_other_classes(self, names: list[str]) -> None:
+        """validate, test and predict of a split score the checkpoint against the data's labels: with other class
+        names those scores mean nothing. (A folder to predict, --data.predict_dir, has no classes of its own.)"""
+        stage = getattr(getattr(self._trainer, "state", None), "fn", None)
+        if stage is None or stage.value not in ("validate", "test", "predict"):
+            return
+        if stage.value == "predict" and getattr(getattr(self._trainer, "datamodule", None), "predict_dir", None):
+            return
+        theirs = set(names)
+        missing = [c for c in self.class_names if c not in theirs]
+        raise UserError(f"{stage.value}: the data's {len(self.class_names)} classes differ from the "
+                        f"{len(names)} the checkpoint was trained on (the data's {missing[:3] or self.class_names[:3]} "
+                        f"against the checkpoint's {names[:3]}...), so its scores against these labels would mean "
+                        f"nothing. Give the data it was trained on (--data.data_dir), or predict a folder of images "
+                        f"with --data.predict_dir, which the checkpoint's names label.")
 
     def backbone_num_classes(self) -> int:
         head = dict(self.backbone.named_modules())[weights_lib.head_name(self.backbone)]

@@ -11,7 +11,7 @@ import torch
 from datamodules.predict import PredictDataset
 from lightning_app.callbacks.predictions import PredictionsCSV, columns
 from lightning_app.cli import ClassifierCLI
-from tests.helpers.cli import run_main, train_checkpoint
+from tests.helpers.cli import quick_args, run_main, train_checkpoint
 from tests.helpers.processes import free_port
 
 JPEG = b"\xff\xd8\xff\xe0" + b"\x00" * 64 + b"\xff\xd9"
@@ -153,3 +153,75 @@ def test_failed_predict_leaves_no_folder_and_keeps_earlier_results(tiny_data, tm
     assert run_main(predict_args(ckpt, tmp_path / "nowhere", logs), check=False).returncode == 2
     assert sorted(p.name for p in logs.glob("predict_*")) == ["predict_0"]
     assert (logs / "predict_0" / "predictions.csv").is_file()
+
+
+# -- predict without --data.predict_dir: the val split, only of the data the checkpoint trained on (issue 42) ------
+
+@pytest.fixture(scope="module")
+def cli_run(tiny_data, tmp_path_factory):
+    """(runs root, checkpoint) of a 1-epoch CLI fit on the tiny data: its run.json names the data."""
+    from lightning_app.cli import main
+
+    root = tmp_path_factory.mktemp("predict_cli_run")
+    main(["fit", *quick_args(tiny_data, root, epochs=1, batch=40), "--data.image_size", "16",
+          "--trainer.num_sanity_val_steps", "0", "--model.pictures", "[]"])
+    (ckpt,) = (root / "version_0" / "checkpoints").glob("last*.ckpt")
+    return root, ckpt
+
+
+def _predict(ckpt, root, data: list[str]) -> list[str]:
+    return ["predict", "--ckpt_path", str(ckpt), "--data.num_workers", "0", "--data.image_size", "16",
+            "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+            "--trainer.default_root_dir", str(root), "--model.arch_kwargs", "{width: 8}", *data]
+
+
+@pytest.mark.parametrize("given", ["nothing", "other"])
+def test_predict_of_other_data_than_the_checkpoints_is_one_paragraph(cli_run, tiny_data, tmp_path, capsys, given):
+    """Checked before any data is read or generated (`--ckpt_path last` finds only a run trained on these data
+    settings). No --data.data_dir means the built-in data."""
+    from lightning_app.cli import main
+
+    root, ckpt = cli_run
+    other = tmp_path / "other"
+    shutil.copytree(tiny_data, other)  # the same images elsewhere: another dataset as far as the run can tell
+    with pytest.raises(SystemExit) as stopped:
+        main(_predict(ckpt, root, ["--data.data_dir", str(other)] if given == "other" else []))
+    err = capsys.readouterr().err.strip()
+    assert stopped.value.code == 2 and "\n" not in err and "Traceback" not in err, err
+    assert "--data.predict_dir" in err and str(tiny_data.resolve()) in err, err
+    assert (str(other) if given == "other" else "the built-in data") in err, err
+    assert not list(root.glob("version_0/predict_*"))
+
+
+def test_predict_of_the_val_split_it_trained_on_writes_its_rows(cli_run, tiny_data):
+    from lightning_app.cli import main
+
+    root, ckpt = cli_run
+    main(_predict(ckpt, root, ["--data.data_dir", str(tiny_data)]))
+    (out,) = root.glob("version_0/predict_*/predictions.csv")
+    rows = read_csv(out)
+    assert len(rows) == sum(1 for _ in (tiny_data / "val").rglob("*.jpg"))
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "predict"])
+def test_scoring_a_checkpoint_on_data_of_other_classes_is_one_paragraph(cli_run, tiny_data, tmp_path, capsys,
+                                                                       subcommand):
+    """A checkpoint without a run.json to compare: the class names inside it against the data's."""
+    from lightning_app.cli import main
+
+    _, ckpt = cli_run
+    alone = tmp_path / "alone.ckpt"
+    shutil.copy(ckpt, alone)  # outside its run: no run.json beside it
+    other = tmp_path / "other"
+    shutil.copytree(tiny_data, other)
+    for split in ("train", "val"):
+        first = sorted((other / split).iterdir())[0]
+        first.rename(first.with_name("zz_" + first.name))  # one class renamed: same count, other names
+    args = [subcommand, "--ckpt_path", str(alone), *_predict(alone, tmp_path / "logs", [])[3:],
+            "--data.data_dir", str(other)]
+    with pytest.raises(SystemExit) as stopped:
+        main(args)
+    err = capsys.readouterr().err.strip()
+    assert stopped.value.code == 2 and "\n" not in err and "Traceback" not in err, err
+    assert f"{subcommand}: the data's" in err and "--data.predict_dir" in err, err
+    assert not list((tmp_path / "logs").rglob("predictions.csv"))
