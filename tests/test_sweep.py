@@ -224,3 +224,57 @@ def test_workers_on_a_machine_with_gpus_never_share_one():
     assert split_gpus(["4", "7"], 2) == ["4", "7"]
     assert split_gpus(["0"], 2) == [None, None]  # fewer GPUs than workers: what the sweep sees
     assert split_gpus(["0", "1"], 1) == [None]
+
+
+# -- no trial drawn twice ---------------------------------------------------------------------------------------
+DRAW = """
+import sys
+from pathlib import Path
+from lightning_app.sweep import storage
+from lightning_app.sweep.space import read_space
+space, folder = read_space(sys.argv[1]), Path(sys.argv[2])
+session = storage.session()
+seed = space.sampler_seed(session)
+study = storage.open_study(folder, space, space.make_sampler(seed), space.make_pruner())
+storage.record_session(study, session, seed)
+for _ in range(4):
+    trial = study.ask({k: d.to_optuna() for k, d in space.parameters.items()})
+    study.tell(trial, 0.5)
+"""
+
+
+def test_sweep_processes_of_one_seeded_study_each_draw_their_own_trials(tmp_path):
+    """What each sweep process does before its first trial, in two processes and then a third on the same study
+    (a resumed one): the space's seed is the study's, each process's seed its own, recorded in the journal."""
+    space, folder = space_file(tmp_path), tmp_path / "study"
+    for _ in range(3):
+        code, out = finish(start_command([sys.executable, "-c", DRAW, str(space), str(folder)]), 120)
+        assert code == 0, out
+    study = load(folder)
+    drawn = [tuple(sorted(t.params.items())) for t in study.get_trials()]
+    assert len(drawn) == 12 and len(set(drawn)) == 12, drawn
+    seeds = [v["seed"] for k, v in study.user_attrs.items() if k.startswith("session:")]
+    assert len(seeds) == 3 and len(set(seeds)) == 3 and all(isinstance(s, int) for s in seeds), seeds
+
+
+def test_a_trial_with_a_finished_trials_settings_is_not_run_again(tmp_path, monkeypatch):
+    from lightning_app.sweep import storage
+    from lightning_app.sweep.runner import Sweep
+    from lightning_app.sweep.space import read_space
+
+    space = read_space(space_file(tmp_path, **{"model.lr": "choice [0.1]", "model.weight_decay": "choice [0.0001]",
+                                              "data.batch_size": "choice [8]"}))  # one point: every draw repeats
+    folder = tmp_path / "study"
+    study = storage.open_study(folder, space, space.make_sampler(), space.make_pruner())
+    first = study.ask({k: d.to_optuna() for k, d in space.parameters.items()})
+    study.tell(first, 0.75)
+    ran = []
+    monkeypatch.setattr(Sweep, "run_trial", lambda self, number, params, ckpt: (ran.append(number), self.stop.set()))
+    Sweep(folder, space, [], trials=3, stale_s=60.0, study=study)._work()
+    trials = load(folder).get_trials()
+    assert ran == [] and [t.state.name for t in trials] == ["COMPLETE"] * 3, (ran, trials)
+    assert [t.value for t in trials] == [0.75] * 3
+    assert [t.user_attrs.get(storage.DUPLICATE_OF) for t in trials[1:]] == [0, 0]
+    from lightning_app.sweep.report import table
+
+    assert table(load(folder), space).count("not run: repeats trial 0") == 2

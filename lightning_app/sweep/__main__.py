@@ -97,7 +97,10 @@ def run(argv: list[str] | None = None) -> int:
         places.setdefault(key, place_of(key, config) or tuple(key.split(".")))
     root = Path((config.get("trainer") or {}).get("default_root_dir") or "logs")
     folder = (args.study or root / "sweeps" / Path(args.space).stem).absolute()
-    study = storage.open_study(folder, space, space.make_sampler(), space.make_pruner())
+    session = storage.session()
+    seed = space.sampler_seed(session)
+    study = storage.open_study(folder, space, space.make_sampler(seed), space.make_pruner())
+    storage.record_session(study, session, seed)
     write_atomically(folder / SPACE_COPY, Path(args.space).read_bytes())  # what each trial's process reads
     sweep = Sweep(folder, space, base_args, args.trials, args.stale_after, study)
     say(f"study {folder} ({storage.JOURNAL}); {args.trials} trials, {args.workers} at a time here; trials in {root}")

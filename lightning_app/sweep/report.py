@@ -41,7 +41,9 @@ def table(study, space: Space, root: Path | None = None) -> str:
                 run = str(Path(run).relative_to(root.resolve()))
         cells = [f"{t.number}{' (best)' if best is not None and t.number == best.number else ''}",
                  *(_fmt(t.params.get(k)) for k in keys), "" if value is None else f"{value:.4f}",
-                 str(len(t.intermediate_values)), t.state.name.lower(), f"`{run}`" if run else ""]
+                 str(len(t.intermediate_values)), t.state.name.lower(),
+                 f"`{run}`" if run else f"not run: repeats trial {t.user_attrs[storage.DUPLICATE_OF]}"
+                 if storage.DUPLICATE_OF in t.user_attrs else ""]
         rows.append("| " + " | ".join(cells) + " |")
     counts = storage.count(study)
     summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)

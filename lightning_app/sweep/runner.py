@@ -124,6 +124,8 @@ class Sweep:
                     trial = self.study.ask({k: d.to_optuna() for k, d in self.space.parameters.items()})
                     number, params = trial.number, trial.params
                     self._set_attr(number, storage.OWNER, storage.me())
+                    if self._told_as_before(number, params):
+                        continue
                 else:
                     number, params = resumed.number, resumed.params
             ckpt = newest_checkpoint(resumed.user_attrs.get(storage.RUN_DIR)) if resumed is not None else None
@@ -183,6 +185,23 @@ class Sweep:
                 return
         with self._lock:
             self.fails_in_a_row = 0
+
+    def _told_as_before(self, number: int, params: dict[str, Any]) -> bool:
+        """A trial whose settings a finished trial had is not run again: it ends as that one did (optuna's FAQ,
+        "How can I ignore duplicated samples?"), and the journal says which it repeats."""
+        from optuna.trial import TrialState
+
+        earlier = storage.same_settings(self.study, params)
+        if earlier is None:
+            return False
+        self._set_attr(number, storage.DUPLICATE_OF, earlier.number)
+        if earlier.state == TrialState.PRUNED:
+            self.study.tell(number, state=TrialState.PRUNED)
+        else:
+            self.study.tell(number, earlier.value)
+        say(f"trial {number}: the settings of trial {earlier.number}, which ended "
+            f"{'pruned' if earlier.value is None else f'at {earlier.value:.4f}'}: not run again.")
+        return True
 
     @staticmethod
     def _mark_run(run_dir: str | None, state: str, **details: Any) -> None:

@@ -76,15 +76,31 @@ class Space:
             raise UserError(f"{self.path}: pruner {kind} does not take {kwargs}: {error}. See optuna.pruners."
                             f"{PRUNERS[kind]} for its arguments.") from None
 
-    def make_sampler(self):
+    def sampler_seed(self, session: str) -> int | None:
+        """The seed one sweep process draws with: a seed in the space is the study's, and each process derives its
+        own from it and `session` (its identity, which the journal records: storage.py), so two processes, or a
+        process and its --resume, never draw the same trials. None: the space sets no seed (optuna seeds each
+        process at random)."""
+        seed = self.sampler.get("seed")
+        return None if seed is None else process_seed(seed, session)
+
+    def make_sampler(self, seed: int | None = None):
+        """Optuna's sampler; `seed` (sampler_seed's) replaces the space's."""
         import optuna
 
         kind, kwargs = self.sampler["kind"], {k: v for k, v in self.sampler.items() if k != "kind"}
+        if seed is not None:
+            kwargs["seed"] = seed
         try:
             return getattr(optuna.samplers, SAMPLERS[kind])(**kwargs)
         except (TypeError, ValueError) as error:
             raise UserError(f"{self.path}: sampler {kind} does not take {kwargs}: {error}. See optuna.samplers."
                             f"{SAMPLERS[kind]} for its arguments.") from None
+
+
+def process_seed(study_seed: int, session: str) -> int:
+    """A sampler seed for one process: the study's seed and the process's identity, hashed (31 bits)."""
+    return int.from_bytes(hashlib.sha256(f"{study_seed}/{session}".encode()).digest()[:4], "big") & 0x7FFFFFFF
 
 
 def read_space(path: str | Path) -> Space:

@@ -35,6 +35,8 @@ OWNER = "owner"
 RUN_DIR = "run_dir"
 PRUNED_AT = "pruned_at_epoch"
 FIT_ENDED = "fit_ended_at_epoch"
+SESSION = "session:"  # a study user attr per sweep process: its sampler seed
+DUPLICATE_OF = "duplicate_of"
 
 OPTUNA_MISSING = ("python -m lightning_app.sweep needs Optuna, an optional requirement (requirements-extras.txt) that "
                   "this environment lacks. Install it with `pip install 'optuna>=4.2'` (or `pip install -r "
@@ -78,6 +80,27 @@ def open_study(folder: Path, space: Space, sampler=None, pruner=None):
                         f"{space.objective}): its trials cannot be compared. Give another --study folder (or remove "
                         "that one to start over).")
     return study
+
+
+def session() -> str:
+    """This sweep process's identity: host, pid and start time (unique, so its sampler's seed is too)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
+
+
+def record_session(study, session_id: str, seed: int | None) -> None:
+    """The process and the sampler seed it draws with, into the journal (the study's user attrs)."""
+    study.set_user_attr(f"{SESSION}{session_id}", {"seed": seed, "job": job_key(slurm_job()),
+                                                   "at": datetime.datetime.now().astimezone().isoformat()})
+
+
+def same_settings(study, params: dict) -> Any:
+    """A finished trial (COMPLETE or PRUNED) with exactly these settings, or None."""
+    from optuna.trial import TrialState
+
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
+        if trial.params == params:
+            return trial
+    return None
 
 
 def load_study_for_trial(folder: Path, study_name: str, pruner):
