@@ -278,3 +278,23 @@ def test_a_trial_with_a_finished_trials_settings_is_not_run_again(tmp_path, monk
     from lightning_app.sweep.report import table
 
     assert table(load(folder), space).count("not run: repeats trial 0") == 2
+
+
+def test_continuing_a_study_with_other_fixed_settings_is_one_paragraph(tiny_data, tmp_path, capsys):
+    """The flags a study's trials get are recorded with it: another set would mix trials that do not compare, and
+    best.yaml (built from them) would not train the best trial again."""
+    from lightning_app.sweep import storage
+    from lightning_app.sweep.__main__ import main
+    from lightning_app.sweep.space import read_space
+
+    space, folder = space_file(tmp_path), tmp_path / "study"
+    first = trial_flags(tiny_data, tmp_path / "logs", epochs=2)
+    storage.check_fixed(storage.open_study(folder, read_space(space)), folder, first)  # what its first process did
+    code = main(["--space", str(space), "--trials", "1", "--study", str(folder),
+                 *trial_flags(tiny_data, tmp_path / "logs", epochs=1)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--study {folder} gives its trials" in err and "--trainer.max_epochs 2" in err, err
+    assert "--trainer.max_epochs 1" in err and "another --study" in err, err
+    assert not (tmp_path / "logs").exists(), "no trial ran"
+    assert load(folder).user_attrs[storage.FIXED] == first

@@ -100,6 +100,7 @@ def run(argv: list[str] | None = None) -> int:
     session = storage.session()
     seed = space.sampler_seed(session)
     study = storage.open_study(folder, space, space.make_sampler(seed), space.make_pruner())
+    storage.check_fixed(study, folder, base_args)
     storage.record_session(study, session, seed)
     write_atomically(folder / SPACE_COPY, Path(args.space).read_bytes())  # what each trial's process reads
     sweep = Sweep(folder, space, base_args, args.trials, args.stale_after, study)

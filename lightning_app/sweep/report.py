@@ -150,7 +150,7 @@ def write(study, folder: Path, space: Space, places: dict[str, tuple[str, ...]],
     (folder / TABLE).write_text(table(study, space, root))
     figure(study, space, folder / FIGURE)
     written.append(folder / FIGURE)
-    best = best_config(study, space, places, base_args, folder / BEST)
+    best = best_config(study, space, places, study.user_attrs.get(storage.FIXED, base_args), folder / BEST)
     if best is not None:
         (folder / BEST).write_text(best)
         written.append(folder / BEST)

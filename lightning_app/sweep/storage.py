@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import shlex
 import socket
 import threading
 import time
@@ -35,6 +36,7 @@ OWNER = "owner"
 RUN_DIR = "run_dir"
 PRUNED_AT = "pruned_at_epoch"
 FIT_ENDED = "fit_ended_at_epoch"
+FIXED = "fixed_args"  # the configs and flags every trial gets besides the space's
 SESSION = "session:"  # a study user attr per sweep process: its sampler seed
 DUPLICATE_OF = "duplicate_of"
 
@@ -80,6 +82,20 @@ def open_study(folder: Path, space: Space, sampler=None, pruner=None):
                         f"{space.objective}): its trials cannot be compared. Give another --study folder (or remove "
                         "that one to start over).")
     return study
+
+
+def check_fixed(study, folder: Path, base_args: list[str]) -> None:
+    """A study has one set of fixed settings: the configs and flags its trials get besides the space's. The first
+    process records them; a later one that passes others is refused (its trials would not compare, and best.yaml,
+    built from them, would not reproduce the best trial)."""
+    recorded = study.user_attrs.get(FIXED)
+    if recorded is None:
+        study.set_user_attr(FIXED, list(base_args))
+    elif list(recorded) != list(base_args):
+        raise UserError(f"--study {folder} gives its trials `{shlex.join(recorded) or '(no flags)'}`, and this "
+                        f"command `{shlex.join(base_args) or '(no flags)'}`: trials with other fixed settings would "
+                        "not compare with its trials, nor could best.yaml train them again. Pass the same configs "
+                        "and flags to continue it, or give another --study folder for the new settings.")
 
 
 def session() -> str:
