@@ -298,3 +298,11 @@ def test_continuing_a_study_with_other_fixed_settings_is_one_paragraph(tiny_data
     assert "--trainer.max_epochs 1" in err and "another --study" in err, err
     assert not (tmp_path / "logs").exists(), "no trial ran"
     assert load(folder).user_attrs[storage.FIXED] == first
+
+
+def test_workers_that_would_slow_every_trial_are_said_once():
+    from lightning_app.sweep.runner import crowded_workers
+
+    assert crowded_workers(1, 0, 2) is None and crowded_workers(2, 2, 16) is None and crowded_workers(2, 4, 8) is None
+    assert "--workers 3 without a GPU" in crowded_workers(3, 0, 2) and "every CPU here (2)" in crowded_workers(3, 0, 2)
+    assert "share them" in crowded_workers(4, 2, 32) and "--workers 2 gives each" in crowded_workers(4, 2, 32)

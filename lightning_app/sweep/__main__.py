@@ -20,11 +20,12 @@ from pathlib import Path
 
 import yaml
 
+from datamodules.budget.cpus import usable_cpus
 from lightning_app.errors import EXIT_USER_ERROR, UserError
 from lightning_app.runs.folders import write_atomically
 from lightning_app.sweep import report, storage
 from lightning_app.sweep.pruning import SPACE_COPY
-from lightning_app.sweep.runner import MAX_FAILS_IN_A_ROW, Sweep, say, split_gpus, visible_gpus
+from lightning_app.sweep.runner import MAX_FAILS_IN_A_ROW, Sweep, crowded_workers, say, split_gpus, visible_gpus
 from lightning_app.sweep.space import locate, place_of, read_space
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # SIGUSR1: SLURM's warning before a requeue
@@ -112,6 +113,9 @@ def run(argv: list[str] | None = None) -> int:
             resumed = sweep.claim_own_interrupted()
             say(f"--resume: finishing interrupted trial(s) {resumed} first." if resumed else
                 "--resume: no interrupted trial of this job here; new trials only.")
+        crowded = crowded_workers(args.workers, len(visible_gpus()), usable_cpus())
+        if crowded:
+            say(crowded)
         shares = split_gpus(visible_gpus(), args.workers)
         workers = [threading.Thread(target=sweep.work, args=(shares[i],), name=f"sweep-worker-{i}")
                    for i in range(args.workers)]

@@ -224,6 +224,21 @@ def split_gpus(visible: list[str], workers: int) -> list[str | None]:
     return [",".join(visible[i::workers]) for i in range(workers)]
 
 
+def crowded_workers(workers: int, gpus: int, cpus: int | None) -> str | None:
+    """Why --workers K would slow every trial (said once at the start), or None: trials that share GPUs, or, without
+    GPUs, fits that each use every CPU."""
+    if workers < 2:
+        return None
+    if gpus and gpus < workers:
+        return (f"--workers {workers} with {gpus} GPU(s) visible: the trials share them (each sees all {gpus}), so "
+                f"they contend for GPU memory and time; --workers {gpus} gives each trial its own.")
+    if not gpus:
+        return (f"--workers {workers} without a GPU: each trial's fit uses every CPU here ({cpus or 'all'}), so "
+                f"{workers} at a time run each about {workers}x slower and rarely finish sooner in all; "
+                "--workers 1 here (more workers pay off with a GPU each, or as separate SLURM tasks).")
+    return None
+
+
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (all of torch's when it is unset)."""
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
