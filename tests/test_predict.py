@@ -215,7 +215,7 @@ def test_scoring_a_checkpoint_on_data_of_other_classes_is_one_paragraph(cli_run,
     other = tmp_path / "other"
     shutil.copytree(tiny_data, other)
     for split in ("train", "val"):
-        first = sorted((other / split).iterdir())[0]
+        first = min((other / split).iterdir())
         first.rename(first.with_name("zz_" + first.name))  # one class renamed: same count, other names
     args = [subcommand, "--ckpt_path", str(alone), *_predict(alone, tmp_path / "logs", [])[3:],
             "--data.data_dir", str(other)]
