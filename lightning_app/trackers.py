@@ -4,7 +4,8 @@ Unset (the default), a run logs to TensorBoard exactly as it always has. configs
 tracker (`trackers+: [NAME]`, jsonargparse's list append), so stacked configs name several; naming any replaces
 the default (list tensorboard too to keep it). Every tracker keeps the run folder's contract:
 - TensorBoard and CSV write into ROOT/version_N itself (CSV's metrics.csv survives a resume: RunCSVLogger);
-- MLflow writes to `file:ROOT/mlruns` unless --mlflow.tracking_uri or MLFLOW_TRACKING_URI names another store;
+- MLflow writes to `sqlite:///ROOT/mlflow.db` (its artifacts to ROOT/mlartifacts) unless --mlflow.tracking_uri or
+  MLFLOW_TRACKING_URI names another store; a run resumed from an older `file:ROOT/mlruns` store stays there;
 - W&B writes under ROOT/version_N/wandb, offline unless --wandb.offline false (or WANDB_MODE=online).
 The MLflow run id and the W&B run id go into run.json ("trackers"): a resumed fit continues those runs.
 config.yaml and predictions.csv follow trainer.log_dir, which is the run folder whatever the first tracker is.
@@ -15,6 +16,7 @@ import csv
 import difflib
 import io
 import json
+import logging
 import os
 import uuid
 import warnings
@@ -29,9 +31,12 @@ from lightning_app.runs.folders import write_atomically
 from lightning_app.runs.identity import RUN_JSON, read_run
 
 NAMES = ("tensorboard", "csv", "mlflow", "wandb")
-PACKAGES = {"mlflow": ("mlflow", "mlflow-skinny"), "wandb": ("wandb", "wandb")}  # import name, pip name
-MLRUNS = "mlruns"
-FILE = "file:"
+# the modules a tracker imports, and the pip line that installs them (mlflow-skinny leaves out SQLAlchemy and Alembic,
+# which its SQLite store needs: mlflow/store/db/utils.py)
+PACKAGES = {"mlflow": (("mlflow", "sqlalchemy", "alembic"), "mlflow-skinny sqlalchemy alembic"),
+            "wandb": (("wandb",), "wandb")}
+MLFLOW_DB, MLFLOW_ARTIFACTS = "mlflow.db", "mlartifacts"
+FILE, SQLITE = "file:", "sqlite:///"
 
 
 def add_arguments(parser) -> None:
@@ -41,7 +46,7 @@ def add_arguments(parser) -> None:
                         help=f"Experiment trackers, one name or a list of {', '.join(NAMES)} (docs/trackers.md); "
                              "unset: TensorBoard. configs/logger/*.yaml add one each.")
     parser.add_argument("--mlflow.tracking_uri", type=str | None, default=None,
-                        help="MLflow store; unset: MLFLOW_TRACKING_URI, else file:ROOT/mlruns")
+                        help="MLflow store; unset: MLFLOW_TRACKING_URI, else sqlite:///ROOT/mlflow.db")
     parser.add_argument("--mlflow.experiment_name", type=str, default="lightning_logs")
     parser.add_argument("--wandb.project", type=str | None, default=None,
                         help="W&B project; unset: WANDB_PROJECT, else lightning_logs")
@@ -75,9 +80,10 @@ def chosen(names: list[str] | str | None, logger_setting: Any) -> list[str] | No
 
 
 def require(name: str) -> None:
-    module, pip_name = PACKAGES[name]
+    modules, pip_name = PACKAGES[name]
     try:
-        __import__(module)
+        for module in modules:
+            __import__(module)
     except ImportError as error:
         raise UserError(f"--trackers names {name}, but its package is not installed here ({error}). Install it with "
                         f"`pip install {pip_name}` (requirements-extras.txt has every optional part), or leave "
@@ -110,8 +116,18 @@ def build(names: list[str] | None, settings: dict, save_dir: Path, version: int 
 
 def _mlflow(settings: dict, root: Path, folder: Path, resumed: dict) -> MLFlowLogger:
     # read here, not from MLFlowLogger's default: that is os.getenv at import (pytorch_lightning/loggers/mlflow.py)
-    uri = settings.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or \
-        f"{FILE}{os.path.abspath(root / MLRUNS)}"
+    uri = settings.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
+    artifacts = None
+    if not uri and str(resumed.get("tracking_uri") or "").startswith(FILE):
+        uri = resumed["tracking_uri"]  # a run of an older default store goes on there
+    elif not uri:
+        # SQLite, as MLflow recommends (its file store is in maintenance mode); a database store's default artifact
+        # root is ./mlruns under the working directory (mlflow/store/tracking/__init__.py), so the experiment this
+        # creates keeps them beside the database
+        uri = f"{SQLITE}{os.path.abspath(root / MLFLOW_DB)}"
+        artifacts = (Path(root).absolute() / MLFLOW_ARTIFACTS).as_uri()
+        for noisy in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." at INFO
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     if uri.startswith(FILE):
         # MLflow 3 refuses its file store unless told (mlflow/store/tracking/file_store.py, FileStore.__init__);
         # a local folder under the run root is what an offline machine has
@@ -120,7 +136,8 @@ def _mlflow(settings: dict, root: Path, folder: Path, resumed: dict) -> MLFlowLo
     # mlflow.py, experiment: get_run, not create_run); a run id means nothing in another store
     run_id = resumed.get("run_id") if resumed.get("tracking_uri") == uri else None
     return RunMLFlowLogger(folder, experiment_name=settings.get("experiment_name") or "lightning_logs",
-                           tracking_uri=uri, run_id=run_id, run_name=f"{folder.parent.name}/{folder.name}")
+                           tracking_uri=uri, run_id=run_id, run_name=f"{folder.parent.name}/{folder.name}",
+                           artifact_location=artifacts)
 
 
 def _wandb(settings: dict, folder: Path, resumed: dict) -> WandbLogger:

@@ -74,6 +74,7 @@ RULES = [
      "benchmarks time the machine (tests/test_bench.py runs them small)"),
     (r"python -m (datamodules\.\w+|bench\.scanbench|lightning_app\.export)( .*)?", "run", ""),
     (r"tensorboard --logdir (\S+)", "tensorboard", ""),
+    (r"python -m lightning_app\.mlflow_runs( \S+)?", "run", ""),
 ]
 
 

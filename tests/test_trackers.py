@@ -61,14 +61,15 @@ def _run(wrap: list[str], args: list[str]) -> str:
 @pytest.mark.slow  # two real fits in subprocesses (the module's fixture)
 def test_the_run_folder_holds_its_contract_and_the_end_line_names_every_tracker(resumed_run):
     root, first, second, _ = resumed_run
-    assert sorted(p.name for p in root.iterdir()) == ["mlruns", "version_0"]  # resumed in place, no version_1
+    # resumed in place, no version_1; MLflow's SQLite store and its artifacts beside the runs
+    assert sorted(p.name for p in root.iterdir()) == ["mlartifacts", "mlflow.db", "version_0"]
     run = root / "version_0"
     assert (run / "config.yaml").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
     assert "SIGTERM: saved" in first
     trackers = json.loads((run / "run.json").read_text())["trackers"]
     done = next(line for line in second.splitlines() if line.startswith("Done: "))
     assert f"TensorBoard in {run}" in done and f"CSV in {run / 'metrics.csv'}" in done
-    assert f"MLflow run {trackers['mlflow']['run_id']} in file:{root / 'mlruns'}" in done
+    assert f"MLflow run {trackers['mlflow']['run_id']} in sqlite:///{root / 'mlflow.db'}" in done
     assert f"W&B offline run {trackers['wandb']['id']} in {run / 'wandb'}" in done
 
 
@@ -87,21 +88,41 @@ def test_csv_holds_every_epoch_once_after_the_resume(resumed_run):
 def test_mlflow_continues_one_run_with_metrics_pictures_and_params(resumed_run):
     root = resumed_run[0]
     trackers = json.loads((root / "version_0" / "run.json").read_text())["trackers"]["mlflow"]
-    runs = [Path(p).parent for p in glob.glob(str(root / "mlruns" / "*" / "*" / "meta.yaml"))]
-    assert [r.name for r in runs] == [trackers["run_id"]]  # one run, continued by the resume
+    client, runs = _mlflow_runs(root)
+    assert [r.info.run_id for r in runs] == [trackers["run_id"]]  # one run, continued by the resume
     run = runs[0]
-    val = [line.split() for line in (run / "metrics" / "val" / "acc1").read_text().splitlines()]
-    epochs = [line.split()[1] for line in (run / "metrics" / "epoch").read_text().splitlines()]
-    assert len(val) == 2 and {"0", "1"} <= {e.split(".")[0] for e in epochs}
-    assert re.search(r"status: 3\b", (run / "meta.yaml").read_text())  # FINISHED after the resume
-    artifacts = [p.name for p in (run / "artifacts" / "images").iterdir()]
+    assert len(client.get_metric_history(run.info.run_id, "val/acc1")) == 2
+    assert {0, 1} <= {int(m.value) for m in client.get_metric_history(run.info.run_id, "epoch")}
+    assert run.info.status == "FINISHED"  # after the resume
+    artifacts = [Path(a.path).name for a in client.list_artifacts(run.info.run_id, "images")]
     for kind in ("confusion_matrix", "mistakes", "train_batch"):
         assert any(name.startswith(f"images~{kind}+") and name.endswith(".png") for name in artifacts), kind
-    assert (run / "artifacts" / "images" / "most_confused").is_dir()
-    params = {p.relative_to(run / "params").as_posix() for p in (run / "params").rglob("*") if p.is_file()}
+    assert "most_confused" in artifacts
+    assert str(Path(run.info.artifact_uri.removeprefix("file://"))).startswith(str(root / "mlartifacts"))
+    params = set(run.data.params)
     # once per run, from one call site: the run's flat hparams only (Lightning's own call would add "lr", "arch")
     assert "model/lr" in params and "trainer/max_epochs" in params
     assert all(p.split("/")[0] in ("model", "data", "trainer") for p in params), sorted(params)
+
+
+def _mlflow_runs(root: Path):
+    """(client, the runs of the root's default store, oldest first): read through MLflow, as a user would."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("lightning_logs")
+    return client, client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+
+
+@pytest.mark.slow  # two real fits in subprocesses (the module's fixture)
+def test_the_runs_command_lists_the_stores_runs(resumed_run, capsys):
+    from lightning_app.mlflow_runs import main
+
+    root = resumed_run[0]
+    run_id = json.loads((root / "version_0" / "run.json").read_text())["trackers"]["mlflow"]["run_id"]
+    assert main([str(root)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"\| {root.name}/version_0 \| FINISHED \| 2 \| [\d.]+ \| [\d.]+ \| {run_id} \|", out), out
 
 
 @pytest.mark.slow  # two real fits in subprocesses (the module's fixture)
@@ -141,11 +162,12 @@ def test_validate_logs_a_run_of_its_own_in_the_same_store(resumed_run, monkeypat
           "--config", "configs/logger/csv.yaml", "--config", "configs/logger/mlflow.yaml",
           "--ckpt_path", str(root / "version_0" / "checkpoints" / "last.ckpt")])
     assert (root / "version_0" / "validate_0" / "metrics.csv").is_file()
-    runs = {Path(p).parent.name: Path(p).parent for p in glob.glob(str(root / "mlruns" / "*" / "*" / "meta.yaml"))}
+    client, found = _mlflow_runs(root)
+    runs = {r.info.run_id: r for r in found}
     assert fitted in runs and len(runs) == 2, sorted(runs)  # the fit's run untouched, one more beside it
     (new,) = set(runs) - {fitted}
-    assert (runs[new] / "tags" / "mlflow.runName").read_text() == "version_0/validate_0"
-    assert len((runs[fitted] / "metrics" / "val" / "acc1").read_text().splitlines()) == 2
+    assert runs[new].info.run_name == "version_0/validate_0"
+    assert len(client.get_metric_history(fitted, "val/acc1")) == 2
 
 
 def _data_dir(root: Path) -> str:
@@ -250,3 +272,22 @@ def test_trackers_takes_one_name_or_a_list(tiny_data, tmp_path, args, names):
 
     cli = ClassifierCLI(args=[*quick_args(tiny_data, tmp_path), *args], run=False)
     assert cli.tracker_names == names
+
+
+def test_a_run_of_an_older_file_store_resumes_there_and_a_new_one_starts_in_sqlite(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from lightning_app.trackers import build
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    store = f"file:{tmp_path / 'mlruns'}"  # the default of earlier versions of the template
+    client = MlflowClient(store)
+    run_id = client.create_run(client.create_experiment("lightning_logs")).info.run_id
+    old = {"mlflow": {"run_id": run_id, "tracking_uri": store}}
+    (resumed,) = build(["mlflow"], {}, tmp_path, 0, None, tmp_path / "version_0", old, tmp_path)
+    assert resumed._tracking_uri == store and resumed.run_id == run_id
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # MLFlowLogger set it for this process (set_tracking_uri)
+    (fresh,) = build(["mlflow"], {}, tmp_path, 1, None, tmp_path / "version_1", None, tmp_path)
+    assert fresh._tracking_uri == f"sqlite:///{tmp_path / 'mlflow.db'}" and fresh._run_id is None
+    assert fresh._artifact_location == (tmp_path / "mlartifacts").as_uri()
