@@ -27,7 +27,7 @@ from torch import nn
 
 from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
 from lightning_app.weights import WeightsError, safe_load, strip_prefixes
-from models import create_model
+from models import create_model, own_kwargs
 
 FORMATS = ("onnx", "pt2")
 MAX_BATCH = 4096
@@ -56,7 +56,7 @@ def load_for_export(ckpt_path: str | os.PathLike) -> tuple[ExportedClassifier, d
     state = {strip_prefixes(k[len("backbone."):]): v for k, v in ckpt["state_dict"].items()
              if k.startswith("backbone.")}
     backbone = create_model(h["arch"], num_classes=int(h["num_classes"]), image_size=int(h.get("image_size", 224)),
-                            **(h.get("arch_kwargs") or {}))
+                            **own_kwargs(h["arch"], h.get("arch_kwargs")))
     backbone.load_state_dict(state, strict=True)
     inference = dict(ckpt.get("inference") or {})
     data = ckpt.get("datamodule_hyper_parameters") or {}

@@ -19,7 +19,8 @@ from lightning_app.errors import UserError
 from lightning_app.log_steps import logs_this_step
 from lightning_app.lr_schedule import total_steps, warmup_cosine
 from lightning_app.settings import arch_problems
-from models import create_model
+from models import create_model, own_kwargs
+from models.recipes import Recipe, recipe
 
 
 class ImageClassifier(pl.LightningModule):
@@ -39,7 +40,10 @@ class ImageClassifier(pl.LightningModule):
         global_batch_size: linked from data.batch_size (the global batch).
         arch_kwargs: extra backbone arguments, e.g. {width: 64} for conv11.
         lr: learning rate per 256 images; the optimiser uses lr * global batch / 256.
-        momentum, nesterov, weight_decay: SGD settings (no weight decay on norms and biases).
+        momentum, nesterov: SGD's. weight_decay: either optimiser's (none on norms and biases).
+        optimizer: sgd or adamw. lr, weight_decay and optimizer left null take the arch family's recipe
+            (models/recipes.py: SGD 0.1 for CNNs, AdamW 2.5e-4 for transformers and ConvNeXt, ...), said at the
+            start of a fit; configs/default.yaml leaves them null.
         warmup_epochs: linear warm-up from ~0 to the scaled rate, then cosine decay to 0.
         label_smoothing: cross-entropy label smoothing.
         channels_last: NHWC memory format for the model and inputs (faster convs with AMP on tensor cores).
@@ -71,10 +75,11 @@ class ImageClassifier(pl.LightningModule):
         image_size: int = 224,
         global_batch_size: int = 256,
         arch_kwargs: dict | None = None,
-        lr: float = 0.1,
+        lr: float | None = 0.1,
         momentum: float = 0.9,
         nesterov: bool = True,
-        weight_decay: float = 5e-5,
+        weight_decay: float | None = 5e-5,
+        optimizer: str | None = "sgd",
         warmup_epochs: float = 1.0,
         label_smoothing: float = 0.1,
         channels_last: bool = False,
@@ -102,7 +107,8 @@ class ImageClassifier(pl.LightningModule):
 
     def _build_backbone(self, num_classes: int) -> None:
         h = self.hparams
-        self.backbone = create_model(h.arch, num_classes=num_classes, image_size=h.image_size, **(h.arch_kwargs or {}))
+        self.backbone = create_model(h.arch, num_classes=num_classes, image_size=h.image_size,
+                                     **own_kwargs(h.arch, h.arch_kwargs))
         if h.channels_last:
             self.backbone = self.backbone.to(memory_format=torch.channels_last)
         top5 = min(5, num_classes)
@@ -179,9 +185,22 @@ class ImageClassifier(pl.LightningModule):
 
     # -- optimisation ---------------------------------------------------------------------
     @property
+    def optim(self) -> tuple[str, float, float, Recipe | None]:
+        """(optimizer, lr per 256 images, weight decay, the family recipe that filled what is unset, or None)."""
+        h = self.hparams
+        family = recipe(h.arch)
+        unset = h.get("optimizer") is None or h.lr is None or h.weight_decay is None
+        return (h.get("optimizer") or family.optimizer, family.lr if h.lr is None else h.lr,
+                family.weight_decay if h.weight_decay is None else h.weight_decay, family if unset else None)
+
+    @property
     def scaled_lr(self) -> float:
+        """lr per 256 images scaled to the global batch: linearly for SGD, by the square root for AdamW (timm's
+        train.py: `lr_base_scale` is sqrt for the Ada* and LAMB optimisers, linear otherwise)."""
         accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
-        return self.hparams.lr * self.hparams.global_batch_size * accumulate / 256
+        ratio = self.hparams.global_batch_size * accumulate / 256
+        name, lr = self.optim[:2]
+        return lr * (ratio ** 0.5 if name == "adamw" else ratio)
 
     def param_groups(self) -> list[dict]:
         """SGD groups: head first (its rate is the logged one), then the backbone at lr * backbone_lr_scale;
@@ -195,7 +214,7 @@ class ImageClassifier(pl.LightningModule):
             for name, p in self.backbone.named_parameters():
                 if name.startswith(heads) == in_head:
                     (no_decay if p.ndim <= 1 else decay).append(p)
-            for params, wd in ((decay, self.hparams.weight_decay), (no_decay, 0.0)):
+            for params, wd in ((decay, self.optim[2]), (no_decay, 0.0)):
                 if params:
                     groups.append({"params": params, "weight_decay": wd, "lr": self.scaled_lr * scale})
         others = [p for n, p in self.named_parameters() if not n.startswith("backbone.") and p.requires_grad]
@@ -204,13 +223,21 @@ class ImageClassifier(pl.LightningModule):
         return groups
 
     def configure_optimizers(self):
-        optimizer = torch.optim.SGD(
-            self.param_groups(),
-            lr=self.scaled_lr,
-            momentum=self.hparams.momentum,
-            nesterov=self.hparams.nesterov,
-            fused=self.fused_step(),
-        )
+        name, lr, weight_decay, family = self.optim
+        if family is not None:
+            rank_zero_info(f"--model.arch {self.hparams.arch}: {name.upper()}, lr {lr:g} per 256 images, weight decay "
+                           f"{weight_decay:g} ({family.source}: models/recipes.py) for what the config leaves unset; "
+                           "--model.optimizer, --model.lr and --model.weight_decay set them.")
+        if name == "adamw":
+            optimizer = torch.optim.AdamW(self.param_groups(), lr=self.scaled_lr, fused=self.fused_step())
+        else:
+            optimizer = torch.optim.SGD(
+                self.param_groups(),
+                lr=self.scaled_lr,
+                momentum=self.hparams.momentum,
+                nesterov=self.hparams.nesterov,
+                fused=self.fused_step(),
+            )
         total = total_steps(self.trainer)  # not estimated_stepping_batches: lightning_app/lr_schedule.py says why
         epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
         warmup = min(total - 1, int(self.hparams.warmup_epochs * total / epochs))
@@ -250,7 +277,7 @@ class ImageClassifier(pl.LightningModule):
     def load_weights(self, source: str) -> weights_lib.LoadReport:
         h = self.hparams
         if timm_weights.applies(h.arch, source):  # timm's names, timm weight files: timm's own loader
-            report = timm_weights.load(self.backbone, source, h.arch, h.image_size, dict(h.arch_kwargs or {}))
+            report = timm_weights.load(self.backbone, source, h.arch, h.image_size, own_kwargs(h.arch, h.arch_kwargs))
         else:
             report = weights_lib.load_weights(self.backbone, source)
         rank_zero_info(str(report))

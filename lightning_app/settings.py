@@ -42,8 +42,10 @@ def _positive_int(v: Any) -> bool:
 
 
 MODEL_RULES: tuple[Rule, ...] = (
-    ("lr", _positive, "> 0 (the learning rate per 256 images: 0.1 for SGD on ImageNet)"),
-    ("weight_decay", _non_negative, ">= 0 (typically 5e-5 to 1e-4)"),
+    ("lr", lambda v: v is None or _positive(v),
+     "> 0 (the learning rate per 256 images: 0.1 for SGD on ImageNet), or null for the arch family's"),
+    ("weight_decay", lambda v: v is None or _non_negative(v), ">= 0 (typically 5e-5 to 1e-4), or null"),
+    ("optimizer", lambda v: v in (None, "sgd", "adamw"), "sgd, adamw, or null for the arch family's"),
     ("momentum", lambda v: _number(v) and 0 <= v < 1, "in [0, 1) (typically 0.9)"),
     ("warmup_epochs", _non_negative, ">= 0"),
     ("label_smoothing", lambda v: _number(v) and 0 <= v < 1, "in [0, 1) (typically 0.1)"),
@@ -102,7 +104,7 @@ def arch_problems(model: Mapping, data: Mapping) -> list[str]:
                 "torchvision name, e.g. resnet18)")]
     if not registry.is_registered(arch):
         return [registry.unknown_arch_message(arch).rstrip(".")]
-    kwargs = dict(model.get("arch_kwargs") or {})
+    kwargs = registry.own_kwargs(arch, model.get("arch_kwargs"))
     size = data.get("image_size", model.get("image_size", 224))
     # train sizes (a ProgressiveResizing schedule's, when known: lightning_app/module.py passes them), then val
     sizes = [*dict.fromkeys([size, *(data.get("scheduled_train_sizes") or [])]), data.get("val_image_size") or size]
@@ -124,8 +126,8 @@ def arch_problems(model: Mapping, data: Mapping) -> list[str]:
             with torch.device("meta"):
                 create_model(arch, num_classes=2, image_size=sizes[0], **kwargs)
         except (TypeError, ValueError) as e:
-            hint = (" (configs/default.yaml sets {width: 16} for conv11: pass --model.arch_kwargs '{}' with another "
-                    "arch)" if "width" in kwargs and arch != "conv11" else "")
+            hint = (" (conv11's width: give arch_kwargs by arch, {conv11: {width: 16}}, as configs/default.yaml "
+                    "does, and only the chosen arch's apply)" if "width" in kwargs and arch != "conv11" else "")
             found.append(f"--model.arch_kwargs {kwargs} cannot build {arch}: {str(e).rstrip('.')}{hint}")
         except NotImplementedError:  # an init that copies data (regnet): meta tensors have none; built later
             pass

@@ -4,7 +4,7 @@ import importlib.util
 
 # Imported for their @register_model side effect.
 from models import conv11, resnet, torchvision_zoo, vgg  # noqa: F401
-from models.registry import create_model, list_models, register_family, register_model
+from models.registry import create_model, list_models, own_kwargs, register_family, register_model
 
 
 def _register_timm() -> None:
@@ -14,4 +14,4 @@ def _register_timm() -> None:
 
 register_family("timm/", "timm", _register_timm)
 
-__all__ = ["create_model", "list_models", "register_model"]
+__all__ = ["create_model", "list_models", "own_kwargs", "register_model"]

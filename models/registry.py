@@ -89,3 +89,19 @@ def create_model(arch: str, num_classes: int, image_size: int = 224, **kwargs: A
     except KeyError:
         raise ValueError(unknown_arch_message(arch)) from None
     return factory(num_classes=num_classes, image_size=image_size, **kwargs)
+
+
+def own_kwargs(arch: str, arch_kwargs: dict | None) -> dict[str, Any]:
+    """The builder arguments of ``arch`` in ``--model.arch_kwargs``: either flat (``{width: 16}``, for whichever arch
+    is chosen) or by arch (``{conv11: {width: 16}}``, only the chosen arch's: switching --model.arch leaves
+    another arch's arguments behind). By arch means every key is an architecture's name with a mapping."""
+    kwargs = dict(arch_kwargs or {})
+    if kwargs and all(isinstance(v, dict) for v in kwargs.values()) and all(_is_arch(k) for k in kwargs):
+        return dict(kwargs.get(arch) or {})
+    return kwargs
+
+
+def _is_arch(name: str) -> bool:
+    if any(str(name).startswith(prefix) for prefix in _FAMILIES):  # timm/NAME: not loaded for this check
+        return True
+    return name in _REGISTRY

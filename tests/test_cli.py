@@ -70,7 +70,8 @@ def test_short_fit_beats_chance_and_logs_everything(learnable_data, tmp_path):
         assert tag in tags, f"{tag} missing from {sorted(tags)}"
     lrs = [e.value for e in acc.Scalars("train/lr")]
     assert lrs[0] < max(lrs) and lrs[-1] < max(lrs)  # warm-up, then decay
-    assert max(lrs) == pytest.approx(cli.model.hparams.lr * 32 / 256, rel=0.05)  # scaled by the global batch
+    assert cli.model.hparams.lr is None and cli.model.optim[:3] == ("sgd", 0.4, 5e-4)  # conv11's recipe
+    assert max(lrs) == pytest.approx(0.4 * 32 / 256, rel=0.05)  # scaled by the global batch
     # HPARAMS tab: the hparams summary names val/acc1 as its metric
     from tensorboard.plugins.hparams import plugin_data_pb2
 

@@ -339,7 +339,7 @@ def test_a_resumed_fit_says_what_changed(tiny_data, trained_run, tmp_path, caplo
     with caplog.at_level("INFO"):
         ClassifierCLI(args=["fit", *quick_args(tiny_data, tmp_path / "elsewhere", batch=40, epochs=2),
                             "--trainer.num_sanity_val_steps", "0", "--model.lr", "0.2", "--ckpt_path", str(ckpt)])
-    assert f"resuming {ckpt} with changed settings: model.lr 0.4 -> 0.2, trainer.max_epochs 1 -> 2" in caplog.text
+    assert f"resuming {ckpt} with changed settings: model.lr unset -> 0.2, trainer.max_epochs 1 -> 2" in caplog.text
     assert identity.read_run(root / "version_0")["training"]["model"]["lr"] == 0.2
     # logs follow the checkpoint's run, wherever its root is
     assert not (tmp_path / "elsewhere").exists() and len(scalars(root / "version_0", "val/acc1")) == 2

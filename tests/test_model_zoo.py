@@ -160,7 +160,7 @@ def test_timm_names_without_timm_say_how_to_install_it():
 
 
 def test_conv11_width_from_the_default_config_gets_a_hint():
-    with pytest.raises(UserError, match=r"cannot build resnet18: .*'width'.* pass --model.arch_kwargs '\{\}'"):
+    with pytest.raises(UserError, match=r"cannot build resnet18: .*'width'.* give arch_kwargs by arch"):
         check_settings({"arch": "resnet18", "arch_kwargs": {"width": 16}}, {"image_size": 32}, {})
 
 
@@ -192,3 +192,14 @@ def test_onnx_export_of_resnet18_matches_the_checkpoint(tiny_data, tmp_path):
     ckpt = tmp_path / "resnet18.ckpt"
     trainer.save_checkpoint(ckpt)
     assert_onnx_export_matches(ckpt, tmp_path / "resnet18.onnx")
+
+
+def test_arch_kwargs_by_arch_apply_only_to_the_chosen_arch():
+    """configs/default.yaml gives conv11's width by arch: --model.arch resnet18 alone then builds (issue 42)."""
+    from models import own_kwargs
+
+    by_arch = {"conv11": {"width": 16}, "timm/resnet10t": {"drop_rate": 0.1}}
+    assert own_kwargs("conv11", by_arch) == {"width": 16} and own_kwargs("resnet18", by_arch) == {}
+    assert own_kwargs("timm/resnet10t", by_arch) == {"drop_rate": 0.1}
+    assert own_kwargs("resnet18", {"width": 16}) == {"width": 16}  # flat: for whichever arch, as before
+    check_settings({"arch": "resnet18", "arch_kwargs": {"conv11": {"width": 16}}}, {"image_size": 32}, {})

@@ -29,6 +29,7 @@ from bench.progress_bars import Progress, report_step, trainer_step
 from bench.train.plain_loop import TIMES_ENV
 from bench.train.rows import RowSpec, is_input_bound, row_specs, skip_reason
 from datamodules.base import BUILTIN_ROOT, REPO_ROOT
+from models.recipes import recipe
 
 
 @dataclass
@@ -87,6 +88,10 @@ class EpochTimer(pl.Callback):
         if path and trainer.global_rank == 0:
             Path(path).write_text(json.dumps({"epochs": self.epochs, "world_size": trainer.world_size}))
 
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 def _accelerator() -> str:
     return "gpu" if torch.cuda.is_available() else "cpu"
@@ -195,8 +200,10 @@ def measure(args: argparse.Namespace, rows: list[str] | None = None) -> dict[str
                  "min_scale": d["data"].get("min_scale", 0.25),
                  "val_crop_ratio": d["data"].get("val_crop_ratio", 0.875),
                  **{k2: d["model"].get(k2, v) for k2, v in (
-                     ("lr", 0.1), ("momentum", 0.9), ("nesterov", True), ("weight_decay", 5e-5),
-                     ("warmup_epochs", 1.0), ("label_smoothing", 0.1))}}
+                     ("momentum", 0.9), ("nesterov", True), ("warmup_epochs", 1.0), ("label_smoothing", 0.1))},
+                 # null in the config: the arch family's (models/recipes.py); the plain loop runs SGD
+                 "lr": _or(d["model"].get("lr"), recipe(cfg["arch"]).lr),
+                 "weight_decay": _or(d["model"].get("weight_decay"), recipe(cfg["arch"]).weight_decay)}
         spec_file = tmp / f"plain{k}.json"
         spec_file.write_text(json.dumps(plain))
         return [sys.executable, "-m", "bench.train.plain_loop", str(spec_file)]
