@@ -190,7 +190,8 @@ class ClassifierCLI(LightningCLI):
         MLflow and W&B runs its run.json names, and a fresh one records them there."""
         settings = {name: dict(self._get(self.config, name, default=None) or {}) for name in trackers.PACKAGES}
         fit = self.subcommand == "fit" and plan is not None and plan.run_dir is not None
-        resumed = trackers.recorded(plan.run_dir) if fit and plan.ckpt_path and not plan.made_here else None
+        resuming = fit and bool(plan.ckpt_path) and not plan.made_here
+        resumed = trackers.recorded(plan.run_dir) if resuming else None
         folder = (plan.run_dir if fit else plan.log_parent / str(plan.version)) if plan and plan.version is not None \
             else None
         runs_root = plan.run_dir.parent if plan and plan.run_dir else plan.log_parent if plan else root
@@ -198,6 +199,10 @@ class ClassifierCLI(LightningCLI):
                                  plan.purge_step if plan else None, folder, resumed, runs_root)
         if fit and plan.lock is not None and names:  # the launch-rank-zero process, which wrote run.json
             trackers.remember(plan.run_dir, loggers)
+        if resuming and plan.lock is not None:
+            line = trackers.on_resume(resumed or {}, loggers)
+            if line:
+                rank_zero_info(line)
         return loggers
 
     # -- run folders -------------------------------------------------------------------------

@@ -173,6 +173,40 @@ def ids_of(loggers: list[Logger]) -> dict:
     return ids
 
 
+def on_resume(previous: dict, loggers: list[Logger]) -> str | None:
+    """A resumed fit's trackers against its run.json's: which runs continue, which begin, and which end. A tracker
+    left out of --trackers now ends its run as an uninterrupted fit would have (MLflow's marked FINISHED, not left
+    KILLED at the stop); None when neither MLflow nor W&B is in either."""
+    ids = ids_of(loggers)
+    words = []
+    for name, label, key in (("mlflow", "MLflow", "run_id"), ("wandb", "W&B", "id")):
+        before, now = previous.get(name) or {}, ids.get(name) or {}
+        if now and before.get(key) == now.get(key):
+            words.append(f"{label} run {now[key]} continues")
+        elif now:
+            words.append(f"{label} begins run {now[key]}"
+                         + (f" (its run {before[key]} is in another store)" if before.get(key) else ""))
+        elif before.get(key):
+            words.append(_end(name, before))
+    return "trackers on resume: " + "; ".join(words) + "." if words else None
+
+
+def _end(name: str, before: dict) -> str:
+    """End the run of a tracker the resumed fit no longer names; the words that say so."""
+    if name == "wandb":
+        return f"W&B run {before['id']} is not continued (wandb is not in --trackers now)"
+    run_id, uri = before["run_id"], before.get("tracking_uri") or ""
+    try:
+        from mlflow.tracking import MlflowClient
+
+        if uri.startswith(FILE):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        MlflowClient(uri).set_terminated(run_id, status="FINISHED")
+    except Exception as error:  # noqa: BLE001 - no MLflow here, or the store is gone: said, the fit goes on
+        return f"MLflow run {run_id} is left as it was ({type(error).__name__}: {str(error)[:120]})"
+    return f"MLflow run {run_id} ends here, FINISHED (mlflow is not in --trackers now)"
+
+
 def recorded(run_dir: Path | None) -> dict | None:
     """The tracker ids in a run's run.json."""
     record = read_run(run_dir) if run_dir is not None else None

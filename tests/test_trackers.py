@@ -292,3 +292,26 @@ def test_a_run_of_an_older_file_store_resumes_there_and_a_new_one_starts_in_sqli
     (fresh,) = build(["mlflow"], {}, tmp_path, 1, None, tmp_path / "version_1", None, tmp_path)
     assert fresh._tracking_uri == f"sqlite:///{tmp_path / 'mlflow.db'}" and fresh._run_id is None
     assert fresh._artifact_location == (tmp_path / "mlartifacts").as_uri()
+
+
+@pytest.mark.slow  # two real fits in subprocesses
+def test_a_resume_that_drops_mlflow_ends_its_run_and_one_that_adds_wandb_says_so(tiny_data, tmp_path):
+    """A fit with MLflow stopped by SIGTERM, resumed with TensorBoard and W&B: the MLflow run ends FINISHED (not
+    left as the stop left it), and the start-up line says which tracker runs continue, end and begin."""
+    from mlflow.tracking import MlflowClient
+
+    root = tmp_path / "logs"
+    base = ["fit", *quick_args(tiny_data, root, epochs=2, batch=40), "--data.image_size", "16",
+            "--trainer.num_sanity_val_steps", "0", "--model.pictures", "[]"]
+    stop = ["--trainer.callbacks+=tests.helpers.callbacks.SignalAt", "--trainer.callbacks.epoch=1",
+            "--trainer.callbacks.batch=1", "--trainer.callbacks.sig=SIGTERM"]
+    _run([], [*base, "--trackers", "[tensorboard, mlflow]", *stop])
+    run_id = json.loads((root / "version_0" / "run.json").read_text())["trackers"]["mlflow"]["run_id"]
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    assert client.get_run(run_id).info.status != "FINISHED"  # stopped mid-fit
+    out = _run([], [*base, "--trackers", "[tensorboard, wandb]", "--ckpt_path", "last"])
+    wandb_id = json.loads((root / "version_0" / "run.json").read_text())["trackers"]["wandb"]["id"]
+    line = next(x for x in out.splitlines() if "trackers on resume: " in x)
+    assert f"MLflow run {run_id} ends here, FINISHED (mlflow is not in --trackers now)" in line, line
+    assert f"W&B begins run {wandb_id}" in line, line
+    assert client.get_run(run_id).info.status == "FINISHED"
