@@ -44,8 +44,8 @@ from lightning_app.runs.flags_over_checkpoint import network_settings
 from lightning_app.runs.guard import use_atomic_checkpoints
 from lightning_app.runs.identity import training_settings
 from lightning_app.runs.plan import discard_evaluation_folder
-from lightning_app.runs.predict_data import check_predict_data, data_args, run_of
-from lightning_app.settings import check_settings, require_trained_weights
+from lightning_app.runs.predict_data import check_predict_data, run_of
+from lightning_app.settings import check_settings, init_args, require_trained_weights
 from lightning_app.strategies import STRATEGY_HELP, ClusterDDPStrategy  # registers --trainer.strategy dp, ddp
 from lightning_app.strategies.peers import describe_distributed_failure
 from lightning_app.weights import refuse_plain_state_dict, safe_load
@@ -138,7 +138,7 @@ class ClassifierCLI(LightningCLI):
             # a checkpoint file, before its data is generated or read (`last` and `best` find only a run whose data
             # settings are these: lightning_app/runs/resolve.py)
             ckpt_path = self._get(self.config, "ckpt_path")
-            check_predict_data(self.subcommand, data_args(self._get(self.config, "data")), run_of(ckpt_path),
+            check_predict_data(self.subcommand, init_args(self._get(self.config, "data")), run_of(ckpt_path),
                                ckpt_path)
         if self.subcommand is not None:  # a GPU torch cannot use: never a quiet CPU run
             accelerator = (self._get(self.config, "trainer") or {}).get("accelerator", "auto")

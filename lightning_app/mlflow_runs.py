@@ -11,7 +11,7 @@ from pathlib import Path
 from lightning_app.errors import EXIT_USER_ERROR, UserError
 from lightning_app.trackers import MLFLOW_DB, SQLITE, require
 
-COLUMNS = ("epoch", "val/acc1", "val/loss")
+COLUMNS = ("val/acc1", "val/loss")
 
 
 def rows(tracking_uri: str, experiment: str) -> list[list[str]]:
@@ -27,9 +27,9 @@ def rows(tracking_uri: str, experiment: str) -> list[list[str]]:
     out = []
     for run in client.search_runs([found.experiment_id], order_by=["attributes.start_time ASC"]):
         metrics = run.data.metrics  # each metric's latest value
+        epochs = "" if metrics.get("epoch") is None else str(int(metrics["epoch"]) + 1)
         figures = ["" if metrics.get(k) is None else f"{metrics[k]:.4g}" for k in COLUMNS]
-        figures[0] = "" if metrics.get("epoch") is None else str(int(metrics["epoch"]) + 1)
-        out.append([run.info.run_name or "", run.info.status, *figures, run.info.run_id])
+        out.append([run.info.run_name or "", run.info.status, epochs, *figures, run.info.run_id])
     return out
 
 

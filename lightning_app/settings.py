@@ -77,10 +77,15 @@ def _as_dict(section: Any) -> Mapping:
     return section if isinstance(section, Mapping) else {}
 
 
+def init_args(section: Any) -> dict:
+    """A data (or other class_path) section's init args as a plain dict; a flat section as it is."""
+    section = _as_dict(section)
+    return dict(_as_dict(section.get("init_args")) or section)
+
+
 def problems(model: Any, data: Any, trainer: Any) -> list[str]:
     """`--section.key VALUE must be ...` for every bad value; `data` may be a class_path/init_args section."""
-    data = _as_dict(data)
-    data = _as_dict(data.get("init_args")) or data
+    data = init_args(data)
     found = []
     for section, values, rules in (("model", _as_dict(model), MODEL_RULES), ("data", data, DATA_RULES),
                                    ("trainer", _as_dict(trainer), TRAINER_RULES)):

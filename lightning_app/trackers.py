@@ -128,16 +128,20 @@ def _mlflow(settings: dict, root: Path, folder: Path, resumed: dict) -> MLFlowLo
         artifacts = (Path(root).absolute() / MLFLOW_ARTIFACTS).as_uri()
         for noisy in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." at INFO
             logging.getLogger(noisy).setLevel(logging.WARNING)
-    if uri.startswith(FILE):
-        # MLflow 3 refuses its file store unless told (mlflow/store/tracking/file_store.py, FileStore.__init__);
-        # a local folder under the run root is what an offline machine has
-        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    _allow_file_store(uri)
     # MLFlowLogger(run_id=...) reads that run and logs into it instead of creating one (pytorch_lightning/loggers/
     # mlflow.py, experiment: get_run, not create_run); a run id means nothing in another store
     run_id = resumed.get("run_id") if resumed.get("tracking_uri") == uri else None
     return RunMLFlowLogger(folder, experiment_name=settings.get("experiment_name") or "lightning_logs",
                            tracking_uri=uri, run_id=run_id, run_name=f"{folder.parent.name}/{folder.name}",
                            artifact_location=artifacts)
+
+
+def _allow_file_store(uri: str) -> None:
+    """MLflow 3 refuses its file store unless told (mlflow/store/tracking/file_store.py, FileStore.__init__): a
+    `file:` store here is the user's, or an older run's."""
+    if uri.startswith(FILE):
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
 
 
 def _wandb(settings: dict, folder: Path, resumed: dict) -> WandbLogger:
@@ -199,8 +203,7 @@ def _end(name: str, before: dict) -> str:
     try:
         from mlflow.tracking import MlflowClient
 
-        if uri.startswith(FILE):
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        _allow_file_store(uri)
         MlflowClient(uri).set_terminated(run_id, status="FINISHED")
     except Exception as error:  # noqa: BLE001 - no MLflow here, or the store is gone: said, the fit goes on
         return f"MLflow run {run_id} is left as it was ({type(error).__name__}: {str(error)[:120]})"

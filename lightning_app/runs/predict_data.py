@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from lightning_app.errors import UserError
 from lightning_app.runs.folders import run_of_checkpoint
@@ -51,8 +50,3 @@ def check_predict_data(subcommand: str | None, data: dict, run_dir: Path | None,
         f"images to predict with --data.predict_dir PATH, or predict the val split it was trained on with"
         f"{their_dir or ' that data'}.")
 
-
-def data_args(section: Any) -> dict:
-    """A data section's init args as a plain dict (class_path/init_args, or flat)."""
-    as_dict = section.as_dict() if hasattr(section, "as_dict") else dict(section or {})
-    return dict(as_dict.get("init_args") or as_dict)
