@@ -22,6 +22,7 @@ from datamodules.budget.sizing import LoaderSizing
 from datamodules.errors import DataError
 from datamodules.index import Index, find_classes, load_indexes
 from datamodules.processes.loader_workers import end_stuck_workers_at_exit, leave_stop_signals_to_the_trainer
+from datamodules.processes.start import DEFAULT_START, WorkerStart, check_start, worker_context
 from datamodules.resume import EpochSampler, ResumableLoader
 from datamodules.sample.augment import make_train_augment
 from datamodules.sample.balance import CpuShare, shared_overflow
@@ -78,6 +79,11 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
             decode instead: 0 (the default) leaves every such file to the device; null balances it after every
             batch so that neither the workers nor the device wait (datamodules/sample/balance.py; on an H200 with
             16 CPUs it did not beat 0: docs/data.md, "Which decode").
+        worker_start: how loader workers start (datamodules/processes/start.py). forkserver: forked from a
+            single-threaded server that imported torch once; each worker unpickles its dataset. fork: forked
+            from the training process (on Python 3.10/3.11 it can hang a worker: a start-up warning says
+            how). spawn: a fresh interpreter per worker. Never the interpreter's default, which Python 3.14
+            changed to forkserver.
     """
 
     def __init__(
@@ -101,6 +107,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         host_budget_gib: float = DEFAULT_BUDGET_GIB["host"],
         decode: Literal["cpu", "gpu"] = "cpu",
         cpu_decode_share: float | None = 0.0,
+        worker_start: WorkerStart = DEFAULT_START,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -117,6 +124,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
             raise DataError(
                 "data.decode gpu crops on the device, where the per-sample data.auto_augment and "
                 "data.random_erasing do not run. Use --data.decode cpu with them, or leave them off.")
+        check_start(worker_start)
         if not 0 < min_scale <= 1:
             raise DataError(f"data.min_scale must be in (0, 1], got {min_scale}.")
         for name, value in (("pinned", pinned_budget_gib), ("shm", shm_budget_gib), ("host", host_budget_gib)):
@@ -143,6 +151,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         self.random_erasing = random_erasing
         self.decode = decode
         self.cpu_decode_share = cpu_decode_share
+        self.worker_start = worker_start
         self.device_decoders: dict[str, DeviceDecode] = {}  # per split, when batches are decoded on the device
         # per-sample hook after crop+flip (may be replaced before setup())
         self.train_augment: Augment | None = make_train_augment(auto_augment, random_erasing)
@@ -280,7 +289,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
             dataset.ring_slots = sizing.ring_slots
         loader = ResumableLoader if train else SampleLoader if isinstance(dataset, SampleDataset) else DataLoader
         end_stuck_workers_at_exit()
-        if workers > 0:
+        if workers > 0 and self.worker_start == "fork":  # a server or a new interpreter has no inherited locks
             forksafe.warm_before_fork(dataset)
         encoded = isinstance(dataset, EncodedDataset)
         if encoded and dataset.overflow is None:
@@ -296,6 +305,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
             persistent_workers=self.persistent_workers and workers > 0,
             prefetch_factor=sizing.prefetch if workers > 0 else None,
             worker_init_fn=leave_stop_signals_to_the_trainer,
+            **self.loader_start(workers),
         )
         if encoded:
             decoder = self.device_decoders.get(split)
@@ -325,8 +335,17 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         from datamodules.predict import PredictDataset  # Lightning adds a DistributedSampler under DDP
 
         dataset = PredictDataset(self.predict_dir, self.val_image_size, self.val_crop_ratio)
-        return DataLoader(dataset, batch_size=self.per_process_batch_size, num_workers=self.workers(),
-                          pin_memory=self.pins_memory, worker_init_fn=leave_stop_signals_to_the_trainer)
+        workers = self.workers()
+        return DataLoader(dataset, batch_size=self.per_process_batch_size, num_workers=workers,
+                          pin_memory=self.pins_memory, worker_init_fn=leave_stop_signals_to_the_trainer,
+                          **self.loader_start(workers))
+
+    def loader_start(self, workers: int) -> dict:
+        """`multiprocessing_context=` for a loader with `workers` worker processes: --data.worker_start's context
+        (a loader without workers takes none; DataLoader refuses one)."""
+        if workers <= 0:
+            return {}
+        return {"multiprocessing_context": worker_context(self.worker_start, (type(self).__module__,))}
 
     @property
     def pins_memory(self) -> bool:

@@ -92,13 +92,18 @@ class LoaderSizing:
                            val_size=int(args.get("val_image_size") or image), workers=workers,
                            pin=layout.cuda and bool(args.get("pin_memory", True)), budget=budget, resident=resident)
 
+    def describe_worker_start(self) -> str:
+        """How its loader workers start (--data.worker_start, datamodules/processes/start.py), for the start-up line."""
+        return f"workers start by {self.worker_start}"
+
     def _show_plan(self, plan: MemoryPlan) -> None:
         """The start-up line, once: CPUs (and who bound them), then memory per rank against its budget."""
         if self._plan_shown:
             return
         self._plan_shown = True
         share = self.cpu_share()
-        rank_zero_info(f"Data: {type(self).__name__}, {share.cpus} CPUs per rank: {share.describe()}. "
+        rank_zero_info(f"Data: {type(self).__name__}, {self.describe_worker_start()}, {share.cpus} CPUs per rank: "
+                       f"{share.describe()}. "
                        + plan.describe())
         over = plan.over_budget()
         if over:

@@ -302,6 +302,13 @@ class DALIDataModule(ImageDataModule):
     def plan_for(cls, args, layout: Layout, train_sizes=(), resident: int = 0) -> MemoryPlan:
         return dali_memory_plan(args, layout, train_sizes)
 
+    def describe_worker_start(self) -> str:
+        # DALI's parallel external source takes py_start_method "fork" or "spawn" only (nvidia/dali/pipeline.py,
+        # `py_start_method`; _multiproc/pool.py, `ProcPool.from_contexts`): spawn, as fork needs no CUDA context yet
+        if self.source == "lmdb":
+            return "DALI's external-source workers start by spawn"
+        return "no worker processes (DALI's threads read the files)"
+
     def _loader(self, split: str, train: bool) -> DALILoader:
         self._show_plan(self.memory_plan(fit=True if train else None))
         key = f"{split}:{int(train)}"

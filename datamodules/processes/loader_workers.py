@@ -8,6 +8,17 @@ Terminated" before it can save. Ignoring SIGTERM, SIGINT and SIGUSR1 in the work
 training process (lightning_app/callbacks/stop_signals.py), which stops its loaders itself: DataLoader's shutdown
 sets the workers' done event and joins them (dataloader.py, `_shutdown_workers`), and a worker whose parent is gone
 ends at its next check (worker.py, `ManagerWatchdog`).
+
+A worker dies with the training process (`die_with_the_trainer`) under every start method
+(datamodules/processes/start.py). Forked or spawned, the worker is the training process's child: PR_SET_PDEATHSIG,
+set here, kills it when the thread that started it ends. Under forkserver it is the fork server's child, and both
+checks of the parent watch the server: PR_SET_PDEATHSIG, and torch's `ManagerWatchdog`, which compares
+`os.getppid()` with the parent pid it saw at the worker's start (worker.py). The server outlives the training
+process: it ends when every holder of its "alive" pipe has closed it (multiprocessing/forkserver.py, `main`), and
+each worker it forked holds one (`_serve_one` keeps `_forkserver_alive_fd`), so a SIGKILLed trainer left its
+workers running for ever. There a thread of the worker waits on `multiprocessing.parent_process().sentinel`, the
+read end of a pipe whose write end only the training process holds (multiprocessing/popen_forkserver.py keeps
+`_parent_w`), and SIGKILLs the worker when it reads end-of-file.
 """
 from __future__ import annotations
 
@@ -15,7 +26,9 @@ import atexit
 import multiprocessing
 import os
 import signal
+import threading
 import time
+from multiprocessing.connection import wait
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 EXIT_JOIN_S = 2.0  # what a worker gets to end by itself when the training process exits
@@ -35,10 +48,26 @@ def leave_stop_signals_to_the_trainer(worker_id: int | None = None) -> None:
     from datamodules.processes.exits import die_with_parent
 
     die_with_parent()
+    die_with_the_trainer()
     if worker_id is not None and int(os.environ.get("PL_SEED_WORKERS", "0")):
         from lightning_fabric.utilities.seed import pl_worker_init_function
 
         pl_worker_init_function(worker_id)
+
+
+def die_with_the_trainer() -> bool:
+    """In a worker whose parent is not the process that started it (a fork server's child): SIGKILL this worker
+    when that process ends (see the module doc). True when a watch was started."""
+    trainer = multiprocessing.parent_process()
+    if trainer is None or trainer.pid == os.getppid() or trainer.sentinel is None:
+        return False
+    threading.Thread(target=_kill_self_at_end_of, args=(trainer.sentinel,), name="watch-trainer", daemon=True).start()
+    return True
+
+
+def _kill_self_at_end_of(sentinel: int) -> None:
+    wait([sentinel])  # end-of-file: every holder of the write end (the training process alone) has ended
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def end_stuck_workers_at_exit() -> None:

@@ -209,7 +209,8 @@ class StreamingDataModule(ImageDataModule):
             dataset or self.datasets[split], batch_size=self.per_process_batch_size, num_workers=workers,
             collate_fn=batches, pin_memory=self.pins_memory and not encoded,
             persistent_workers=self.persistent_workers and workers > 0,
-            prefetch_factor=sizing.prefetch if workers > 0 else None, worker_init_fn=leave_stop_signals_to_the_trainer)
+            prefetch_factor=sizing.prefetch if workers > 0 else None, worker_init_fn=leave_stop_signals_to_the_trainer,
+            **self.loader_start(workers))
         if encoded:
             decoder = self.device_decoders.get(split)
             if decoder is None or decoder.device != self.device:
