@@ -22,8 +22,8 @@ from torch.utils.data import Dataset
 from datamodules.base import REPO_ROOT, ImageDataModule, resolve_data_dir
 from datamodules.downscale.writer import ensure_downscaled, read_marker
 from datamodules.errors import DataError
+from datamodules.imagefolder import IndexFiles
 from datamodules.index import Index, find_classes
-from datamodules.sample.dataset import FileSource
 
 FIX = "Delete the downscaled copy (or this file) and rerun."
 
@@ -107,5 +107,5 @@ class DownscaledDataModule(ImageDataModule):
         return find_classes(self.root)
 
     def make_dataset(self, split: str, index: Index) -> Dataset:
-        source = MemorySource(index) if self.in_memory else FileSource(index, FIX)
+        source = MemorySource(index) if self.in_memory else IndexFiles(index, FIX)
         return self.sample_dataset(split, source, index.labels)

@@ -75,7 +75,7 @@ def _encode_job(job: tuple[str, int]) -> tuple[bytes | None, bool, str | None, i
 
 
 def _fingerprint(indexes: dict[str, Index]) -> str:
-    plan = [indexes["train"].classes, {s: indexes[s].samples for s in SPLITS}]
+    plan = [indexes["train"].classes, {s: list(indexes[s].samples) for s in SPLITS}]
     return hashlib.sha1(json.dumps(plan).encode()).hexdigest()
 
 

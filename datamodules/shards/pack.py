@@ -75,7 +75,7 @@ def plan(indexes: dict[str, Index], seed: int, chunk_bytes: int) -> dict:
 
 def fingerprint(indexes: dict[str, Index], layout: dict, seed: int) -> str:
     what = [FORMAT, VERSION, indexes["train"].classes, seed,
-            {s: [indexes[s].samples, layout[s]["per_chunk"]] for s in SPLITS}]
+            {s: [list(indexes[s].samples), layout[s]["per_chunk"]] for s in SPLITS}]
     return hashlib.sha1(json.dumps(what).encode()).hexdigest()
 
 
