@@ -1,8 +1,9 @@
-"""A forked child never finalises the parent's objects: the garbage collector is frozen across fork.
+"""A worker forked from the training process never finalises its objects nor waits on its exit-handler lock.
 
-DataLoader workers are forked. A DALI pipeline owns native threads (its executor and thread pool);
-dropped by the parent, it can sit in a reference cycle until the parent's next collection. A child
-forked meanwhile inherits that garbage but not the threads, and the first collection in the child
+Under `--data.worker_start fork`, DataLoader workers are forked from the training process. A DALI
+pipeline owns native threads (its executor and thread pool); dropped by the parent, it can sit in a
+reference cycle until the parent's next collection. A child forked meanwhile inherits that garbage
+but not the threads, and the first collection in the child
 runs the pipeline's finaliser: `Pipeline.Shutdown` -> `Executor2::Shutdown` -> `std::thread::join`
 on a thread that does not exist there, and the worker dies of SIGSEGV ("DataLoader worker ... is
 killed by signal: Segmentation fault"; nvidia/dali/libdali.so, seen in a core dump of the worker).
@@ -26,33 +27,31 @@ python_*_functions.cpp, `static PythonArgParser parser`), every operator's handl
 `at::set_num_threads` in torch/utils/data/_utils/worker.py, `_worker_loop`). `warm_before_fork`
 makes them here, before the loader forks, so a worker finds them made.
 
-On Python 3.10 and 3.11 a forked child must also never be forked while another thread holds CPython's
-runtime lock (`HEAD_LOCK`, `_PyRuntime.interpreters.mutex`): `PyOS_AfterFork_Child` (Modules/posixmodule.c)
-takes it in `_PyEval_ReInitThreads` -> `_PyThreadState_DeleteExcept` before `_PyRuntimeState_ReInitThreads`
-makes it new (3.12 swapped the two), so the child waits on it forever inside `os.fork()`. A thread holds it
-without the GIL while it makes its thread state: torch's gloo threads do, each time they drop a tensor that
-has a Python object (c10d ProcessGroupGloo::runLoop -> ~AsyncWork -> TensorImpl::decref_pyobject ->
-pybind11::gil_scoped_acquire -> PyThreadState_New), so a loader forked just after a collective could hang.
-`install` registers pthread_atfork handlers that take the lock just before the fork (waiting for such a
-thread, with the GIL held, so no other can start) and give it back on both sides just after, before the
-child's `PyOS_AfterFork_Child`. The handlers are C calls only (ctypes functions bound by functools.partial):
-no Python bytecode runs in the child before CPython has remade its GIL. They assume the forking thread
-holds the GIL, as every fork Python makes does (`os.fork`, `_posixsubprocess`; vfork runs no handlers).
+Both matter only where a worker is forked from the training process: `--data.worker_start fork`
+(datamodules/processes/start.py); `_loader` (datamodules/base.py) warms up only then. Under the default,
+forkserver, a worker is forked from the fork server, which has no thread of the training process, no
+DALI pipeline and no held lock; the server itself is started by fork + exec in C (`_posixsubprocess`,
+no Python runs in that child). The collector is still frozen across every fork of this process (two
+list moves), for `fork` and for any library that forks it.
+
+CPython 3.10/3.11 have a third hazard under `fork`, left unpatched: a child forked while another thread holds
+the runtime lock (`HEAD_LOCK`; gloo's threads take it without the GIL as they drop a tensor,
+~AsyncWork -> decref_pyobject -> PyThreadState_New) waits on it for ever in `PyOS_AfterFork_Child`
+(Modules/posixmodule.c; 3.12 remakes the lock first). It was once patched here by pthread_atfork handlers
+that took the lock at a hard-coded offset of `_PyRuntime`; those could themselves deadlock when a native
+thread without a Python thread state forked, and they protect nothing under forkserver. `--data.worker_start
+fork` on 3.10/3.11 prints one start-up warning naming the hazard instead.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import gc
 import os
-import sys
 import weakref
 
 import torch
 
 _installed = False
 _warmed: tuple[int, weakref.WeakSet] | None = None
-_fork_handlers: tuple | None = None  # the ctypes callbacks pthread_atfork holds: they must stay alive
 
 
 def install() -> None:
@@ -63,58 +62,7 @@ def install() -> None:
     # A process that froze objects itself finds them unfrozen after a fork: still correct, only less
     # memory shared with later children.
     os.register_at_fork(before=gc.freeze, after_in_parent=gc.unfreeze)
-    if sys.platform.startswith("linux"):  # a no-op where the lock is not laid out as checked (3.12+ needs none)
-        hold_runtime_lock_across_fork()
     _installed = True
-
-
-# Where `_PyRuntimeState.interpreters` {mutex, head, main} starts (Include/internal/pycore_runtime.h):
-# after four ints and `_finalizing` in 3.10, after five ints and `_finalizing` in 3.11.
-_INTERPRETERS_OFFSET = {(3, 10): 0x18, (3, 11): 0x20}
-
-
-def runtime_lock() -> ctypes.c_void_p | None:
-    """CPython's `_PyRuntime.interpreters.mutex` as a live view (its value is read at each use), or None
-    where this interpreter is not laid out as checked: `interpreters.main` must be `PyInterpreterState_Main()`."""
-    offset = _INTERPRETERS_OFFSET.get(sys.version_info[:2])
-    if offset is None:
-        return None
-    try:
-        runtime = ctypes.addressof(ctypes.c_char.in_dll(ctypes.pythonapi, "_PyRuntime"))
-        main = ctypes.PYFUNCTYPE(ctypes.c_void_p)(("PyInterpreterState_Main", ctypes.pythonapi))()
-    except (AttributeError, ValueError):
-        return None
-    if main is None or ctypes.c_void_p.from_address(runtime + offset + 16).value != main:
-        return None
-    return ctypes.c_void_p.from_address(runtime + offset)
-
-
-def hold_runtime_lock_across_fork() -> bool:
-    """Take CPython's runtime lock in every fork's prepare step and give it back in the parent and the
-    child (see the module doc). False where the lock cannot be found (the fork stays as it was)."""
-    global _fork_handlers
-    lock = runtime_lock()
-    if lock is None:
-        return False
-    api = ctypes.pythonapi  # PyDLL: the GIL stays held during these calls
-    acquire = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int)(("PyThread_acquire_lock", api))
-    release = ctypes.PYFUNCTYPE(None, ctypes.c_void_p)(("PyThread_release_lock", api))
-    handler = ctypes.CFUNCTYPE(None)
-    prepare = handler(functools.partial(acquire, lock, 1))
-    parent = child = handler(functools.partial(release, lock))
-    libc = ctypes.CDLL(None)
-    try:  # glibc keeps pthread_atfork in libc_nonshared.a; it calls __register_atfork(..., dso_handle=NULL)
-        register = libc.__register_atfork
-        register.argtypes = [handler, handler, handler, ctypes.c_void_p]
-        status = register(prepare, parent, child, None)
-    except AttributeError:  # musl exports pthread_atfork itself
-        register = libc.pthread_atfork
-        register.argtypes = [handler, handler, handler]
-        status = register(prepare, parent, child)
-    if status != 0:
-        return False
-    _fork_handlers = (prepare, parent, child)
-    return True
 
 
 def warm_before_fork(dataset: object) -> None:

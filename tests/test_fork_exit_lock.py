@@ -1,5 +1,6 @@
 """A DataLoader worker forked while a thread of the training process holds glibc's `__exit_funcs_lock` must
-still deliver its batches: it must never call `__cxa_atexit` (datamodules/forksafe.py, `warm_before_fork`).
+still deliver its batches: under --data.worker_start fork it must never call `__cxa_atexit` (datamodules/forksafe.py,
+`warm_before_fork`); under forkserver it is never forked from the training process.
 
 A helper thread of the child script keeps the lock held almost all the time: glibc's `__cxa_finalize` walks
 every registered exit handler under the lock (stdlib/cxa_finalize.c), and half a million handlers of a dummy
@@ -12,6 +13,8 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 from tests.helpers import REPO
 from tests.helpers.processes import finish, start_command
 
@@ -20,7 +23,7 @@ import ctypes, sys, threading
 from datamodules import ImageFolderDataModule
 
 dm = ImageFolderDataModule(data_dir=sys.argv[1], batch_size=8, num_workers=2, image_size=16,
-                           persistent_workers=False)
+                           persistent_workers=False, worker_start=sys.argv[2])
 dm.setup("fit")
 loaders = [dm.train_dataloader(), dm.val_dataloader()]
 libc = ctypes.CDLL(None)
@@ -46,8 +49,11 @@ print("first batches")
 """
 
 
-def test_workers_forked_while_the_exit_handler_lock_is_held_deliver(tiny_data):
-    proc = start_command([sys.executable, "-c", SCRIPT, str(tiny_data)], {**os.environ, "PYTHONPATH": str(REPO),
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_workers_forked_while_the_exit_handler_lock_is_held_deliver(tiny_data, method):
+    """fork: the warm-up keeps the workers off the lock; forkserver (the default): no worker is forked from this
+    process, and the training process runs no warm-up (datamodules/base.py, `_loader`)."""
+    proc = start_command([sys.executable, "-c", SCRIPT, str(tiny_data), method], {**os.environ, "PYTHONPATH": str(REPO),
                           "PYTHONUNBUFFERED": "1"}, session=True)
     # about 5 s when it passes; a hung worker fails it at 60 s with every process's stack (finish, stop_tree)
     code, out = finish(proc, timeout=60)

@@ -1,5 +1,5 @@
-"""A DataLoader forked after a DALI pipeline was dropped: the worker must not finalise the pipeline
-(datamodules/forksafe.py). Before the fix the worker died of SIGSEGV in DALI's Executor2::Shutdown."""
+"""A DataLoader forked after a DALI pipeline was dropped (--data.worker_start fork): the worker must not finalise the
+pipeline (datamodules/forksafe.py). Before the fix the worker died of SIGSEGV in DALI's Executor2::Shutdown."""
 from __future__ import annotations
 
 import gc
@@ -30,6 +30,8 @@ def test_a_worker_forked_after_a_dropped_dali_pipeline_survives(tiny_data):
     loader = dm.train_dataloader()
     next(iter(loader))  # the pipeline's executor threads run now
     del dm, loader  # garbage in reference cycles, left for the parent's next collection
-    got = [int(i) for batch in DataLoader(CollectsGarbage(), batch_size=2, num_workers=1) for i in batch]
+    # forked from this process, as under --data.worker_start fork (the interpreter's default differs by version)
+    loader = DataLoader(CollectsGarbage(), batch_size=2, num_workers=1, multiprocessing_context="fork")
+    got = [int(i) for batch in loader for i in batch]
     assert got == [0, 1, 2, 3]
     gc.collect()  # the parent finalises the pipeline, with its threads

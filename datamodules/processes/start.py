@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import multiprocessing
 import sys
-import warnings
 from multiprocessing.context import BaseContext
 from typing import Literal
 
@@ -69,4 +68,6 @@ def warn_fork_hazard() -> None:
     said = fork_hazard()
     if said and not _warned_fork:
         _warned_fork = True
-        warnings.warn(said, stacklevel=3)
+        from pytorch_lightning.utilities import rank_zero_warn
+
+        rank_zero_warn(said)
