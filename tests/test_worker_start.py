@@ -3,6 +3,7 @@
 (datamodules/processes/loader_workers.py, `die_with_the_trainer`)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -88,3 +89,62 @@ def test_workers_die_with_a_sigkilled_training_process(tiny_data, method):
         os.killpg(proc.pid, signal.SIGKILL)  # the session: the trainer, a fork server, any worker left
         finish(proc, timeout=30)
     assert not left, f"workers {left} outlived the training process by 4 s ({method})"
+
+
+LIKE_PY314 = ("import multiprocessing, runpy, sys\n"
+              "multiprocessing.set_start_method('forkserver')  # Python 3.14's default on Linux, before anything else\n"
+              "sys.argv = ['main.py', *sys.argv[1:]]\n"
+              "runpy.run_path('main.py', run_name='__main__')\n")
+
+
+@pytest.mark.slow
+def test_a_forkserver_interpreter_default_changes_nothing(tiny_data, tmp_path):
+    """A fit in an interpreter whose default start method is forkserver (as Python 3.14's on Linux), with
+    --data.worker_start unset, starts its workers as the default run does and trains to the same losses."""
+    from tests.helpers.cli import quick_args
+    from tests.helpers.processes import finish_all
+
+    def args(name: str) -> list[str]:
+        return ["fit", *quick_args(tiny_data, tmp_path / name, epochs=1, batch=32), "--data.num_workers", "2",
+                "--data.image_size", "16", "--trainer.num_sanity_val_steps", "0", "--trainer.limit_val_batches", "0",
+                "--checkpoint.monitor", "null", "--model.pictures", "[]",
+                "--trainer.callbacks+=tests.helpers.callbacks.LossRecorder",
+                f"--trainer.callbacks.out_dir={tmp_path / name / 'losses'}"]
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    procs = [start_command([sys.executable, "main.py", *args("default")], env),
+             start_command([sys.executable, "-c", LIKE_PY314, *args("like314")], env)]
+    codes, outs = finish_all(procs, timeout=300)
+    assert codes == [0, 0], "\n---\n".join(out[-3000:] for out in outs)
+    default, like314 = (json.loads((tmp_path / name / "losses" / "rank0.json").read_text())
+                        for name in ("default", "like314"))
+    assert default["start"] == like314["start"] == "forkserver"
+    assert len(default["losses"]) == 7 and like314["losses"] == default["losses"]
+
+
+GROUP_SIGNAL = r"""
+import os, signal, sys
+from datamodules import ImageFolderDataModule
+
+got = []
+signal.signal(signal.SIGTERM, lambda *_: got.append("SIGTERM"))  # the training process decides (stop_signals.py)
+dm = ImageFolderDataModule(data_dir=sys.argv[1], batch_size=8, num_workers=2, image_size=16, worker_start=sys.argv[2],
+                           persistent_workers=False)
+dm.setup("fit")
+batches = iter(dm.train_dataloader())
+next(batches)
+os.killpg(0, signal.SIGTERM)
+for _ in range(8):
+    next(batches)
+print("8 batches after", got)
+"""
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_workers_deliver_after_a_stop_signal_to_the_group(tiny_data, method):
+    """Under forkserver the fork server is in the group too: it must outlive the signal, or every worker reads as
+    ended (its exit codes come from the server) and the loader fails before the trainer can save."""
+    proc = start_command([sys.executable, "-c", GROUP_SIGNAL, str(tiny_data), method],
+                         {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}, session=True)
+    code, out = finish(proc, timeout=120)
+    assert code == 0 and "8 batches after ['SIGTERM']" in out, out[-3000:]

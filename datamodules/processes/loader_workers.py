@@ -18,7 +18,9 @@ process: it ends when every holder of its "alive" pipe has closed it (multiproce
 each worker it forked holds one (`_serve_one` keeps `_forkserver_alive_fd`), so a SIGKILLed trainer left its
 workers running for ever. There a thread of the worker waits on `multiprocessing.parent_process().sentinel`, the
 read end of a pipe whose write end only the training process holds (multiprocessing/popen_forkserver.py keeps
-`_parent_w`), and SIGKILLs the worker when it reads end-of-file.
+`_parent_w`), and SIGKILLs the worker when it reads end-of-file. Such a worker sets no PR_SET_PDEATHSIG: a stop
+signal to the process group ends the fork server (multiprocessing/forkserver.py ignores SIGINT only), and with
+it every worker that watched the server, before the training process could save.
 """
 from __future__ import annotations
 
@@ -47,8 +49,8 @@ def leave_stop_signals_to_the_trainer(worker_id: int | None = None) -> None:
     # leave its workers running until torch's watchdog notices, up to 5 s later (worker.py, MP_STATUS_CHECK_INTERVAL)
     from datamodules.processes.exits import die_with_parent
 
-    die_with_parent()
-    die_with_the_trainer()
+    if not die_with_the_trainer():  # this worker is the training process's own child
+        die_with_parent()
     if worker_id is not None and int(os.environ.get("PL_SEED_WORKERS", "0")):
         from lightning_fabric.utilities.seed import pl_worker_init_function
 

@@ -32,7 +32,9 @@ WorkerStart = Literal["forkserver", "fork", "spawn"]
 START_METHODS: tuple[str, ...] = ("forkserver", "fork", "spawn")
 DEFAULT_START: WorkerStart = "forkserver"
 # Imported once by the fork server, so a worker forked from it finds them imported (torch alone is ~1 s).
-PRELOAD = ("torch", "datamodules", "datamodules.base", "datamodules.processes.loader_workers")
+# The first ignores the stop signals, in the server only (datamodules/processes/fork_server.py).
+PRELOAD = ("datamodules.processes.fork_server", "torch", "datamodules", "datamodules.base",
+           "datamodules.processes.loader_workers")
 _warned_fork = False
 
 

@@ -265,3 +265,21 @@ class SignalDuringValidation(pl.Callback):
         if batch_idx == self.batch and not trainer.sanity_checking:
             print(f"SignalDuringValidation: sending {self.sig} at validation batch {batch_idx}", flush=True)
             os.kill(os.getpid(), getattr(signal, self.sig))
+
+
+class LossRecorder(pl.Callback):
+    """Writes `out_dir/rank{R}.json`: every training step's loss, and how the train loader starts its workers."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        context = getattr(trainer.train_dataloader, "multiprocessing_context", None)
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump({"losses": self.losses, "start": context.get_start_method() if context else None}, f)
