@@ -79,6 +79,21 @@ def test_a_stop_signal_to_the_group_saves_and_resumes(backend, sig, tiny_data, t
     assert _step(root) == 12
 
 
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_stop_signal_to_the_group_saves_and_resumes_imagefolder_under_each_worker_start(method, tiny_data, tmp_path):
+    """ImageFolder and SIGTERM with the workers forked from the training process or spawned (the test above: the
+    default, forkserver, whose workers are the fork server's children, in the same process group)."""
+    root = tmp_path / "logs"
+    start = ["--data.worker_start", method]
+    code, out = _fit(tiny_data, root, *start, *_signal_group_at(1, 1))
+    assert code == 0, out[-4000:]
+    assert "SIGTERM: saved" in out and "killed by signal" not in out and "Traceback" not in out, out[-4000:]
+    assert _step(root) == 6 + 2
+    code, out = _fit(tiny_data, root, *start, "--ckpt_path", "last")
+    assert code == 0 and "Done: best val/acc1" in out, out[-4000:]
+    assert _step(root) == 12
+
+
 @pytest.mark.parametrize("decode", [
     [],
     # each rank's decode thread, its workers decoding a balanced share (datamodules/sample/balance.py)

@@ -66,14 +66,25 @@ def test_resumed_epoch_delivers_the_uninterrupted_runs_batches(backend, decode, 
     """The uninterrupted run saves last.ckpt mid-epoch (a step save) and goes on; that checkpoint, put back as
     last.ckpt (what a run killed right after the save leaves), resumed with --ckpt_path last, delivers the rest of
     the uninterrupted run's epoch. With --data.decode gpu the device stage runs a batch ahead of the step."""
-    config, data = sources[backend]
+    _resume_mid_epoch(*sources[backend], decode, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_resumed_epoch_delivers_the_same_batches_under_each_worker_start(method, sources, tmp_path):
+    """The same, ImageFolder, with the workers forked from the training process or spawned (the test above: the
+    default, forkserver): the workers' generators and progress travel in the checkpoint whichever way they start."""
+    _resume_mid_epoch(*sources["imagefolder"], "cpu", tmp_path, "--data.worker_start", method)
+
+
+def _resume_mid_epoch(config: str, data: Path, decode: str, tmp_path: Path, *extra: str) -> None:
     kept = tmp_path / "step.ckpt"
     # decode gpu: every file the device can take, on the device (the balanced share, timing-driven, would decode
     # some on the CPU path instead: the same boxes, pixels a grey level apart; docs/data.md)
     pinned = ["--data.cpu_decode_share", "0"] if decode == "gpu" else []
     steps = ["--data.decode", decode, *pinned, "--checkpoint.every_n_train_steps", str(SAVED_AT),
              "--trainer.callbacks+=tests.helpers.callbacks.KeepCheckpointAt",
-             f"--trainer.callbacks.step={SAVED_AT}", f"--trainer.callbacks.path={kept}"]
+             f"--trainer.callbacks.step={SAVED_AT}", f"--trainer.callbacks.path={kept}", *extra]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     run_main(_args(config, data, tmp_path, whole, *steps))
     step = torch.load(kept, map_location="cpu", weights_only=True)
