@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 from datamodules.base import REPO_ROOT, ImageDataModule, resolve_data_dir
 from datamodules.downscale.writer import ensure_downscaled, read_marker
 from datamodules.errors import DataError
-from datamodules.imagefolder import IndexFiles
+from datamodules.imagefolder import IndexFiles, IndexPaths
 from datamodules.index import Index, find_classes
 
 FIX = "Delete the downscaled copy (or this file) and rerun."
@@ -32,7 +32,7 @@ class MemorySource:
     """The files of an Index held encoded in RAM: one uint8 tensor in shared memory plus offsets."""
 
     def __init__(self, index: Index, threads: int = 8) -> None:
-        self.paths = [index.path(i) for i in range(len(index))]
+        self.paths = IndexPaths(index)  # pickled to a forkserver or spawned worker as the Index: compact
         sizes = np.fromiter((os.path.getsize(p) for p in self.paths), dtype=np.int64, count=len(self.paths))
         offsets = np.zeros(len(self.paths) + 1, dtype=np.int64)
         np.cumsum(sizes, out=offsets[1:])

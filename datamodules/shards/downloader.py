@@ -32,7 +32,21 @@ class ChunkSizeError(OSError):
     """A downloaded chunk whose size is not the one its index.json records."""
 
 
+_class: type | None = None
+
+
+def __getattr__(name: str) -> Any:
+    """`ShardS3Downloader`, made on first use (litdata is imported then): the name a pickled reference to it (a
+    dataset sent to a forkserver or spawned worker, --data.worker_start) is looked up by."""
+    if name == "ShardS3Downloader":
+        return _downloader_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _downloader_class():
+    global _class
+    if _class is not None:
+        return _class
     from filelock import FileLock, Timeout
     from litdata.constants import _INDEX_FILENAME
     from litdata.streaming import downloader as ld
@@ -73,7 +87,9 @@ def _downloader_class():
             return ld._cached_obstore_store(
                 self, lambda: obstore_store(bucket, self._client.client, ld._obstore_credential_provider(self._client)))
 
-    return ShardS3Downloader
+    ShardS3Downloader.__qualname__ = "ShardS3Downloader"  # pickled by name: this module's __getattr__
+    _class = ShardS3Downloader
+    return _class
 
 
 _registered = False
