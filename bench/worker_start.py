@@ -3,12 +3,15 @@
     python -m bench.worker_start [--samples 1281167] [--workers 2] [--data DIR]
 
 Per case, in a fresh process each (the fork server starts once per process): the time from `iter(loader)` to
-the first batch, again for a second iter() (workers not persistent: the server runs already), and each worker's
-memory at its first batch (/proc/PID/smaps_rollup: Rss, and Private = what the worker alone holds; a forked
-worker's Rss counts pages it shares with the training process or the server). Cases: the built-in quickstart data
-through ImageFolderDataModule, and a synthetic ImageNet-sized Index (1,281,167 samples, 1,000 classes, ImageNet's
-path pattern) in a dataset that reads no file, as the Index now is ("index") and as the list of tuples it was
-("tuples"). Also the pickled size of that Index, both ways. Every row of one run shares the machine's load.
+the first batch, and from the start of the data's setup (where the datamodules start the fork server) to it; again
+for a second iter() (workers not persistent: the server runs already); and each worker's memory at its first batch
+(/proc/PID/smaps_rollup: Rss, and Private = what the worker alone holds; a forked worker's Rss counts pages it
+shares with the training process or the server). Cases: the built-in quickstart data through
+ImageFolderDataModule, and a synthetic ImageNet-sized Index (1,281,167 samples, 1,000 classes, ImageNet's path
+pattern) in a dataset that reads no file, holding the Index as ImageFolder's dataset does ("index") or a list of
+(path, label) tuples ("tuples"). Also the bytes that dataset sends a forkserver or spawned worker (the Index's
+arrays go as shared memory), and the Index's plain pickle (the arrays' bytes). Every row of one run shares the
+machine's load.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import pickle
 import subprocess
 import sys
 import time
+from multiprocessing.reduction import ForkingPickler
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,16 +53,22 @@ class TupleIndexDataset:
 
 
 class IndexDataset:
-    """The Index as it is: `index.path(i)`, `index.label_array[i]` (no file read)."""
+    """What ImageFolder's SampleDataset holds, less the crop: the Index's paths (`IndexFiles`) and the labels as an
+    int64 tensor (no file read)."""
 
     def __init__(self, index) -> None:
-        self.index = index
+        import torch
+
+        from datamodules.imagefolder import IndexFiles
+
+        self.files = IndexFiles(index, "")
+        self.labels = torch.as_tensor(index.labels, dtype=torch.int64)
 
     def __len__(self) -> int:
-        return len(self.index)
+        return len(self.labels)
 
     def __getitem__(self, i: int) -> int:
-        return len(self.index.path(i)) + int(self.index.label_array[i])
+        return len(self.files.paths[i]) + int(self.labels[i])
 
 
 def memory(pid: int) -> dict[str, float]:
@@ -78,6 +88,7 @@ def one_case(case: str, method: str, workers: int, samples: int, data: str | Non
 
     from datamodules.processes.start import worker_context
 
+    t_setup = time.perf_counter()
     if case == "quickstart":
         from datamodules import ImageFolderDataModule
 
@@ -99,6 +110,7 @@ def one_case(case: str, method: str, workers: int, samples: int, data: str | Non
     batches = iter(loader)
     next(batches)
     first = time.perf_counter() - t0
+    from_setup = time.perf_counter() - t_setup
     workers_of = getattr(batches, "_workers", None) or loader._iterator._workers  # a plain DataLoader's, ours
     mem = [memory(w.pid) for w in workers_of]
     del batches, workers_of
@@ -106,6 +118,7 @@ def one_case(case: str, method: str, workers: int, samples: int, data: str | Non
     next(iter(loader))
     again = time.perf_counter() - t0
     row = {"case": case, "method": method, "workers": workers, "first_batch_s": round(first, 2),
+           "setup_to_first_batch_s": round(from_setup, 2),
            "again_first_batch_s": round(again, 2),
            "worker_rss_mib": round(sum(m["rss_mib"] for m in mem) / len(mem), 1),
            "worker_private_mib": round(sum(m["private_mib"] for m in mem) / len(mem), 1),
@@ -121,11 +134,12 @@ def pickled_sizes(samples: int) -> dict:
     index = Index("/data/imagenet", "train", [f"n{c:08d}" for c in range(1000)], pairs)
     built = time.perf_counter() - t0
     t0 = time.perf_counter()
-    compact = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
+    sent = ForkingPickler.dumps(IndexDataset(index))  # what a forkserver or spawned worker receives
     dumped = time.perf_counter() - t0
     t0 = time.perf_counter()
-    pickle.loads(compact)
+    pickle.loads(sent)
     loaded = time.perf_counter() - t0
+    plain = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)  # to a file: the arrays' bytes
     t0 = time.perf_counter()
     tuples = pickle.dumps(pairs, protocol=pickle.HIGHEST_PROTOCOL)
     tuples_dumped = time.perf_counter() - t0
@@ -133,9 +147,10 @@ def pickled_sizes(samples: int) -> dict:
     pickle.loads(tuples)
     tuples_loaded = time.perf_counter() - t0
     in_memory = index.names.nbytes + index.name_ends.nbytes + index.label_array.nbytes
-    return {"samples": samples, "index_pickled_mib": round(len(compact) / 2**20, 2),
+    return {"samples": samples, "dataset_sent_kib": round(len(sent) / 2**10, 1),
+            "index_plain_pickle_mib": round(len(plain) / 2**20, 1),
             "index_arrays_mib": round(in_memory / 2**20, 1), "index_build_s": round(built, 2),
-            "index_dumps_s": round(dumped, 2), "index_loads_s": round(loaded, 2),
+            "dataset_sent_dumps_s": round(dumped, 2), "dataset_sent_loads_s": round(loaded, 2),
             "tuples_pickled_mib": round(len(tuples) / 2**20, 1), "tuples_dumps_s": round(tuples_dumped, 2),
             "tuples_loads_s": round(tuples_loaded, 2)}
 

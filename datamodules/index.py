@@ -24,12 +24,12 @@ import os
 import sys
 import tempfile
 import time
-import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from datamodules.errors import DataError
 from datamodules.processes.locks import file_lock
@@ -89,9 +89,11 @@ class Samples(Sequence):
 
 class Index:
     """One split's samples, kept as arrays: the relative paths' UTF-8 bytes end to end (`names`, each ending at
-    `name_ends[i]`) and the labels (`label_array`). 1.28M ImageNet paths take ~70 MiB so, against ~170 MiB as
-    Python tuples, and a worker that unpickles its dataset (--data.worker_start forkserver or spawn) gets them
-    zlib-compressed (`__reduce__`): ~7 MiB (python -m bench.worker_start measures it).
+    `name_ends[i]`) and the labels (`label_array`). 1.28M ImageNet paths take ~60 MiB so, against ~170 MiB as
+    Python tuples. A worker that unpickles its dataset (--data.worker_start forkserver or spawn) maps the same
+    arrays: `__reduce__` hands them over as tensors in shared memory, which torch's reduction for multiprocessing
+    sends as file descriptors (torch/multiprocessing/reductions.py, `reduce_storage`), so a worker receives a few
+    hundred bytes and holds no copy (python -m bench.worker_start measures both).
 
     Index(root, split, classes, samples, bad_files=[], empty_classes=[]) as before: `samples` any iterable of
     (relative posix path, label); `index.samples` reads them back (`Samples`).
@@ -109,7 +111,7 @@ class Index:
         self.names = np.frombuffer(b"".join(encoded), dtype=np.uint8)
         self.name_ends = np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)))
         self.label_array = np.asarray(labels, dtype=np.int32).reshape(-1)
-        self._packed: tuple[bytes, bytes] | None = None
+        self._shared: tuple[torch.Tensor, ...] | None = None
 
     @property
     def samples(self) -> Samples:
@@ -165,15 +167,21 @@ class Index:
                 "samples": [list(s) for s in self.samples], "bad_files": [list(b) for b in self.bad_files],
                 "empty_classes": self.empty_classes}
 
-    # -- pickled to a worker: the arrays compressed, once per Index ----------------------------------------------
+    # -- pickled to a worker: the arrays in shared memory ----------------------------------------------------------
     def __reduce__(self):
-        if self._packed is None:
-            # The names with their lengths, the labels: zlib level 1 (an ImageNet split's ~50 MiB in ~0.3 s, once)
-            lengths = np.diff(self.name_ends, prepend=0).astype(np.int32)
-            self._packed = (zlib.compress(self.names.tobytes(), 1),
-                            zlib.compress(lengths.tobytes() + self.label_array.tobytes(), 1))
-        return _unpack_index, (self.root, self.split, self.classes, self.bad_files, self.empty_classes,
-                               *self._packed)
+        # A plain pickle (no worker) writes the tensors' bytes; a worker's pickler (multiprocessing's ForkingPickler,
+        # with torch's reductions registered) sends their shared memory's file descriptors.
+        return _index_of_tensors, (self.root, self.split, self.classes, self.bad_files, self.empty_classes,
+                                   *self.shared_arrays())
+
+    def shared_arrays(self) -> tuple[torch.Tensor, ...]:
+        """names, name_ends, label_array as tensors in shared memory, made once; this Index reads them from then on
+        (one copy in the process, not two)."""
+        if self._shared is None:
+            self._shared = tuple(torch.from_numpy(np.array(a)).share_memory_()
+                                 for a in (self.names, self.name_ends, self.label_array))
+            self.names, self.name_ends, self.label_array = (t.numpy() for t in self._shared)
+        return self._shared
 
     @classmethod
     def _of_arrays(cls, root, split, classes, names, name_ends, label_array, bad_files, empty_classes) -> Index:
@@ -182,11 +190,10 @@ class Index:
         return index
 
 
-def _unpack_index(root, split, classes, bad_files, empty_classes, names, numbers) -> Index:
-    counts = np.frombuffer(zlib.decompress(numbers), dtype=np.int32)
-    n = len(counts) // 2
-    index = Index._of_arrays(root, split, classes, np.frombuffer(zlib.decompress(names), dtype=np.uint8),
-                             np.cumsum(counts[:n], dtype=np.int64), counts[n:], bad_files, empty_classes)
+def _index_of_tensors(root, split, classes, bad_files, empty_classes, names, name_ends, labels) -> Index:
+    index = Index._of_arrays(root, split, classes, names.numpy(), name_ends.numpy(), labels.numpy(), bad_files,
+                             empty_classes)
+    index._shared = (names, name_ends, labels)
     return index
 
 
