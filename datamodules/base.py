@@ -22,7 +22,7 @@ from datamodules.budget.sizing import LoaderSizing
 from datamodules.errors import DataError
 from datamodules.index import Index, find_classes, load_indexes
 from datamodules.processes.loader_workers import end_stuck_workers_at_exit, leave_stop_signals_to_the_trainer
-from datamodules.processes.start import DEFAULT_START, WorkerStart, check_start, worker_context
+from datamodules.processes.start import DEFAULT_START, WorkerStart, check_start, start_server_early, worker_context
 from datamodules.resume import EpochSampler, ResumableLoader
 from datamodules.sample.augment import make_train_augment
 from datamodules.sample.balance import CpuShare, shared_overflow
@@ -242,6 +242,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.indexes or (stage == "predict" and self.predict_dir is not None):
             return
+        self.start_worker_server()
         indexes = self.load_indexes()
         for split, index in indexes.items():
             if index.bad_files:
@@ -339,6 +340,11 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         return DataLoader(dataset, batch_size=self.per_process_batch_size, num_workers=workers,
                           pin_memory=self.pins_memory, worker_init_fn=leave_stop_signals_to_the_trainer,
                           **self.loader_start(workers))
+
+    def start_worker_server(self) -> None:
+        """The fork server of --data.worker_start forkserver, started before the data is scanned (start.py)."""
+        if self.workers() > 0:
+            start_server_early(self.worker_start, (type(self).__module__,))
 
     def loader_start(self, workers: int) -> dict:
         """`multiprocessing_context=` for a loader with `workers` worker processes: --data.worker_start's context

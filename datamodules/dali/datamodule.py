@@ -302,9 +302,14 @@ class DALIDataModule(ImageDataModule):
     def plan_for(cls, args, layout: Layout, train_sizes=(), resident: int = 0) -> MemoryPlan:
         return dali_memory_plan(args, layout, train_sizes)
 
+    def start_worker_server(self) -> None:
+        """No fork server: DALI starts its own worker processes (describe_worker_start)."""
+
     def describe_worker_start(self) -> str:
         # DALI's parallel external source takes py_start_method "fork" or "spawn" only (nvidia/dali/pipeline.py,
-        # `py_start_method`; _multiproc/pool.py, `ProcPool.from_contexts`): spawn, as fork needs no CUDA context yet
+        # `py_start_method`; _multiproc/pool.py, `ProcPool.from_contexts`), and "fork" only before any CUDA context
+        # exists in the process (pipeline.py, `start_py_workers`), which Lightning has made by the time a loader is
+        # built: spawn, whatever --data.worker_start says
         if self.source == "lmdb":
             return "DALI's external-source workers start by spawn"
         return "no worker processes (DALI's threads read the files)"

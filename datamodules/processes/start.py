@@ -55,6 +55,18 @@ def worker_context(name: str, preload: tuple[str, ...] = ()) -> BaseContext:
     return ctx
 
 
+def start_server_early(name: str, preload: tuple[str, ...] = ()) -> None:
+    """Under forkserver, start the fork server now, so that its imports (torch, datamodules: seconds) run while the
+    training process scans its data and builds the model, not while it waits for its first batch.
+    `ensure_running` returns once the server is launched, before it has imported anything
+    (multiprocessing/forkserver.py); the first worker's start waits for it then."""
+    if name == "forkserver":
+        from multiprocessing import forkserver
+
+        worker_context(name, preload)
+        forkserver.ensure_running()
+
+
 def fork_hazard() -> str | None:
     """The start-up warning of `--data.worker_start fork` where this Python has the hazard (3.10, 3.11)."""
     if sys.version_info[:2] not in ((3, 10), (3, 11)):

@@ -114,6 +114,7 @@ class StreamingDataModule(ImageDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.datasets or (stage == "predict" and self.predict_dir is not None):
             return
+        self.start_worker_server()
         if self.meta["splits"]["train"]["count"] < self.batch_size:
             raise DataError(f"train/ of {self.url} has {self.meta['splits']['train']['count']} images, fewer than one "
                             f"global batch ({self.batch_size}); lower --data.batch_size.")
