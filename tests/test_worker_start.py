@@ -148,3 +148,36 @@ def test_workers_deliver_after_a_stop_signal_to_the_group(tiny_data, method):
                          {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}, session=True)
     code, out = finish(proc, timeout=120)
     assert code == 0 and "8 batches after ['SIGTERM']" in out, out[-3000:]
+
+
+def test_an_index_reaches_a_worker_as_shared_memory_not_as_its_samples():
+    """What a forkserver or spawned worker receives of a 200,000-sample Index (multiprocessing's ForkingPickler, with
+    torch's reductions): its arrays' shared memory, a few KiB whatever the dataset's size; it reads the same
+    samples, from the same pages."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from datamodules.index import Index
+
+    samples = [(f"train/n{c:08d}/n{c:08d}_{k}.JPEG", c) for c in range(100) for k in range(2000)]
+    index = Index("/data", "train", [f"n{c:08d}" for c in range(100)], samples)
+    sent = ForkingPickler.dumps(index)
+    assert len(sent) < 16 * 1024, len(sent)  # the samples' paths alone are 5 MiB
+    got = ForkingPickler.loads(sent)
+    assert got == index and got.path(123_456) == "/data/" + samples[123_456][0]
+    assert got.names.ctypes.data == index.names.ctypes.data  # in this process: the very same pages
+
+
+def test_the_memory_plan_counts_each_workers_own_memory_and_the_fork_server():
+    """A spawned worker is a whole interpreter with torch; the plan counts it, and caps the workers to the host
+    budget; a forked or fork-server worker shares its pages."""
+    from datamodules.budget.memory import FORK_SERVER_BYTES, GIB, WORKER_OWN_BYTES, Budget, plan_memory
+
+    budget = Budget.from_gib(2, 4, 8)
+    plans = {start: plan_memory(batch=32, train_size=224, val_size=224, workers=16, pin=True, budget=budget,
+                                worker_start=start) for start in ("fork", "forkserver", "spawn")}
+    assert all(p.host <= 8 * GIB for p in plans.values())
+    assert plans["fork"].processes == 32 * WORKER_OWN_BYTES["fork"]  # train and val, 16 each
+    assert plans["forkserver"].processes == 32 * WORKER_OWN_BYTES["forkserver"] + FORK_SERVER_BYTES
+    spawned = plans["spawn"].loader("train").workers
+    assert spawned < 16 and "memory budget" in plans["spawn"].describe()
+    assert plans["spawn"].processes == 2 * spawned * WORKER_OWN_BYTES["spawn"]

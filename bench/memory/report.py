@@ -24,9 +24,10 @@ def to_markdown(result: dict[str, Any]) -> str:
     lines.append(markdown_table(["config", "data", "loaders per rank", "pinned GiB/rank (budget)",
                                  "shm GiB/rank (budget)", "host GiB/rank (budget)", "pinned GiB/node",
                                  "shm GiB/node", "host GiB/node", "within budget"], table))
-    lines += ["", ("Host counts pinned and shared memory (both are RAM) and a dataset held in RAM; not each worker "
-                   "process's own Python and torch. DALI rows count nvJPEG's buffers and the pinned batches, not "
-                   "DALI's own queues.")]
+    lines += ["", ("Host counts pinned and shared memory (both are RAM), a dataset held in RAM, and what each worker "
+                   "process holds of its own under its --data.worker_start (datamodules/budget/memory.py, "
+                   "WORKER_OWN_BYTES), with the fork server. DALI rows count nvJPEG's buffers, the pinned batches "
+                   "and the spawned external-source workers of an LMDB source, not DALI's own queues.")]
     return "\n".join(lines)
 
 

@@ -8,8 +8,11 @@ Three kinds, per training process (rank); eight ranks on a node hold eight times
   size's free list), so the cache holds as many blocks of pow2ceil(batch bytes) as were ever in flight.
 - shared memory (/dev/shm): each loader worker's ring of batch buffers (sample/batches.py), and a
   dataset held in RAM for all workers (DownscaledDataModule in_memory).
-- host RAM: both of the above (page-locked and shared pages are RAM too). Not counted: each worker
-  process's own Python and torch, and the images a worker is decoding (a few at a time).
+- host RAM: both of the above (page-locked and shared pages are RAM too), plus what each worker process holds of
+  its own (`WORKER_OWN_BYTES`, by --data.worker_start) and, under forkserver, the fork server. A worker holds no
+  copy of the dataset's Index: forked, it shares the training process's pages; under forkserver and spawn the
+  Index's arrays and the labels reach it as shared memory (datamodules/index.py), counted once here as
+  `resident`. Not counted: the images a worker is decoding (a few at a time).
 
 In flight per loader: `prefetch_factor` batches per worker outstanding
 (torch/utils/data/dataloader.py, `_MultiProcessingDataLoaderIter._try_put_index`, round robin, so
@@ -36,6 +39,12 @@ MIB = 1 << 20
 PREFETCH_CHOICES = (4, 3, 2, 1)  # the most batches per worker in flight that the budget allows
 CONSUMER_BATCHES = 2  # Lightning's prefetched batch and the one the step is using
 DEFAULT_BUDGET_GIB = {"pinned": 2.0, "shm": 4.0, "host": 8.0}
+# What one loader worker holds of its own, beyond pages it shares with the process it was forked from
+# (/proc/PID/smaps_rollup, Private_*; python -m bench.worker_start): forked from the training process or from the
+# fork server, 10-13 MiB at its first batch; spawned, a whole interpreter with torch imported, 405-413 MiB. With
+# room for a worker's decode buffers. The fork server is such an interpreter too, one per rank.
+WORKER_OWN_BYTES = {"fork": 32 * MIB, "forkserver": 32 * MIB, "spawn": 512 * MIB}
+FORK_SERVER_BYTES = 512 * MIB
 
 
 def pinned_block_bytes(nbytes: int) -> int:
@@ -83,6 +92,7 @@ class LoaderPlan:
     prefetch: int  # batches per worker in flight (DataLoader prefetch_factor); 0 without workers
     pin: bool
     wanted_workers: int  # before the budget
+    worker_own: int = 0  # bytes each worker process holds of its own (WORKER_OWN_BYTES)
 
     @property
     def batch_bytes(self) -> int:
@@ -104,6 +114,10 @@ class LoaderPlan:
     def shm(self) -> int:
         return self.workers * self.ring_slots * ring_buffer_bytes(self.batch, self.size)
 
+    @property
+    def processes(self) -> int:
+        return self.workers * self.worker_own
+
     def describe(self) -> str:
         if not self.workers:
             return f"{self.split} in-process at {self.size} px"
@@ -118,7 +132,8 @@ class MemoryPlan:
 
     loaders: list[LoaderPlan]
     budget: Budget
-    resident: int = 0  # a dataset held in shared memory (DownscaledDataModule in_memory)
+    resident: int = 0  # in shared memory once per rank: the Index's arrays, a dataset held in RAM
+    helpers: int = 0  # processes besides the loaders' workers: the fork server, DALI's external-source workers
     notes: list[str] = field(default_factory=list)
 
     def loader(self, split: str) -> LoaderPlan | None:
@@ -133,8 +148,13 @@ class MemoryPlan:
         return sum(p.shm for p in self.loaders) + self.resident
 
     @property
+    def processes(self) -> int:
+        """The worker processes' own memory, and the helper processes' (the fork server, DALI's workers)."""
+        return sum(getattr(p, "processes", 0) for p in self.loaders) + self.helpers
+
+    @property
     def host(self) -> int:
-        return self.pinned + self.shm
+        return self.pinned + self.shm + self.processes
 
     def over_budget(self) -> list[str]:
         return [f"{kind} {gib(got)} > {gib(limit)}" for kind, got, limit in
@@ -145,7 +165,7 @@ class MemoryPlan:
         """The start-up line: what a rank holds, against its budget."""
         parts = [f"pinned {gib(self.pinned)} of {gib(self.budget.pinned)}",
                  f"shared memory {gib(self.shm)} of {gib(self.budget.shm)}",
-                 f"host {gib(self.host)} of {gib(self.budget.host)}"]
+                 f"host {gib(self.host)} of {gib(self.budget.host)} (worker processes {gib(self.processes)})"]
         loaders = "; ".join(p.describe() for p in self.loaders)
         batch = max(self.loaders, key=lambda p: p.batch_bytes, default=None)
         per_batch = (f"; a batch of {batch.batch} at {batch.size} px is {gib(batch.batch_bytes)}"
@@ -157,28 +177,32 @@ class MemoryPlan:
 
 
 def plan_memory(batch: int, train_size: int | None, val_size: int, workers: int, pin: bool, budget: Budget,
-                resident: int = 0, val_workers: int | None = None) -> MemoryPlan:
+                resident: int = 0, val_workers: int | None = None, worker_start: str = "forkserver") -> MemoryPlan:
     """A rank's loaders: train (when `train_size` is given, i.e. during a fit) and val, sized to `budget`.
 
-    `batch`: images per rank; `train_size`: the largest train crop the run will use; `resident`: bytes of a
-    dataset held in shared memory, taken off the shared-memory and host budgets first.
+    `batch`: images per rank; `train_size`: the largest train crop the run will use; `resident`: bytes held in
+    shared memory once per rank (the Index's arrays, a dataset held in RAM), taken off the shared-memory and host
+    budgets first, as is the fork server under `worker_start` forkserver.
     """
-    left = Budget(budget.pinned, max(0, budget.shm - resident), max(0, budget.host - resident))
     splits = [("train", train_size, workers)] if train_size is not None else []
     splits.append(("val", val_size, workers if val_workers is None else val_workers))
-    return MemoryPlan(_plan(splits, batch, pin, left), budget, resident)
+    server = FORK_SERVER_BYTES if worker_start == "forkserver" and max(w for *_, w in splits) > 0 else 0
+    left = Budget(budget.pinned, max(0, budget.shm - resident), max(0, budget.host - resident - server))
+    return MemoryPlan(_plan(splits, batch, pin, left, WORKER_OWN_BYTES[worker_start]), budget, resident, helpers=server)
 
 
-def _plan(splits: list[tuple[str, int, int]], batch: int, pin: bool, budget: Budget) -> list[LoaderPlan]:
+def _plan(splits: list[tuple[str, int, int]], batch: int, pin: bool, budget: Budget,
+          worker_own: int) -> list[LoaderPlan]:
     """Workers first, the same number for every split (validation decodes as much per image as training),
     as many as fit with one batch each in flight; then more batches in flight, train first, while they fit.
     When not even one worker per split fits, one worker each (the start-up line says over budget)."""
     def fits(plans: list[LoaderPlan]) -> bool:
-        pinned, shm = sum(p.pinned for p in plans), sum(p.shm for p in plans)
-        return pinned <= budget.pinned and shm <= budget.shm and pinned + shm <= budget.host
+        pinned, shm, own = (sum(p.pinned for p in plans), sum(p.shm for p in plans),
+                            sum(p.processes for p in plans))
+        return pinned <= budget.pinned and shm <= budget.shm and pinned + shm + own <= budget.host
 
     def make(workers: int, prefetch: list[int]) -> list[LoaderPlan]:
-        return [LoaderPlan(name, batch, size, min(workers, wanted), p if wanted else 0, pin, wanted)
+        return [LoaderPlan(name, batch, size, min(workers, wanted), p if wanted else 0, pin, wanted, worker_own)
                 for (name, size, wanted), p in zip(splits, prefetch, strict=False)]
 
     most = max(wanted for _, _, wanted in splits)

@@ -15,6 +15,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from datamodules.budget.cpus import CpuShare, cpu_share
 from datamodules.budget.memory import Budget, MemoryPlan, plan_memory
+from datamodules.processes.start import DEFAULT_START
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,13 @@ class LoaderSizing:
         return self.cpu_share().cpus
 
     def resident_bytes(self) -> int:
-        """Bytes of the datasets held in shared memory by this process (an in-memory copy)."""
-        return sum(int(getattr(getattr(d, "source", None), "nbytes", 0) or 0) for d in self.datasets.values())
+        """Bytes this process holds in shared memory for all its workers: a dataset held in RAM (an in-memory copy),
+        and under forkserver or spawn the Indexes' arrays and the labels (datamodules/index.py, `shared_arrays`)."""
+        held = sum(int(getattr(getattr(d, "source", None), "nbytes", 0) or 0) for d in self.datasets.values())
+        if getattr(self, "worker_start", "fork") != "fork":
+            held += sum(index.names.nbytes + index.name_ends.nbytes + index.label_array.nbytes + 8 * len(index)
+                        for index in getattr(self, "indexes", {}).values())
+        return held
 
     def layout(self, fit: bool | None = None) -> Layout:
         trainer = self.trainer
@@ -90,7 +96,8 @@ class LoaderSizing:
         return plan_memory(batch=max(1, int(args["batch_size"]) // layout.world),
                            train_size=max([image, *train_sizes]) if layout.fit else None,
                            val_size=int(args.get("val_image_size") or image), workers=workers,
-                           pin=layout.cuda and bool(args.get("pin_memory", True)), budget=budget, resident=resident)
+                           pin=layout.cuda and bool(args.get("pin_memory", True)), budget=budget, resident=resident,
+                           worker_start=args.get("worker_start", DEFAULT_START))
 
     def describe_worker_start(self) -> str:
         """How its loader workers start (--data.worker_start, datamodules/processes/start.py), for the start-up line."""

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from datamodules.budget.cpus import cpus_per_process
-from datamodules.budget.memory import CONSUMER_BATCHES, Budget, MemoryPlan, pinned_block_bytes
+from datamodules.budget.memory import CONSUMER_BATCHES, WORKER_OWN_BYTES, Budget, MemoryPlan, pinned_block_bytes
 from datamodules.errors import DataError
 from datamodules.sample.batches import batch_layout, fill_batch, new_batch
 from datamodules.sample.crop import ValCrop, resize
@@ -111,7 +111,11 @@ def dali_memory_plan(args, layout, train_sizes=()) -> MemoryPlan:
     sizes = [("train", max([image, *train_sizes]))] if layout.fit else []
     pipelines = [DALIPlan(split, batch, size, decoder, threads, queue, pin)
                  for split, size in [*sizes, ("val", int(args.get("val_image_size") or image))]]
-    return MemoryPlan(pipelines, Budget.of(args))
+    # an LMDB source reads in DALI's external-source workers, spawned: each its own interpreter (datamodule.py)
+    spawned = 0
+    if args.get("source") == "lmdb":
+        spawned = layout.cpus if args.get("num_workers", "auto") == "auto" else max(1, int(args["num_workers"]))
+    return MemoryPlan(pipelines, Budget.of(args), helpers=spawned * WORKER_OWN_BYTES["spawn"])
 
 
 class HostFinish:
