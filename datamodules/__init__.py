@@ -6,12 +6,6 @@ not import themselves twice.
 """
 from importlib import import_module
 
-from datamodules import forksafe
-
-# Before any DataLoader forks its workers: the child never finalises the parent's objects (a DALI
-# pipeline's finaliser joins threads a child does not have; datamodules/forksafe.py).
-forksafe.install()
-
 _EXPORTS = {
     "DataError": "datamodules.errors",
     "Index": "datamodules.index",

@@ -7,6 +7,7 @@ import gc
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules.dali.datamodule import DALIDataModule
+from datamodules.processes.start import worker_context
 from tests.helpers.optional import needs_dali
 
 pytestmark = needs_dali  # in CI (FIC_REQUIRE_DALI=1) a missing DALI fails the run instead
@@ -30,8 +31,8 @@ def test_a_worker_forked_after_a_dropped_dali_pipeline_survives(tiny_data):
     loader = dm.train_dataloader()
     next(iter(loader))  # the pipeline's executor threads run now
     del dm, loader  # garbage in reference cycles, left for the parent's next collection
-    # forked from this process, as under --data.worker_start fork (the interpreter's default differs by version)
-    loader = DataLoader(CollectsGarbage(), batch_size=2, num_workers=1, multiprocessing_context="fork")
+    # forked from this process, as our loaders' workers are under --data.worker_start fork
+    loader = DataLoader(CollectsGarbage(), batch_size=2, num_workers=1, multiprocessing_context=worker_context("fork"))
     got = [int(i) for batch in loader for i in batch]
     assert got == [0, 1, 2, 3]
     gc.collect()  # the parent finalises the pipeline, with its threads

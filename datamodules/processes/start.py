@@ -51,6 +51,9 @@ def worker_context(name: str, preload: tuple[str, ...] = ()) -> BaseContext:
     if name == "forkserver":
         ctx.set_forkserver_preload(list(dict.fromkeys(PRELOAD + tuple(preload))))
     elif name == "fork":
+        from datamodules import forksafe
+
+        forksafe.install()  # the collector frozen across the training process's forks (forksafe.py)
         warn_fork_hazard()
     return ctx
 
