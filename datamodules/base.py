@@ -21,7 +21,7 @@ from datamodules.budget.memory import DEFAULT_BUDGET_GIB, release_cached_pinned_
 from datamodules.budget.sizing import LoaderSizing
 from datamodules.errors import DataError
 from datamodules.index import Index, find_classes, load_indexes
-from datamodules.processes.loader_workers import end_stuck_workers_at_exit, leave_stop_signals_to_the_trainer
+from datamodules.processes.loader_workers import WorkerInit, end_stuck_workers_at_exit
 from datamodules.processes.start import DEFAULT_START, WorkerStart, check_start, start_server_early, worker_context
 from datamodules.resume import EpochSampler, ResumableLoader
 from datamodules.sample.augment import make_train_augment
@@ -305,7 +305,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
             pin_memory=self.pins_memory and not encoded,  # nvJPEG stages the bytes itself
             persistent_workers=self.persistent_workers and workers > 0,
             prefetch_factor=sizing.prefetch if workers > 0 else None,
-            worker_init_fn=leave_stop_signals_to_the_trainer,
+            worker_init_fn=WorkerInit(),
             **self.loader_start(workers),
         )
         if encoded:
@@ -338,7 +338,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         dataset = PredictDataset(self.predict_dir, self.val_image_size, self.val_crop_ratio)
         workers = self.workers()
         return DataLoader(dataset, batch_size=self.per_process_batch_size, num_workers=workers,
-                          pin_memory=self.pins_memory, worker_init_fn=leave_stop_signals_to_the_trainer,
+                          pin_memory=self.pins_memory, worker_init_fn=WorkerInit(),
                           **self.loader_start(workers))
 
     def start_worker_server(self) -> None:

@@ -181,3 +181,26 @@ def test_the_memory_plan_counts_each_workers_own_memory_and_the_fork_server():
     spawned = plans["spawn"].loader("train").workers
     assert spawned < 16 and "memory budget" in plans["spawn"].describe()
     assert plans["spawn"].processes == 2 * spawned * WORKER_OWN_BYTES["spawn"]
+
+
+class ReadsTheEnvironment:
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> str:
+        return os.environ.get("FIC_SET_AFTER_THE_SERVER", "unset")
+
+
+def test_a_forkserver_worker_sees_a_variable_set_after_the_server_started(monkeypatch):
+    """The fork server's children inherit its environment, as of its start (the data's setup); a variable set since
+    (an object store's credentials in a notebook, a sweep's trial) reaches the worker through WorkerInit."""
+    from torch.utils.data import DataLoader
+
+    from datamodules.processes.loader_workers import WorkerInit
+    from datamodules.processes.start import start_server_early, worker_context
+
+    start_server_early("forkserver")
+    monkeypatch.setenv("FIC_SET_AFTER_THE_SERVER", "seen")
+    loader = DataLoader(ReadsTheEnvironment(), batch_size=2, num_workers=1, worker_init_fn=WorkerInit(),
+                        multiprocessing_context=worker_context("forkserver"))
+    assert next(iter(loader)) == ["seen", "seen"]

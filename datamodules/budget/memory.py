@@ -165,7 +165,7 @@ class MemoryPlan:
         """The start-up line: what a rank holds, against its budget."""
         parts = [f"pinned {gib(self.pinned)} of {gib(self.budget.pinned)}",
                  f"shared memory {gib(self.shm)} of {gib(self.budget.shm)}",
-                 f"host {gib(self.host)} of {gib(self.budget.host)} (worker processes {gib(self.processes)})"]
+                 f"host {gib(self.host)} of {gib(self.budget.host)} with {gib(self.processes)} in worker processes"]
         loaders = "; ".join(p.describe() for p in self.loaders)
         batch = max(self.loaders, key=lambda p: p.batch_bytes, default=None)
         per_batch = (f"; a batch of {batch.batch} at {batch.size} px is {gib(batch.batch_bytes)}"

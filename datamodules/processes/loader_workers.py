@@ -57,6 +57,25 @@ def leave_stop_signals_to_the_trainer(worker_id: int | None = None) -> None:
         pl_worker_init_function(worker_id)
 
 
+class WorkerInit:
+    """The `worker_init_fn` of every loader the datamodules make: the training process's environment as of the
+    loader's making, then `leave_stop_signals_to_the_trainer`.
+
+    A worker forked from the fork server (--data.worker_start forkserver) inherits the server's environment, which
+    is the training process's as of the server's start (datamodules/processes/start.py), not as of the loader's: a
+    variable set since (credentials for an object store, PL_SEED_WORKERS) would be missing in the worker.
+    """
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+
+    def __call__(self, worker_id: int | None = None) -> None:
+        if os.environ != self.environ:
+            os.environ.clear()
+            os.environ.update(self.environ)
+        leave_stop_signals_to_the_trainer(worker_id)
+
+
 def die_with_the_trainer() -> bool:
     """In a worker whose parent is not the process that started it (a fork server's child): SIGKILL this worker
     when that process ends (see the module doc). True when a watch was started."""

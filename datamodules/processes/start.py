@@ -11,13 +11,15 @@ watches, and which fork hazards apply. So the loaders of `datamodules/` take `mu
   torch's pools) exists there, so no lock they hold is copied into a worker; each worker gets the dataset
   pickled (datamodules/index.py keeps the Index compact for that). The server reads, at each start, the
   training process's sys.path, working folder and main module (multiprocessing/spawn.py, `prepare`), but its
-  environment is the training process's as of the server's start (the first worker started).
+  environment is the training process's as of the server's start (the data's setup; `WorkerInit` gives each worker
+  the environment of its loader's making).
 - fork: workers are forked from the training process itself (copy-on-write, no pickling, the fastest start),
   with the hazards datamodules/forksafe.py names; on Python 3.10/3.11 a thread holding CPython's runtime lock
   at the fork hangs the worker (warned once at start-up).
 - spawn: a fresh interpreter per worker: the slowest start, every import paid by each worker.
 
-A worker dies with the training process under each method (datamodules/processes/loader_workers.py, `WorkerInit`).
+A worker dies with the training process under each method (datamodules/processes/loader_workers.py,
+`die_with_the_trainer`), and takes the training process's environment as of its loader's making (`WorkerInit`).
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from datamodules.base import BUILTIN_ROOT, REPO_ROOT, ImageDataModule
 from datamodules.errors import DataError
 from datamodules.index import SPLITS, find_classes
-from datamodules.processes.loader_workers import end_stuck_workers_at_exit, leave_stop_signals_to_the_trainer
+from datamodules.processes.loader_workers import WorkerInit, end_stuck_workers_at_exit
 from datamodules.processes.locks import file_lock
 from datamodules.sample.balance import CpuShare, shared_overflow
 from datamodules.sample.crop import TrainCrop, ValCrop
@@ -210,7 +210,7 @@ class StreamingDataModule(ImageDataModule):
             dataset or self.datasets[split], batch_size=self.per_process_batch_size, num_workers=workers,
             collate_fn=batches, pin_memory=self.pins_memory and not encoded,
             persistent_workers=self.persistent_workers and workers > 0,
-            prefetch_factor=sizing.prefetch if workers > 0 else None, worker_init_fn=leave_stop_signals_to_the_trainer,
+            prefetch_factor=sizing.prefetch if workers > 0 else None, worker_init_fn=WorkerInit(),
             **self.loader_start(workers))
         if encoded:
             decoder = self.device_decoders.get(split)
