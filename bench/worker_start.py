@@ -53,15 +53,15 @@ class TupleIndexDataset:
 
 
 class IndexDataset:
-    """What ImageFolder's SampleDataset holds, less the crop: the Index's paths (`IndexFiles`) and the labels as an
+    """What ImageFolder's SampleDataset holds, less the crop: the Index's paths (`FileSource`) and the labels as an
     int64 tensor (no file read)."""
 
     def __init__(self, index) -> None:
         import torch
 
-        from datamodules.imagefolder import IndexFiles
+        from datamodules.sample.dataset import FileSource
 
-        self.files = IndexFiles(index, "")
+        self.files = FileSource(index, "")
         self.labels = torch.as_tensor(index.labels, dtype=torch.int64)
 
     def __len__(self) -> int:

@@ -344,14 +344,14 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
     def start_worker_server(self) -> None:
         """The fork server of --data.worker_start forkserver, started before the data is scanned (start.py)."""
         if self.workers() > 0:
-            start_server_early(self.worker_start, (type(self).__module__,))
+            start_server_early(self.worker_start)
 
     def loader_start(self, workers: int) -> dict:
         """`multiprocessing_context=` for a loader with `workers` worker processes: --data.worker_start's context
         (a loader without workers takes none; DataLoader refuses one)."""
         if workers <= 0:
             return {}
-        return {"multiprocessing_context": worker_context(self.worker_start, (type(self).__module__,))}
+        return {"multiprocessing_context": worker_context(self.worker_start)}
 
     @property
     def pins_memory(self) -> bool:

@@ -190,6 +190,20 @@ class Index:
         return index
 
 
+class IndexPaths(Sequence):
+    """`paths[i]` is `index.path(i)`: an Index's absolute paths, read from its arrays (a worker that unpickles it
+    gets the arrays' shared memory, not a list of every path)."""
+
+    def __init__(self, index: Index) -> None:
+        self.index = index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> str:
+        return self.index.path(i)
+
+
 def _index_of_tensors(root, split, classes, bad_files, empty_classes, names, name_ends, labels) -> Index:
     index = Index._of_arrays(root, split, classes, names.numpy(), name_ends.numpy(), labels.numpy(), bad_files,
                              empty_classes)

@@ -204,3 +204,49 @@ def test_a_forkserver_worker_sees_a_variable_set_after_the_server_started(monkey
     loader = DataLoader(ReadsTheEnvironment(), batch_size=2, num_workers=1, worker_init_fn=WorkerInit(),
                         multiprocessing_context=worker_context("forkserver"))
     assert next(iter(loader)) == ["seen", "seen"]
+
+
+UNGUARDED = """
+import sys
+from datamodules import ImageFolderDataModule
+
+dm = ImageFolderDataModule(data_dir=sys.argv[1], batch_size=8, num_workers=1, image_size=16)
+dm.setup("fit")
+next(iter(dm.train_dataloader()))
+"""
+
+
+def test_a_script_without_a_main_guard_is_told_why_its_workers_end(tiny_data, tmp_path):
+    """A forkserver worker imports the main script by its path; one with no `if __name__ == "__main__":` builds its
+    DataModule again inside the worker. Without the paragraph, multiprocessing's RuntimeError about "bootstrapping"
+    was all the worker said."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    proc = start_command([sys.executable, str(script), str(tiny_data)],
+                         {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
+    code, out = finish(proc, timeout=120)
+    assert code != 0
+    assert f"A loader worker ran {script} again" in out and 'if __name__ == "__main__":' in out, out[-3000:]
+    assert "bootstrapping phase" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("backend", ["imagefolder", "downscaled-in-memory", "lmdb"])
+def test_a_forkserver_worker_unpickles_each_backends_dataset_without_lightning(backend, tiny_data, tmp_path):
+    """The fork server preloads torch and the sample path only (start.py, PRELOAD): a dataset that named a DataModule's
+    module would make each worker import Lightning too, about 2 s on a 2-CPU machine."""
+    from torch.utils.data import DataLoader
+
+    from datamodules import DownscaledDataModule, LMDBDataModule
+    from datamodules.processes.loader_workers import WorkerInit
+    from datamodules.processes.start import worker_context
+    from tests.helpers.worker_probe import lightning_imported
+
+    common = {"batch_size": 8, "num_workers": 1, "image_size": 16}
+    dm = {"imagefolder": lambda: ImageFolderDataModule(data_dir=str(tiny_data), **common),
+          "downscaled-in-memory": lambda: DownscaledDataModule(str(tiny_data), max_size=24, in_memory=True,
+                                                               cache_dir=str(tmp_path / "small"), **common),
+          "lmdb": lambda: LMDBDataModule(str(tiny_data), cache_dir=str(tmp_path / "tiny.lmdb"), **common)}[backend]()
+    dm.setup("fit")
+    loader = DataLoader(dm.datasets["train"], batch_size=2, num_workers=1, collate_fn=lightning_imported,
+                        worker_init_fn=WorkerInit(), multiprocessing_context=worker_context("forkserver"))
+    assert next(iter(loader)) is False

@@ -11,54 +11,16 @@ downscaler (orientation applied, no EXIF), so it always takes the libjpeg-turbo 
 from __future__ import annotations
 
 import hashlib
-import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-import torch
 from torch.utils.data import Dataset
 
 from datamodules.base import REPO_ROOT, ImageDataModule, resolve_data_dir
+from datamodules.downscale.memory import FIX, MemorySource
 from datamodules.downscale.writer import ensure_downscaled, read_marker
 from datamodules.errors import DataError
-from datamodules.imagefolder import IndexFiles, IndexPaths
 from datamodules.index import Index, find_classes
-
-FIX = "Delete the downscaled copy (or this file) and rerun."
-
-
-class MemorySource:
-    """The files of an Index held encoded in RAM: one uint8 tensor in shared memory plus offsets."""
-
-    def __init__(self, index: Index, threads: int = 8) -> None:
-        self.paths = IndexPaths(index)  # pickled to a forkserver or spawned worker as the Index: compact
-        sizes = np.fromiter((os.path.getsize(p) for p in self.paths), dtype=np.int64, count=len(self.paths))
-        offsets = np.zeros(len(self.paths) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=offsets[1:])
-        # Shared memory: forked workers see the same pages, and spawned ones receive a handle, not a copy.
-        self.buffer = torch.empty(int(offsets[-1]), dtype=torch.uint8).share_memory_()
-        self.offsets = offsets
-        view = self.buffer.numpy()
-
-        def load(i: int) -> None:
-            with open(self.paths[i], "rb") as f:
-                n = f.readinto(memoryview(view[offsets[i]:offsets[i + 1]]))
-            if n != sizes[i]:
-                raise DataError(f"{self.paths[i]} changed size while it was loaded into memory; run again.")
-
-        with ThreadPoolExecutor(threads) as pool:  # file reads release the GIL
-            list(pool.map(load, range(len(self.paths))))
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel()
-
-    def read(self, i: int) -> torch.Tensor:
-        return self.buffer[int(self.offsets[i]):int(self.offsets[i + 1])]  # a view: no copy of the bytes
-
-    def describe(self, i: int, error: Exception) -> str:
-        return f"cannot decode image {self.paths[i]}: {error}. {FIX}"
+from datamodules.sample.dataset import FileSource
 
 
 def default_cache(root: Path, max_size: int) -> Path:
@@ -107,5 +69,5 @@ class DownscaledDataModule(ImageDataModule):
         return find_classes(self.root)
 
     def make_dataset(self, split: str, index: Index) -> Dataset:
-        source = MemorySource(index) if self.in_memory else IndexFiles(index, FIX)
+        source = MemorySource(index) if self.in_memory else FileSource(index, FIX)
         return self.sample_dataset(split, source, index.labels)

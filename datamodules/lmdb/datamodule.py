@@ -15,7 +15,6 @@ from pathlib import Path
 from torch.utils.data import Dataset
 
 from datamodules.base import BUILTIN_ROOT, REPO_ROOT, ImageDataModule
-from datamodules.errors import DataError
 from datamodules.index import SPLITS, Index, find_classes
 from datamodules.lmdb.format import (  # noqa: F401 - the public names of the LMDB backend
     FORMAT,
@@ -30,7 +29,7 @@ from datamodules.lmdb.format import (  # noqa: F401 - the public names of the LM
     unpack_value,
 )
 from datamodules.lmdb.pack import ensure_lmdb, main, pack
-from datamodules.lmdb.reader import LMDBReader, MapPrefetch
+from datamodules.lmdb.reader import LMDBReader, LMDBSource
 
 __all__ = [
     "LMDBDataModule",
@@ -44,30 +43,6 @@ __all__ = [
     "sample_key",
     "unpack_value",
 ]
-
-
-class LMDBSource:
-    """The image bytes of one split's values, as read-only views into the memory map (no copy).
-
-    Valid while the reader's per-process read transaction lives (for the life of the process).
-    """
-
-    def __init__(self, reader: LMDBReader, split: str) -> None:
-        self.reader = reader
-        self.split = split
-        self.prefetch = MapPrefetch(reader.path)
-
-    def read(self, i: int) -> memoryview:
-        key = sample_key(self.split, i)
-        value = self.reader.view(key)
-        if value is None:
-            raise DataError(f"LMDB database {self.reader.path} lacks key {key.decode()}: it is damaged; pack it again.")
-        self.prefetch(value)
-        return value[HEADER.size:]
-
-    def describe(self, i: int, error: Exception) -> str:
-        return (f"cannot decode {self.split} sample {i} of {self.reader.path} "
-                f"(source {self.reader.source_path(self.split, i)}): {error}. Pack the tree again.")
 
 
 def default_cache(root: Path) -> Path:

@@ -1,7 +1,8 @@
 """Random access to a packed LMDB database, without Lightning.
 
-DALI's spawned `external_source` workers read through `LMDBReader`; importing it must not pull in
-`datamodules.base` (Lightning), which costs each worker seconds. `datamodules.lmdb` re-exports it.
+DALI's spawned `external_source` workers read through `LMDBReader`, and loader workers that unpickle their dataset
+(--data.worker_start forkserver, spawn) through `LMDBSource`; importing them must not pull in `datamodules.base`
+(Lightning), which costs each worker seconds. `datamodules.lmdb` re-exports both.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import lmdb
 import numpy as np
 
 from datamodules.errors import DataError
-from datamodules.lmdb.format import META_KEY, close_env, read_meta, sample_key, shared_env, unpack_value
+from datamodules.lmdb.format import HEADER, META_KEY, close_env, read_meta, sample_key, shared_env, unpack_value
 
 __all__ = ["LMDBReader", "MapPrefetch"]
 
@@ -154,3 +155,27 @@ class MapPrefetch:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _lock=threading.Lock())
+
+
+class LMDBSource:
+    """The image bytes of one split's values, as read-only views into the memory map (no copy).
+
+    Valid while the reader's per-process read transaction lives (for the life of the process).
+    """
+
+    def __init__(self, reader: LMDBReader, split: str) -> None:
+        self.reader = reader
+        self.split = split
+        self.prefetch = MapPrefetch(reader.path)
+
+    def read(self, i: int) -> memoryview:
+        key = sample_key(self.split, i)
+        value = self.reader.view(key)
+        if value is None:
+            raise DataError(f"LMDB database {self.reader.path} lacks key {key.decode()}: it is damaged; pack it again.")
+        self.prefetch(value)
+        return value[HEADER.size:]
+
+    def describe(self, i: int, error: Exception) -> str:
+        return (f"cannot decode {self.split} sample {i} of {self.reader.path} "
+                f"(source {self.reader.source_path(self.split, i)}): {error}. Pack the tree again.")

@@ -24,6 +24,7 @@ A worker dies with the training process under each method (datamodules/processes
 from __future__ import annotations
 
 import multiprocessing
+import os
 import sys
 from multiprocessing.context import BaseContext
 from typing import Literal
@@ -33,25 +34,46 @@ from datamodules.errors import DataError
 WorkerStart = Literal["forkserver", "fork", "spawn"]
 START_METHODS: tuple[str, ...] = ("forkserver", "fork", "spawn")
 DEFAULT_START: WorkerStart = "forkserver"
-# Imported once by the fork server, so a worker forked from it finds them imported (torch alone is ~1 s).
-# The first ignores the stop signals, in the server only (datamodules/processes/fork_server.py).
-PRELOAD = ("datamodules.processes.fork_server", "torch", "datamodules", "datamodules.base",
-           "datamodules.processes.loader_workers")
+# Imported once by the fork server, so a worker forked from it finds them imported: torch, the sample path and the
+# worker's loop, what every dataset of ours needs to unpickle. Not Lightning nor the DataModules (2 s more on a 2-CPU
+# machine): a worker needs neither, as its dataset names only these modules (tests/test_worker_start.py checks it).
+# The first module ignores the stop signals, in the server only (datamodules/processes/fork_server.py).
+PRELOAD = ("datamodules.processes.fork_server", "torch", "datamodules.sample.dataset",
+           "datamodules.processes.loader_workers", "torchdata.stateful_dataloader")
 _warned_fork = False
 
 
 def check_start(name: str) -> str:
     if name not in START_METHODS:
         raise DataError(f"data.worker_start must be one of {', '.join(START_METHODS)}, got {name!r}.")
+    leave_a_worker_rerunning_the_main_script()
     return name
 
 
-def worker_context(name: str, preload: tuple[str, ...] = ()) -> BaseContext:
+def leave_a_worker_rerunning_the_main_script() -> None:
+    """In a loader worker that is running the user's main script again: say why, and end it.
+
+    A forkserver or spawned worker imports the main script by its path before it unpickles its dataset, so that
+    names defined there resolve (multiprocessing/spawn.py, `prepare` -> `_fixup_main_from_path`). A script whose
+    code is not under `if __name__ == "__main__":` then builds its DataModule again inside the worker; multiprocessing
+    refuses to start processes from there with a RuntimeError per worker, and the loader says only that its workers
+    "exited unexpectedly". `_inheriting` is the flag multiprocessing sets for that phase (`spawn._main`)."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        main = _script_being_run() or "the main script"
+        sys.stderr.write(
+            f"A loader worker ran {main} again: with --data.worker_start forkserver (the default) or spawn, each "
+            "worker imports the main script, and this one builds its DataModule at import. Put the script's code "
+            "under `if __name__ == \"__main__\":`, or pass --data.worker_start fork (worker_start=\"fork\").\n")
+        sys.stderr.flush()
+        os._exit(2)
+
+
+def worker_context(name: str) -> BaseContext:
     """The multiprocessing context loader workers start with. For forkserver, the modules the server imports
     before its first fork (only the first call of a process counts: the server starts once)."""
     ctx = multiprocessing.get_context(check_start(name))
     if name == "forkserver":
-        ctx.set_forkserver_preload(list(dict.fromkeys(PRELOAD + tuple(preload))))
+        ctx.set_forkserver_preload(list(PRELOAD))
     elif name == "fork":
         from datamodules import forksafe
 
@@ -60,7 +82,7 @@ def worker_context(name: str, preload: tuple[str, ...] = ()) -> BaseContext:
     return ctx
 
 
-def start_server_early(name: str, preload: tuple[str, ...] = ()) -> None:
+def start_server_early(name: str) -> None:
     """Under forkserver, start the fork server now, so that its imports (torch, datamodules: seconds) run while the
     training process scans its data and builds the model, not while it waits for its first batch.
     `ensure_running` returns once the server is launched, before it has imported anything
@@ -68,8 +90,19 @@ def start_server_early(name: str, preload: tuple[str, ...] = ()) -> None:
     if name == "forkserver":
         from multiprocessing import forkserver
 
-        worker_context(name, preload)
+        worker_context(name)
         forkserver.ensure_running()
+
+
+def _script_being_run() -> str | None:
+    """The file of the outermost module-level frame that is a script (not runpy's, not frozen)."""
+    frame, scripts = sys._getframe(1), []
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "<module>" and code.co_filename.endswith(".py") and "runpy" not in code.co_filename:
+            scripts.append(code.co_filename)
+        frame = frame.f_back
+    return scripts[-1] if scripts else None
 
 
 def fork_hazard() -> str | None:

@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from datamodules.errors import DataError
-from datamodules.index import Index
+from datamodules.index import Index, IndexPaths
 from datamodules.sample.batches import RING_SLOTS, RingBatch, fill_batch, new_batch, warm_ring
 from datamodules.sample.decode import decode, pil_decode
 
@@ -56,7 +56,7 @@ class FileSource:
     """One file per sample: the paths of an Index (or a list of paths); `fix` ends an error message."""
 
     def __init__(self, index: Index | Sequence[str], fix: str) -> None:
-        self.paths = [index.path(i) for i in range(len(index))] if isinstance(index, Index) else list(index)
+        self.paths = IndexPaths(index) if isinstance(index, Index) else list(index)
         self.fix = fix
 
     def read(self, i: int) -> bytearray:
