@@ -9,7 +9,7 @@ watches, and which fork hazards apply. So the loaders of `datamodules/` take `mu
 - forkserver (the default): workers are forked from one single-threaded server process that imported the
   worker's modules once (`set_forkserver_preload`). No native thread of the training process (gloo, DALI,
   torch's pools) exists there, so no lock they hold is copied into a worker; each worker gets the dataset
-  pickled (datamodules/index.py keeps the Index compact for that). The server reads, at each start, the
+  pickled (the Index's arrays as shared memory, datamodules/index.py). The server reads, at each start, the
   training process's sys.path, working folder and main module (multiprocessing/spawn.py, `prepare`), but its
   environment is the training process's as of the server's start (the data's setup; `WorkerInit` gives each worker
   the environment of its loader's making).
