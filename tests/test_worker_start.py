@@ -250,3 +250,19 @@ def test_a_forkserver_worker_unpickles_each_backends_dataset_without_lightning(b
     loader = DataLoader(dm.datasets["train"], batch_size=2, num_workers=1, collate_fn=lightning_imported,
                         worker_init_fn=WorkerInit(), multiprocessing_context=worker_context("forkserver"))
     assert next(iter(loader)) is False
+
+
+def _a_forkserver_loader_delivers(data: str) -> list[int]:
+    dm = ImageFolderDataModule(data_dir=data, batch_size=8, num_workers=1, image_size=16)
+    dm.setup("fit")
+    return list(next(iter(dm.train_dataloader()))[0].shape)
+
+
+def test_a_process_forked_after_the_server_started_starts_its_own(tiny_data):
+    """A forked child inherits the parent's fork server's pid, which is not its child: without forgetting it at the
+    fork, the child's first loader failed with ChildProcessError (a forked DDP rank, Lightning's ddp_fork)."""
+    from datamodules.processes.start import start_server_early
+    from tests.helpers.processes import in_fork
+
+    start_server_early("forkserver")
+    assert in_fork(_a_forkserver_loader_delivers, str(tiny_data)) == [8, 3, 16, 16]

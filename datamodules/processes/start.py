@@ -23,9 +23,11 @@ A worker dies with the training process under each method (datamodules/processes
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
+import threading
 from multiprocessing.context import BaseContext
 from typing import Literal
 
@@ -41,6 +43,7 @@ DEFAULT_START: WorkerStart = "forkserver"
 PRELOAD = ("datamodules.processes.fork_server", "torch", "datamodules.sample.dataset",
            "datamodules.processes.loader_workers", "torchdata.stateful_dataloader")
 _warned_fork = False
+_forgets_in_children = False
 
 
 def check_start(name: str) -> str:
@@ -71,9 +74,13 @@ def leave_a_worker_rerunning_the_main_script() -> None:
 def worker_context(name: str) -> BaseContext:
     """The multiprocessing context loader workers start with. For forkserver, the modules the server imports
     before its first fork (only the first call of a process counts: the server starts once)."""
+    global _forgets_in_children
     ctx = multiprocessing.get_context(check_start(name))
     if name == "forkserver":
         ctx.set_forkserver_preload(list(PRELOAD))
+        if not _forgets_in_children:
+            os.register_at_fork(after_in_child=_forget_the_parents_server)
+            _forgets_in_children = True
     elif name == "fork":
         from datamodules import forksafe
 
@@ -92,6 +99,22 @@ def start_server_early(name: str) -> None:
 
         worker_context(name)
         forkserver.ensure_running()
+
+
+def _forget_the_parents_server() -> None:
+    """In a process forked from one that had started the fork server (Lightning's ddp_fork, a forked test rank): it
+    inherits that server's pid, socket and "alive" pipe, and `ensure_running` would `waitpid` a process that is not
+    its child and fail with ChildProcessError (multiprocessing/forkserver.py). It forgets them, and starts a server
+    of its own when it needs one; its lock is made new too, as another thread may have held it at the fork."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    server._lock = threading.Lock()
+    alive = server._forkserver_alive_fd
+    server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+    if alive is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive)  # the parent's server ends with the parent, not with this process
 
 
 def _script_being_run() -> str | None:
