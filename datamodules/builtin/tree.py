@@ -58,7 +58,11 @@ def _write_chunk(args: tuple[str, Preset, int, list[tuple[str, int, int]]]) -> i
 def _mp_context() -> mp.context.BaseContext:
     # fork where it exists: spawn would re-import the caller's __main__, which hangs or fails
     # in scripts without a main guard. The workers touch only numpy and PIL, so forking a
-    # parent that runs threads or CUDA (as DataLoader workers do) is fine.
+    # parent that runs threads or CUDA (as DataLoader workers do) is fine; the collector is frozen across the
+    # fork all the same (datamodules/forksafe.py; imported here: it imports torch, which the tool needs not).
+    from datamodules import forksafe
+
+    forksafe.install()
     return mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
 
 
