@@ -68,6 +68,11 @@ class ImageClassifier(pl.LightningModule):
             and its horizontal mirror (FFCV's test-time augmentation).
     """
 
+    # What trainer.callback_metrics holds at the end of every validation epoch of a fit: the metrics a sweep may
+    # take as its objective (lightning_app/sweep/space.py, check_objective). train/acc1 and train/lr are logged on
+    # the logging steps only.
+    EPOCH_METRICS = ("val/acc1", "val/acc5", "val/loss", "train/loss")
+
     def __init__(
         self,
         arch: str = "conv11",

@@ -13,7 +13,7 @@ import yaml
 
 from tests.helpers.cli import run_main
 from tests.helpers.event_files import scalars
-from tests.helpers.processes import finish, start_command
+from tests.helpers.processes import finish, free_port, start_command
 
 optuna = pytest.importorskip("optuna")
 
@@ -37,8 +37,9 @@ def trial_flags(data: Path, root: Path, epochs: int = 1) -> list[str]:
             "--model.arch_kwargs", "{width: 8}"]
 
 
-def start_sweep(space: Path, trials: int, flags: list[str], *extra: str, log: Path | None = None):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+def start_sweep(space: Path, trials: int, flags: list[str], *extra: str, log: Path | None = None,
+                env: dict[str, str] | None = None):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     return start_command([sys.executable, "-m", "lightning_app.sweep", "--space", str(space), "--trials", str(trials),
                           *extra, *flags], env, log=log, session=True)
 
@@ -100,7 +101,7 @@ def test_a_sigkilled_sweep_process_is_failed_by_the_other_and_best_yaml_reproduc
             == (trial.params["model.lr"], trial.params["model.weight_decay"], trial.params["data.batch_size"])
         said = json.loads((run / "run.json").read_text())["sweep"]
         assert said == {"folder": str(folder), "trial": trial.number, "state": trial.state.name.lower(),
-                        **({"value": trial.value} if trial.value is not None else {})}
+                        "world_size": 1, **({"value": trial.value} if trial.value is not None else {})}
     best = max((t for t in trials if t.state.name == "COMPLETE"), key=lambda t: t.value)
     again = tmp_path / "again"
     done = run_main(["fit", "--config", "configs/ddp_amp.yaml", "--config", str(folder / "best.yaml"),
@@ -116,19 +117,21 @@ def test_a_sigkilled_sweep_process_is_failed_by_the_other_and_best_yaml_reproduc
 
 @pytest.mark.slow
 def test_the_pruner_stops_a_collapsing_trial_after_its_first_epoch(tiny_data, tmp_path):
-    """lr 50-100 wrecks the net; a threshold pruner (val/acc1 below 0.5 prunes) must stop it at epoch 0 of 3."""
+    """lr 50-100 wrecks the net; a threshold pruner (val/acc1 below 0.5 prunes) must stop it after its first epoch
+    of 3 (epochs counted from 1, as the epoch lines count them; optuna's steps from 0)."""
     root, folder = tmp_path / "logs", tmp_path / "study"
     space = space_file(tmp_path, **{"model.lr": "uniform 50 100", "pruner": {"kind": "threshold", "lower": 0.5}})
     code, out = finish(start_sweep(space, 1, trial_flags(tiny_data, root, epochs=3), "--study", str(folder)), 240)
     assert code == 0, out
     (trial,) = load(folder).get_trials()
     assert trial.state.name == "PRUNED", out
-    assert list(trial.intermediate_values) == [0] and trial.user_attrs["pruned_at_epoch"] == 0
+    assert list(trial.intermediate_values) == [0] and trial.user_attrs["pruned_at_epoch"] == 1
     log = (folder / "trials" / "trial_0.log").read_text()
-    assert "Sweep trial 0: pruned after epoch 0" in log, log
-    assert "; 1 epoch (pruned by the sweep after epoch 0);" in next(x for x in log.splitlines() if "Done:" in x), log
+    assert "Sweep trial 0: pruned after epoch 1 " in log and "epoch 2/3" not in log, log
+    assert "; 1 epoch (pruned by the sweep after epoch 1);" in next(x for x in log.splitlines() if "Done:" in x), log
     said = json.loads((Path(trial.user_attrs["run_dir"]) / "run.json").read_text())["sweep"]
-    assert said == {"folder": str(folder), "trial": 0, "state": "pruned", "pruned_at_epoch": 0}
+    assert said == {"folder": str(folder), "trial": 0, "state": "pruned", "pruned_at_epoch": 1, "world_size": 1}
+    assert "sweep: trial 0: pruned after epoch 1." in out, out
 
 
 @pytest.mark.slow
@@ -160,6 +163,38 @@ def test_resume_finishes_the_interrupted_trial_from_its_last_checkpoint(tiny_dat
     assert not (root / "version_1").exists()
 
 
+@pytest.mark.slow
+def test_slurms_warning_signal_saves_the_trial_and_the_sweep_requeues_its_own_task(tiny_data, tmp_path):
+    """SLURM's `--signal=SIGUSR1@120` reaches every process of the array task's step: the sweep and its trial. The
+    trial, which does not see the SLURM task, saves last.ckpt and stops as on SIGTERM; the sweep then runs
+    `scontrol requeue` for its own array task (a recording stand-in: SLURM cannot run here), and the requeued task
+    (SLURM_RESTART_COUNT 1, --resume, as scripts/slurm/sweep.sbatch runs it) finishes that trial."""
+    root, folder, bin_dir = tmp_path / "logs", tmp_path / "study", tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {bin_dir / 'calls.txt'}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    task = {"SLURM_JOB_ID": "4242", "SLURM_ARRAY_JOB_ID": "4240", "SLURM_ARRAY_TASK_ID": "2", "SLURM_NTASKS": "1",
+            "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NAME": "fic-sweep",
+            "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    space, flags = space_file(tmp_path), trial_flags(tiny_data, root, epochs=4)
+    proc = start_sweep(space, 1, flags, "--study", str(folder), env=task)
+    deadline = time.monotonic() + 120
+    while not (root / "version_0" / "checkpoints" / "last.ckpt").is_file():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else "no ckpt"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGUSR1)
+    code, out = finish(proc, 120)
+    assert code == 128 + signal.SIGUSR1 and "requeued this SLURM task" in out, out
+    assert (bin_dir / "calls.txt").read_text() == "requeue 4240_2\n"
+    assert states(load(folder)) == ["RUNNING"], out
+    saved = [x for x in (folder / "trials" / "trial_0.log").read_text().splitlines() if ": saved " in x]
+    assert saved and "version_0/checkpoints/last.ckpt in epoch" in saved[0], "the trial ended unsaved"
+    code, out = finish(start_sweep(space, 1, flags, "--study", str(folder), "--resume",
+                                   env={**task, "SLURM_RESTART_COUNT": "1"}), 240)
+    assert code == 0 and "--resume: finishing interrupted trial(s) [0] first" in out, out
+    assert states(load(folder)) == ["COMPLETE"], out
+
+
 # -- bad input: one paragraph, exit status 2 -------------------------------------------------------------------
 @pytest.mark.parametrize("changes, said", [
     ({"model.lrr": "loguniform 0.01 1"}, ("model.lrr is not a setting of `python main.py fit` with this config "
@@ -169,6 +204,8 @@ def test_resume_finishes_the_interrupted_trial_from_its_last_checkpoint(tiny_dat
     ({"model.lr": "uniform 1 0.5"}, "LOW 1.0 is not below HIGH 0.5"),
     ({"model.lr": "loguniform 0 1"}, "a log scale needs LOW > 0"),
     ({"data.batch_size": "choice 64"}, "choice needs a non-empty list"),
+    ({"objective": "val/accuracy"}, ("objective val/accuracy is not a metric the model logs at every validation "
+                                    "epoch (val/acc1, val/acc5, val/loss, train/loss)")),
 ])
 def test_a_bad_space_is_one_paragraph_and_exit_2(changes, said, tiny_data, tmp_path, capsys):
     from lightning_app.sweep.__main__ import main
@@ -217,13 +254,66 @@ def test_the_shipped_space_names_settings_the_cli_knows(tiny_data, tmp_path):
                       "data.batch_size": ("data", "init_args", "batch_size")}
 
 
-def test_workers_on_a_machine_with_gpus_never_share_one():
-    from lightning_app.sweep.runner import split_gpus
+def test_each_worker_gets_an_equal_block_of_adjacent_gpus_and_the_rest_are_named():
+    from lightning_app.errors import UserError
+    from lightning_app.sweep.placement import split_gpus
 
-    assert split_gpus(["0", "1", "2", "3"], 2) == ["0,2", "1,3"]
-    assert split_gpus(["4", "7"], 2) == ["4", "7"]
-    assert split_gpus(["0"], 2) == [None, None]  # fewer GPUs than workers: what the sweep sees
-    assert split_gpus(["0", "1"], 1) == [None]
+    gpus = [str(i) for i in range(8)]
+    assert split_gpus(gpus, 2) == (["0,1,2,3", "4,5,6,7"], None)
+    shares, unused = split_gpus(gpus, 3)
+    assert shares == ["0,1", "2,3", "4,5"] and "GPU(s) 6,7 stay unused" in unused and "--workers 2 or 4" in unused
+    assert split_gpus(["4", "7"], 2) == (["4", "7"], None)  # CUDA_VISIBLE_DEVICES's names, in its order
+    assert split_gpus(["0", "1"], 1) == ([None], None) and split_gpus([], 3) == ([None] * 3, None)
+    with pytest.raises(UserError, match=r"--workers 2 with 1 GPU\(s\) visible \(0\).*--workers 1 .*--share-gpus"):
+        split_gpus(["0"], 2)
+    assert split_gpus(["0"], 2, share=True) == ([None, None], None)  # meant: both trials see GPU 0
+
+
+def test_a_trial_sees_neither_the_slurm_task_nor_the_jobs_rendezvous(monkeypatch):
+    """What Lightning detects in a trial's environment: its own launcher (LightningEnvironment) on the port the sweep
+    gave it, not SLURM's task (world size SLURM_NTASKS, port from the job id) nor an exported MASTER_PORT."""
+    from lightning_fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+
+    from lightning_app.sweep.placement import Ports, trial_environment
+
+    task = {"SLURM_JOB_ID": "4242", "SLURM_ARRAY_JOB_ID": "4240", "SLURM_ARRAY_TASK_ID": "2", "SLURM_NTASKS": "1",
+            "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NAME": "fic-sweep",
+            "SLURM_STEP_ID": "0", "MASTER_PORT": "29500", "RANK": "0", "PATH": os.environ["PATH"]}
+    monkeypatch.setattr(os, "environ", dict(task))  # what srun gives the sweep's task
+    assert SLURMEnvironment.detect(), "the sweep's own process is the SLURM task"
+    ports = Ports()
+    first, second = ports.take(), ports.take()
+    assert first != second
+    monkeypatch.setattr(os, "environ", trial_environment(task, "0,1", first))
+    assert not SLURMEnvironment.detect()
+    assert LightningEnvironment().main_port == first and os.environ["MASTER_ADDR"] == "127.0.0.1"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1" and "RANK" not in os.environ
+    assert {k: os.environ[k] for k in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID")} == \
+        {"SLURM_JOB_ID": "4242", "SLURM_ARRAY_JOB_ID": "4240", "SLURM_ARRAY_TASK_ID": "2"}  # run.json's job
+
+
+@pytest.mark.slow
+def test_two_trials_at_once_inside_a_slurm_task_each_train_on_their_own_two_ranks(tiny_data, tmp_path):
+    """--workers 2, each trial a 2-process DDP fit on CPU, in a sweep started as srun starts a task (SLURM's task
+    variables and an exported MASTER_PORT set): both finish, each trial on 2 ranks on a port of its own."""
+    root, folder = tmp_path / "logs", tmp_path / "study"
+    flags = [*trial_flags(tiny_data, root), "--trainer.devices", "2", "--trainer.strategy", "ddp",
+             "--trainer.limit_train_batches", "4"]
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "0",
+             "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_NAME": "fic-sweep",
+             "MASTER_PORT": str(free_port())}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **slurm}
+    proc = start_command([sys.executable, "-m", "lightning_app.sweep", "--space", str(space_file(tmp_path)),
+                          "--trials", "2", "--workers", "2", "--study", str(folder), *flags], env, session=True)
+    code, out = finish(proc, 400)
+    assert code == 0, out
+    trials = load(folder).get_trials()
+    assert states(load(folder)) == ["COMPLETE", "COMPLETE"], out
+    starts = [json.loads((Path(t.user_attrs["run_dir"]) / "run.json").read_text()) for t in trials]
+    assert [s["sweep"]["world_size"] for s in starts] == [2, 2], out
+    assert [s["slurm"]["job_id"] for s in starts] == ["4242", "4242"], "the trials still name their SLURM job"
+    logs = [(folder / "trials" / f"trial_{t.number}.log").read_text() for t in trials]
+    assert all("Done:" in log for log in logs), logs
 
 
 # -- no trial drawn twice ---------------------------------------------------------------------------------------
@@ -301,8 +391,33 @@ def test_continuing_a_study_with_other_fixed_settings_is_one_paragraph(tiny_data
 
 
 def test_workers_that_would_slow_every_trial_are_said_once():
-    from lightning_app.sweep.runner import crowded_workers
+    from lightning_app.sweep.placement import crowded_workers
 
     assert crowded_workers(1, 0, 2) is None and crowded_workers(2, 2, 16) is None and crowded_workers(2, 4, 8) is None
     assert "--workers 3 without a GPU" in crowded_workers(3, 0, 2) and "every CPU here (2)" in crowded_workers(3, 0, 2)
-    assert "share them" in crowded_workers(4, 2, 32) and "--workers 2 gives each" in crowded_workers(4, 2, 32)
+    shared = crowded_workers(4, 2, 32, share=True)
+    assert "--share-gpus" in shared and "share them" in shared and "--workers 2 gives each" in shared
+
+
+@pytest.mark.slow
+def test_an_objective_the_fit_does_not_log_stops_both_ranks_of_a_trial_in_one_paragraph(tiny_data, tmp_path):
+    """A trial's 2-rank fit whose space names a metric it never logs (a module of the user's own; the sweep's own
+    check knows ImageClassifier's): rank 0 finds it missing at the first validation's end, and both ranks stop with
+    the paragraph, exit 2, none left waiting in the broadcast of the pruning decision."""
+    from lightning_app.sweep import storage
+    from lightning_app.sweep.pruning import DIR_ENV, SPACE_COPY, TRIAL_ENV
+    from lightning_app.sweep.space import read_space
+
+    folder, space = tmp_path / "study", space_file(tmp_path, objective="val/acc9")
+    study = storage.open_study(folder, read_space(space))
+    trial = study.ask({k: d.to_optuna() for k, d in read_space(space).parameters.items()})
+    (folder / SPACE_COPY).write_bytes(space.read_bytes())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", DIR_ENV: str(folder), TRIAL_ENV: str(trial.number)}
+    proc = start_command([sys.executable, "main.py", "fit", *trial_flags(tiny_data, tmp_path / "logs", epochs=2),
+                          "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.limit_train_batches", "2",
+                          "--data.batch_size", "8",
+                          "--trainer.callbacks+=lightning_app.sweep.pruning.ReportToStudy"], env, session=True)
+    code, out = finish(proc, 240)
+    said = "The sweep's objective val/acc9"
+    assert code == 2 and said in out and "Traceback" not in out, out
+    assert "lost" not in out.lower() and "epoch 2/2" not in out, out

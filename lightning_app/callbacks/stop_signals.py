@@ -10,7 +10,8 @@ until the timeout. Its SLURM handler saves a checkpoint from inside the signal h
 
 Here (`StopSignals`, which takes the trainer's `_signal_connector` seat):
 - the handlers of SIGTERM, SIGINT (Ctrl-C; a second one stops at once), and of SLURM's requeue signal (SIGUSR1)
-  under SLURM with auto-requeue, record the signal and do nothing else;
+  under SLURM with auto-requeue (in a sweep's trial under SLURM, a stop as SIGTERM is), record the signal and do
+  nothing else;
 - the ranks agree with one `all_reduce(MAX)` of their flags on the steps that already sync for logging
   (`trainer.log_every_n_steps`; every 50 steps when logging is off) and at the end of every training epoch;
 - `trainer.received_sigterm` is the *agreed* flag, so Lightning's own checks raise SIGTERMException on every rank
@@ -32,6 +33,8 @@ import torch.distributed as dist
 from lightning_fabric.plugins.environments import SLURMEnvironment
 from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnector
 from pytorch_lightning.trainer.states import TrainerFn
+
+from lightning_app.runs.identity import sweep_trial
 
 AGREE_EVERY_WITHOUT_LOGGING = 50  # steps between agreements when trainer.log_every_n_steps is 0
 NONE, INTERRUPT, STOP, REQUEUE = 0, 1, 2, 3  # what a rank asks for (Ctrl-C, SIGTERM, requeue); the largest wins
@@ -96,6 +99,11 @@ class StopSignals(_SignalConnector):
             requeue = self.requeue_signal()
             if requeue is not None:
                 self._register_signal(requeue, self._note)
+            elif sweep_trial() and "SLURM_JOB_ID" in os.environ:
+                # a sweep's trial does not see its SLURM task (sweep/placement.py), but SLURM's warning signal
+                # (`--signal=SIGUSR1@120`) reaches every process of the step, the trial's too; by default it would
+                # end the fit unsaved. It saves and stops, as on SIGTERM; the sweep requeues its task.
+                self._register_signal(signal.SIGUSR1, self._note)
         # the loop's broadcast of rank 0's flag before every batch (loops/training_epoch_loop.py, advance)
         self.trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_broadcast
 

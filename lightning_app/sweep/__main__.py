@@ -22,11 +22,13 @@ import yaml
 
 from datamodules.budget.cpus import usable_cpus
 from lightning_app.errors import EXIT_USER_ERROR, UserError
+from lightning_app.module import ImageClassifier
 from lightning_app.runs.folders import write_atomically
 from lightning_app.sweep import report, storage
+from lightning_app.sweep.placement import crowded_workers, split_gpus, visible_gpus
 from lightning_app.sweep.pruning import SPACE_COPY
-from lightning_app.sweep.runner import MAX_FAILS_IN_A_ROW, Sweep, crowded_workers, say, split_gpus, visible_gpus
-from lightning_app.sweep.space import locate, place_of, read_space
+from lightning_app.sweep.runner import MAX_FAILS_IN_A_ROW, Sweep, say
+from lightning_app.sweep.space import check_objective, locate, place_of, read_space
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # SIGUSR1: SLURM's warning before a requeue
 
@@ -40,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trials", type=int, default=20, help="complete + pruned trials the study reaches")
     parser.add_argument("--workers", type=int, default=1, help="trials run at the same time by this process")
     parser.add_argument("--study", type=Path, default=None, help="the sweep folder (default ROOT/sweeps/SPACE)")
+    parser.add_argument("--share-gpus", action="store_true",
+                        help="let --workers exceed the GPUs here: the trials at a time share them (slower each)")
     parser.add_argument("--resume", action="store_true",
                         help="first finish this job's (or host's) interrupted trials from their last.ckpt")
     parser.add_argument("--stale-after", type=float, default=600.0,
@@ -85,6 +89,15 @@ def fit_config(base_args: list[str]) -> dict:
     return yaml.safe_load(printed.getvalue())
 
 
+def check_one_node(config: dict) -> None:
+    """A trial is a process of this host: its ranks are the GPUs of its share here, never other nodes'."""
+    nodes = (config.get("trainer") or {}).get("num_nodes") or 1
+    if int(nodes) != 1:
+        raise UserError(f"--trainer.num_nodes {nodes}: a sweep's trial runs on the host of its sweep process, on "
+                        "the GPUs of its share. Sweep on several nodes as a SLURM array, one sweep process per node "
+                        "(scripts/slurm/sweep.sbatch), with --trainer.num_nodes 1.")
+
+
 def run(argv: list[str] | None = None) -> int:
     args, extra = build_parser().parse_known_args(argv)
     if args.trials < 1 or args.workers < 1:
@@ -94,6 +107,9 @@ def run(argv: list[str] | None = None) -> int:
     base_args = [w for c in args.config for w in ("--config", c)] + split_pass_through(extra)
     config = fit_config(base_args)
     places = locate(space, config)
+    check_objective(space, ImageClassifier.EPOCH_METRICS)
+    check_one_node(config)
+    shares, unused = split_gpus(visible_gpus(), args.workers, args.share_gpus)
     for key in report.pass_through(base_args)[1]:
         places.setdefault(key, place_of(key, config) or tuple(key.split(".")))
     root = Path((config.get("trainer") or {}).get("default_root_dir") or "logs")
@@ -113,10 +129,9 @@ def run(argv: list[str] | None = None) -> int:
             resumed = sweep.claim_own_interrupted()
             say(f"--resume: finishing interrupted trial(s) {resumed} first." if resumed else
                 "--resume: no interrupted trial of this job here; new trials only.")
-        crowded = crowded_workers(args.workers, len(visible_gpus()), usable_cpus())
-        if crowded:
-            say(crowded)
-        shares = split_gpus(visible_gpus(), args.workers)
+        for line in (crowded_workers(args.workers, len(visible_gpus()), usable_cpus(), args.share_gpus), unused):
+            if line:
+                say(line)
         workers = [threading.Thread(target=sweep.work, args=(shares[i],), name=f"sweep-worker-{i}")
                    for i in range(args.workers)]
         for worker in workers:
@@ -132,6 +147,13 @@ def run(argv: list[str] | None = None) -> int:
         return 1
     if sweep.stop_signal:
         say(f"stopped by {signal.Signals(sweep.stop_signal).name}; run again with --resume to finish its trials.")
+        if sweep.stop_signal == signal.SIGUSR1 and "SLURM_JOB_ID" in os.environ:
+            # SLURM's warning before the time limit or a preemption (scripts/slurm/sweep.sbatch): the trials have
+            # saved, so this task goes back in the queue and its next start resumes them (SLURM_RESTART_COUNT > 0)
+            from lightning_app.callbacks.stop_signals import slurm_requeue
+
+            status = slurm_requeue()
+            say("requeued this SLURM task." if status == 0 else f"`scontrol requeue` failed (exit status {status}).")
         return 128 + sweep.stop_signal
     if sweep.fails_in_a_row >= MAX_FAILS_IN_A_ROW:
         print(f"sweep: stopped after {sweep.fails_in_a_row} failed trials in a row; the last was "

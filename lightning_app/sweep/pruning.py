@@ -52,9 +52,10 @@ class ReportToStudy(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit" and trainer.is_global_zero:
-            from lightning_app.sweep.storage import RUN_DIR
+            from lightning_app.sweep.storage import RUN_DIR, WORLD_SIZE
 
             self.storage.set_trial_user_attr(self.trial_id, RUN_DIR, os.path.realpath(trainer.default_root_dir))
+            self.storage.set_trial_user_attr(self.trial_id, WORLD_SIZE, trainer.world_size)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # not called when a stop signal ends the fit (a SIGTERMException leaves the loop; a stopped fit that saved
@@ -67,26 +68,32 @@ class ReportToStudy(Callback):
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        prune, value = False, float("nan")
+        prune, value, missing = False, float("nan"), None
         if trainer.is_global_zero:
-            value = trainer.callback_metrics.get(self.space.objective)
-            if value is None:
-                from lightning_app.errors import UserError
+            found = trainer.callback_metrics.get(self.space.objective)
+            if found is None:
+                missing = (f"The sweep's objective {self.space.objective} ({self.space.path}) is not among the "
+                           f"metrics this fit logs ({', '.join(sorted(trainer.callback_metrics))}).")
+            else:
+                value = float(found)
+                if math.isfinite(value):
+                    self.storage.set_trial_intermediate_value(self.trial_id, trainer.current_epoch, value)
+                trial = self.storage.get_trial(self.trial_id)
+                prune = not math.isfinite(value) or self.study.pruner.prune(self.study, trial)
+        # rank 0's decision, and its error, reach every rank before any acts: a rank that raised alone would leave
+        # the others in this collective until the process group's timeout
+        prune, missing = trainer.strategy.broadcast((prune, missing), src=0)
+        if missing:
+            from lightning_app.errors import UserError
 
-                raise UserError(f"The sweep's objective {self.space.objective} ({self.space.path}) is not among "
-                                f"the metrics this fit logs ({', '.join(sorted(trainer.callback_metrics))}).")
-            value = float(value)
-            if math.isfinite(value):
-                self.storage.set_trial_intermediate_value(self.trial_id, trainer.current_epoch, value)
-            trial = self.storage.get_trial(self.trial_id)
-            prune = not math.isfinite(value) or self.study.pruner.prune(self.study, trial)
-        prune = bool(trainer.strategy.broadcast(prune, src=0))
+            raise UserError(missing)
         if prune:
             from lightning_app.sweep.storage import PRUNED_AT
 
+            epoch = trainer.current_epoch + 1  # counted from 1, as the epoch lines are (callbacks/progress.py)
             if trainer.is_global_zero:
-                self.storage.set_trial_user_attr(self.trial_id, PRUNED_AT, trainer.current_epoch)
-            rank_zero_info(f"Sweep trial {self.number}: pruned after epoch {trainer.current_epoch} "
+                self.storage.set_trial_user_attr(self.trial_id, PRUNED_AT, epoch)
+            rank_zero_info(f"Sweep trial {self.number}: pruned after epoch {epoch} "
                            f"({self.space.objective} {value:.4f}); the fit stops here.")
             trainer.should_stop = True
-            self.pruned_at = trainer.current_epoch
+            self.pruned_at = epoch

@@ -22,6 +22,7 @@ from typing import Any
 from lightning_app.runs.folders import CHECKPOINTS, HPC_GLOB, LAST
 from lightning_app.runs.identity import record_sweep_outcome
 from lightning_app.sweep import storage
+from lightning_app.sweep.placement import Ports, trial_environment
 from lightning_app.sweep.pruning import DIR_ENV, TRIAL_ENV
 from lightning_app.sweep.space import Space
 
@@ -69,22 +70,22 @@ class Sweep:
     last_failure: str = ""
     crashed: str = ""  # a worker thread's traceback: the sweep stops and exits 1, never 0
     _local: threading.local = field(default_factory=threading.local)
+    ports: Ports = field(default_factory=Ports)
 
     # -- signals ---------------------------------------------------------------------------------------------
     def on_signal(self, signum: int, _frame: object) -> None:
-        """SIGTERM / Ctrl-C / SLURM's SIGUSR1: no new trial; the running trials get the signal (they save
-        last.ckpt, or under SLURM Lightning's hpc checkpoint and requeue) and stay RUNNING, to be resumed."""
+        """SIGTERM / Ctrl-C / SLURM's SIGUSR1: no new trial; the running trials get SIGTERM (they save last.ckpt)
+        and stay RUNNING, to be resumed; under SLURM the sweep then requeues its own task (__main__.py)."""
         self.stop_signal = self.stop_signal or signum
         self.stop.set()
-        # What the trial's fit takes as "save and stop" (lightning_app/callbacks/stop_signals.py): SIGTERM, or the
-        # requeue signal under SLURM (its handler exists only there). Never SIGINT: Ctrl-C in a terminal reached
-        # the trials already (one process group), and a second SIGINT stops a fit at once, without its save.
-        requeue = signum == signal.SIGUSR1 and "SLURM_JOB_ID" in os.environ
-        forward = signal.SIGUSR1 if requeue else signal.SIGTERM
+        # What the trial's fit takes as "save and stop" (lightning_app/callbacks/stop_signals.py). Not SLURM's
+        # requeue signal: a trial does not see the SLURM task (placement.py), so it has no handler for it. Never
+        # SIGINT: Ctrl-C in a terminal reached the trials already (one process group), and a second SIGINT stops a
+        # fit at once, without its save.
         with self._lock:
             for child in self._children:
                 with contextlib.suppress(ProcessLookupError):
-                    child.send_signal(forward)
+                    child.send_signal(signal.SIGTERM)
 
     # -- resume ----------------------------------------------------------------------------------------------
     def claim_own_interrupted(self) -> list[int]:
@@ -136,9 +137,9 @@ class Sweep:
 
         args = [*self.base_args, *trial_args(params), f"--trainer.callbacks+={REPORTER}",
                 *(["--ckpt_path", ckpt] if ckpt else [])]
-        env = {**os.environ, DIR_ENV: str(self.folder), TRIAL_ENV: str(number), "PYTHONUNBUFFERED": "1"}
-        if getattr(self._local, "gpus", None) is not None:
-            env["CUDA_VISIBLE_DEVICES"] = self._local.gpus
+        port = self.ports.take()
+        env = {**trial_environment(os.environ, getattr(self._local, "gpus", None), port),
+               DIR_ENV: str(self.folder), TRIAL_ENV: str(number), "PYTHONUNBUFFERED": "1"}
         # A requeued SLURM job's fit takes its own earlier run whatever --ckpt_path says (lightning_app/runs/
         # resolve.py): here a requeued array task starts new trials too, so each trial is a fresh fit, and an
         # interrupted one is resumed by its explicit last.ckpt.
@@ -147,34 +148,38 @@ class Sweep:
         log.parent.mkdir(exist_ok=True)
         say(f"trial {number}: {'resuming ' + ckpt if ckpt else 'starting'}, " +
             ", ".join(f"{k}={flag_value(v)}" for k, v in params.items()) + f" (output: {log})")
-        with open(log, "a") as out, self._lock:
-            if self.stop.is_set():
-                return
-            child = subprocess.Popen([*DIE_WITH_THE_SWEEP, sys.executable, str(MAIN), "fit", *args], env=env,
-                                     stdout=out, stderr=subprocess.STDOUT)
-            self._children.add(child)
-        code = child.wait()
+        try:
+            with open(log, "a") as out, self._lock:
+                if self.stop.is_set():
+                    return
+                child = subprocess.Popen([*DIE_WITH_THE_SWEEP, sys.executable, str(MAIN), "fit", *args], env=env,
+                                         stdout=out, stderr=subprocess.STDOUT)
+                self._children.add(child)
+            code = child.wait()
+        finally:
+            self.ports.give_back(port)
         with self._lock:
             self._children.discard(child)
         frozen = self.study.get_trials(deepcopy=False)[number]
         values, ended = frozen.intermediate_values, code == 0 and storage.FIT_ENDED in frozen.user_attrs
         run_dir = frozen.user_attrs.get(storage.RUN_DIR)
+        ranks = storage.ranks_of(frozen)
         if self.stop.is_set() and not ended:  # stopped by our signal (saved, exit 0): RUNNING, for --resume
             say(f"trial {number}: stopped (exit status {code}); `--resume` finishes it from its last.ckpt.")
             return
         with contextlib.suppress(Exception):  # already finished: another process failed it as stale
             if ended and storage.PRUNED_AT in frozen.user_attrs:
                 self.study.tell(number, state=TrialState.PRUNED)
-                self._mark_run(run_dir, "pruned", pruned_at_epoch=frozen.user_attrs[storage.PRUNED_AT])
+                self._mark_run(run_dir, "pruned", pruned_at_epoch=frozen.user_attrs[storage.PRUNED_AT], **ranks)
                 say(f"trial {number}: pruned after epoch {frozen.user_attrs[storage.PRUNED_AT]}.")
             elif ended and values:
                 value = values[max(values)]
                 self.study.tell(number, value)
-                self._mark_run(run_dir, "complete", value=value)
+                self._mark_run(run_dir, "complete", value=value, **ranks)
                 say(f"trial {number}: {self.space.objective} {value:.4f}.")
             else:
                 self.study.tell(number, state=TrialState.FAIL)
-                self._mark_run(run_dir, "fail")
+                self._mark_run(run_dir, "fail", **ranks)
                 why = (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}") if code \
                     else "its fit did not run to its end" if not ended else f"no {self.space.objective} reported"
                 tail = "".join(log.read_text(errors="replace").splitlines(True)[-3:]).strip()
@@ -213,40 +218,6 @@ class Sweep:
     def _set_attr(self, number: int, key: str, value: Any) -> None:
         st = self.study._storage  # optuna/study/study.py keeps the storage there; the public API sets only study attrs
         st.set_trial_user_attr(st.get_trial_id_from_study_id_trial_number(self.study._study_id, number), key, value)
-
-
-def split_gpus(visible: list[str], workers: int) -> list[str | None]:
-    """Each worker's share of this machine's GPUs, so that K trials at a time never share one (each trial's
-    `devices: auto` then takes its share); with fewer GPUs than workers, or none, the trials see what this process
-    sees."""
-    if workers < 2 or len(visible) < workers:
-        return [None] * workers
-    return [",".join(visible[i::workers]) for i in range(workers)]
-
-
-def crowded_workers(workers: int, gpus: int, cpus: int | None) -> str | None:
-    """Why --workers K would slow every trial (said once at the start), or None: trials that share GPUs, or, without
-    GPUs, fits that each use every CPU."""
-    if workers < 2:
-        return None
-    if gpus and gpus < workers:
-        return (f"--workers {workers} with {gpus} GPU(s) visible: the trials share them (each sees all {gpus}), so "
-                f"they contend for GPU memory and time; --workers {gpus} gives each trial its own.")
-    if not gpus:
-        return (f"--workers {workers} without a GPU: each trial's fit uses every CPU here ({cpus or 'all'}), so "
-                f"{workers} at a time run each about {workers}x slower and rarely finish sooner in all; "
-                "--workers 1 here (more workers pay off with a GPU each, or as separate SLURM tasks).")
-    return None
-
-
-def visible_gpus() -> list[str]:
-    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (all of torch's when it is unset)."""
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        return [g for g in listed.split(",") if g.strip()]
-    import torch
-
-    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
 def newest_checkpoint(run_dir: str | None) -> str | None:

@@ -136,6 +136,14 @@ def read_space(path: str | Path) -> Space:
     return space
 
 
+def check_objective(space: Space, logged: tuple[str, ...]) -> None:
+    """The objective is a metric every validation epoch logs, checked before any trial runs."""
+    if space.objective not in logged:
+        close = closest(space.objective, list(logged))
+        raise UserError(f"{space.path}: objective {space.objective} is not a metric the model logs at every "
+                        f"validation epoch ({', '.join(logged)})" + (f"; did you mean {close}?" if close else "."))
+
+
 def _kind_and_args(key: str, value: Any, known: dict, path: Path) -> dict:
     spec = {"kind": value} if isinstance(value, str) else dict(value) if isinstance(value, dict) else {}
     if spec.get("kind") not in known:

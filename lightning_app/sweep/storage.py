@@ -36,6 +36,7 @@ OWNER = "owner"
 RUN_DIR = "run_dir"
 PRUNED_AT = "pruned_at_epoch"
 FIT_ENDED = "fit_ended_at_epoch"
+WORLD_SIZE = "world_size"  # the trial's ranks (pruning.py): each trial trains on the GPUs of its share
 FIXED = "fixed_args"  # the configs and flags every trial gets besides the space's
 SESSION = "session:"  # a study user attr per sweep process: its sampler seed
 DUPLICATE_OF = "duplicate_of"
@@ -221,6 +222,11 @@ def interrupted(study, folder: Path, stale_s: float) -> list:
     return [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if gone(t)]
 
 
+def ranks_of(trial: Any) -> dict:
+    """The trial's world size for its run.json, once its fit recorded one (pruning.py)."""
+    return {"world_size": trial.user_attrs[WORLD_SIZE]} if WORLD_SIZE in trial.user_attrs else {}
+
+
 def fail_stale(study, folder: Path, stale_s: float) -> list[int]:
     """Marks failed every RUNNING trial whose owner is gone (a `--resume` has claimed its own ones before), in the
     study and in its run folder's run.json; their numbers. The claim makes one process the one that tells."""
@@ -234,7 +240,7 @@ def fail_stale(study, folder: Path, stale_s: float) -> list[int]:
                 failed.append(trial.number)
             if trial.number in failed and trial.user_attrs.get(RUN_DIR):
                 with contextlib.suppress(OSError):
-                    record_sweep_outcome(trial.user_attrs[RUN_DIR], "fail")
+                    record_sweep_outcome(trial.user_attrs[RUN_DIR], "fail", **ranks_of(trial))
     return failed
 
 
