@@ -107,33 +107,37 @@ def stop_tree(proc: subprocess.Popen) -> str:
 # -- command lines -------------------------------------------------------------------------------------------
 
 def start_command(cmd: list[str], env: dict[str, str] | None = None, *, log: Path | None = None,
-                  session: bool = False) -> subprocess.Popen:
-    """`cmd` started in the repository, not waited for: stdout and stderr together into a pipe (text) or the file
-    `log`. env: the whole environment (default: this process's, unbuffered). session: in a session (and process
-    group) of its own, which a signal to the group reaches without reaching the tests."""
+                  session: bool = False, cwd: Path = REPO) -> subprocess.Popen:
+    """`cmd` started in `cwd` (the repository), not waited for: stdout and stderr together into a pipe (text) or
+    the file `log`. env: the whole environment (default: this process's, unbuffered). session: in a session (and
+    process group) of its own, which a signal to the group reaches without reaching the tests."""
     env = stack_env({**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env)
     if log is None:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=session)
     with open(log, "w") as out:  # the child writes to its own copy
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=session)
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=session)
 
 
 def start_main(args: list[str], env: dict[str, str] | None = None, *, log: Path | None = None,
-               session: bool = False) -> subprocess.Popen:
-    """`python main.py ARGS` started as a user starts it (cli.run_main is the same, waited for)."""
-    return start_command([sys.executable, "main.py", *args], env, log=log, session=session)
+               session: bool = False, cwd: Path = REPO) -> subprocess.Popen:
+    """`python main.py ARGS` started as a user starts it (cli.run_main is the same, waited for), in `cwd`."""
+    script = "main.py" if cwd == REPO else str(REPO / "main.py")
+    return start_command([sys.executable, script, *args], env, log=log, session=session, cwd=cwd)
 
 
 def start_nodes(args: list[str] | Callable[[int], list[str]], nodes: int = 2, env: dict[str, str] | None = None, *,
-                logs: list[Path] | None = None) -> list[subprocess.Popen]:
+                logs: list[Path] | None = None, cwds: list[Path] | None = None) -> list[subprocess.Popen]:
     """`python main.py ARGS` once per node, as `nodes` machines start it: NODE_RANK 0 to nodes - 1, their master
     at 127.0.0.1 on a free port, OpenMP on one thread each. args: the same for every node, or a function of the
-    node's rank. env: what they start from (default: this process's environment)."""
+    node's rank. env: what they start from (default: this process's environment). cwds: each node's working
+    directory (default: the repository); a relative path then names a different folder on each node, as a
+    node-local disk mounted at the same place does."""
     args_of = args if callable(args) else (lambda _rank: args)
     common = {**(os.environ if env is None else env), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return [start_main(args_of(rank), {**common, "NODE_RANK": str(rank)}, log=logs[rank] if logs else None)
+    return [start_main(args_of(rank), {**common, "NODE_RANK": str(rank)}, log=logs[rank] if logs else None,
+                       cwd=cwds[rank] if cwds else REPO)
             for rank in range(nodes)]
 
 
