@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from datamodules.predict import PredictDataset
 from lightning_app.callbacks.predictions import PredictionsCSV, columns
 from lightning_app.cli import ClassifierCLI
 from tests.helpers.cli import quick_args, run_main, train_checkpoint
-from tests.helpers.processes import free_port
+from tests.helpers.processes import finish_all, free_port, in_processes, start_nodes
 
 JPEG = b"\xff\xd8\xff\xe0" + b"\x00" * 64 + b"\xff\xd9"
 
@@ -68,6 +69,36 @@ def test_merge_keeps_one_row_per_index(tmp_path):
     assert not list(tmp_path.glob(".predictions*"))
 
 
+def _gather_rows(rank: int, store: str, batches: list[int]) -> list:
+    """One of two gloo processes: `batches[rank]` batches of two rows each through a RowGather of every 2 batches;
+    on rank 0, what its sink took, call by call."""
+    import torch.distributed as dist
+
+    from lightning_app.callbacks.prediction_rows import RowGather
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    try:
+        taken = []
+        gather = RowGather(2, lambda source, rows: taken.append((source, [r[0] for r in rows])))
+        for b in range(batches[rank]):
+            gather.add([[100 * rank + 2 * b, "x"], [100 * rank + 2 * b + 1, "x"]])
+        gather.finish()
+        return taken
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rows_reach_rank_0_every_few_batches_when_ranks_predict_unequal_shares(tmp_path):
+    """Rank 1 predicts two batches fewer (one more than Lightning's unpadded sampler gives, to go one round
+    further): its end rounds meet rank 0's last in-loop rounds, and every row arrives once, in order."""
+    taken, nothing = in_processes(_gather_rows, 2, str(tmp_path / "store"), [5, 3], timeout=120)
+    assert nothing == []
+    assert taken == [(0, [0, 1, 2, 3]), (1, [100, 101, 102, 103]),  # the round at each one's 2nd batch
+                     (0, [4, 5, 6, 7]),  # at rank 0's 4th: rank 1 has ended, its last batch comes in its end round
+                     (1, [104, 105]),
+                     (0, [8, 9])]  # rank 0's end round; rank 1 sends nothing in it
+
+
 # -- the user's path: train, then predict on a flat folder, compare with validate ------------------
 
 @pytest.fixture(scope="module")
@@ -115,8 +146,9 @@ def test_predict_cli_matches_validate(trained, tmp_path):
 def test_predict_ddp_two_processes_every_row_once(trained, tmp_path):
     ckpt, _, flat = trained
     run_main(predict_args(ckpt, flat, tmp_path / "one"))
-    run_main(predict_args(ckpt, flat, tmp_path / "two") + ["--trainer.devices", "2", "--trainer.strategy", "ddp"],
-             env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    two_ranks = run_main(predict_args(ckpt, flat, tmp_path / "two") + ["--trainer.devices", "2", "--trainer.strategy",
+                                                                        "ddp"],
+                         env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     (one,) = (tmp_path / "one").rglob("predictions.csv")
     (two,) = (tmp_path / "two").rglob("predictions.csv")
     single, ddp = read_csv(one), read_csv(two)
@@ -124,6 +156,29 @@ def test_predict_ddp_two_processes_every_row_once(trained, tmp_path):
     for a, b in zip(single, ddp, strict=False):
         assert a["class"] == b["class"] and abs(float(a["prob"]) - float(b["prob"])) < 1e-4
     assert not list((tmp_path / "two").rglob(".predictions.csv.rank*"))
+    # one folder for both ranks: each writes its own part file, as before
+    assert "is not shared by every rank" not in two_ranks.stdout + two_ranks.stderr
+
+
+@pytest.mark.slow
+def test_predict_on_two_nodes_with_node_local_run_folders_keeps_every_row(trained, tmp_path):
+    """Two nodes (NODE_RANK 0 and 1, gloo), each in a working directory of its own, given the same relative
+    --trainer.default_root_dir: the same folder name is a different folder on each node, as a node-local disk
+    mounted at the same place on every node is. Rank 1's rows reach rank 0's file all the same."""
+    ckpt, _, flat = trained
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    args = [*predict_args(ckpt, flat, "runs"), "--trainer.strategy", "ddp", "--trainer.devices", "1",
+            "--trainer.num_nodes", "2"]
+    codes, outs = finish_all(start_nodes(args, cwds=nodes), timeout=240)
+    assert codes == [0, 0], "\n\n".join(out[-3000:] for out in outs)
+    (out,) = (nodes[0] / "runs").rglob("predictions.csv")
+    rows = read_csv(out)
+    assert sorted(r["path"] for r in rows) == sorted(str(p) for p in flat.iterdir() if p.name != "broken.jpg")
+    assert f"predict: {Path('runs') / out.parent.name} is not shared by every rank" in outs[0], outs[0][-3000:]
+    assert not [p for node in nodes for p in node.rglob(".predictions.csv*")]  # no part file left on either node
+    assert not list(nodes[1].iterdir())  # rank 1 wrote nothing on its own disk
 
 
 @pytest.mark.slow

@@ -8,6 +8,10 @@ pads a shard, and a missing index is reported. Lightning predicts with an unpadd
 UnrepeatedDistributedSamplerWrapper under DDP (trainer/connectors/data_connector.py,
 _get_distributed_sampler), so every index comes exactly once in practice.
 
+Where the other ranks cannot see the folder rank 0 writes into (node-local disks), found before any
+inference (prediction_rows.shared_by_every_rank), their rows go to rank 0 as objects every few
+batches and rank 0 writes every part file itself: the merge reads only rank 0's disk.
+
 The file goes to `trainer.log_dir`: each predict has its own folder, `<run>/predict_K`
 (lightning_app/runs/plan.py), or `trainer.default_root_dir` when there is no logger. One line says
 what is predicted and where the file goes. File names are written as the filesystem gives them: a
@@ -23,6 +27,8 @@ import warnings
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import BasePredictionWriter
 from pytorch_lightning.utilities import rank_zero_info
+
+from lightning_app.callbacks.prediction_rows import GATHER_EVERY, RowGather, shared_by_every_rank
 
 FILENAME = "predictions.csv"
 TOP_K = 5
@@ -59,12 +65,14 @@ def _what(dataset, trainer) -> str:
 
 
 class PredictionsCSV(BasePredictionWriter):
-    def __init__(self, filename: str = FILENAME) -> None:
+    def __init__(self, filename: str = FILENAME, gather_every: int = GATHER_EVERY) -> None:
         super().__init__(write_interval="batch")
         self.filename = filename
+        self.gather_every = gather_every
         self.out_dir: str | None = None
-        self._file = None
-        self._writer = None
+        self._files: dict = {}
+        self._writers: dict = {}
+        self._gather: RowGather | None = None
 
     def _part(self, rank: int, done: bool) -> str:
         return os.path.join(self.out_dir, f".{self.filename}.rank{rank}" + (".part" if done else ".tmp"))
@@ -72,20 +80,27 @@ class PredictionsCSV(BasePredictionWriter):
     def on_predict_start(self, trainer, pl_module) -> None:
         log_dir = trainer.log_dir  # a broadcast from rank 0 under DDP: every rank calls it here
         self.out_dir = log_dir or trainer.default_root_dir
-        os.makedirs(self.out_dir, exist_ok=True)
-        if trainer.global_rank == 0:
+        rank = trainer.global_rank
+        if rank == 0:  # the other ranks make nothing: on a node-local disk it would be a folder of their own
+            os.makedirs(self.out_dir, exist_ok=True)
             for stale in glob.glob(os.path.join(self.out_dir, f".{self.filename}.rank*")):
                 os.remove(stale)
-        trainer.strategy.barrier("predictions_csv_clean")
+        shared = shared_by_every_rank(trainer.strategy, self.out_dir)  # after the clean-up: it has a barrier
+        self._gather = None if shared else RowGather(self.gather_every, self._write_rows)
         self._dataset = _dataset(trainer)
         self._from_batch = getattr(self._dataset, "items_carry_index", False)
         self._names = list(getattr(pl_module, "class_names", []) or [])
         self._seen, self._synthetic = 0, False
-        self._file = open(self._part(trainer.global_rank, done=False), "w", **TEXT)  # noqa: SIM115 - closed in on_predict_end
-        self._writer = csv.writer(self._file)
+        writes = [rank] if shared else range(trainer.world_size) if rank == 0 else []  # whose part files
+        self._files = {r: open(self._part(r, done=False), "w", **TEXT) for r in writes}  # noqa: SIM115 - closed in on_predict_end
+        self._writers = {r: csv.writer(f) for r, f in self._files.items()}
         with_ckpt = f" with {trainer.ckpt_path}" if trainer.ckpt_path else ""
         rank_zero_info(f"predict: {_what(self._dataset, trainer)}{with_ckpt} -> "
                        f"{os.path.join(self.out_dir, self.filename)}")
+        if not shared:
+            rank_zero_info(f"predict: {self.out_dir} is not shared by every rank (a node-local disk on each node?): "
+                           f"the other ranks send rank 0 their rows every {self.gather_every} batches and rank 0 "
+                           "writes the file alone.")
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
         probs = prediction.detach().float().cpu()
@@ -101,17 +116,27 @@ class PredictionsCSV(BasePredictionWriter):
         k = min(TOP_K, probs.shape[1])
         top_p, top_i = probs.topk(k, dim=1)
         names = self._names if len(self._names) == probs.shape[1] else [str(c) for c in range(probs.shape[1])]
+        rows = []
         for row, index in enumerate(indices):
             if index < 0:
-                self._writer.writerow([-1 - index, _path(self._dataset, -1 - index), "", "failed to decode"])
+                rows.append([-1 - index, _path(self._dataset, -1 - index), "", "failed to decode"])
                 continue
             top = [x for j in range(k) for x in (names[int(top_i[row, j])], f"{float(top_p[row, j]):.6f}")]
-            self._writer.writerow([index, _path(self._dataset, index), *top[:2], *top])
-        self._k = k
+            rows.append([index, _path(self._dataset, index), *top[:2], *top])
+        if self._gather is not None:
+            self._gather.add(rows)
+        else:
+            self._write_rows(trainer.global_rank, rows)
+
+    def _write_rows(self, rank: int, rows: list) -> None:
+        self._writers[rank].writerows(rows)
 
     def on_predict_end(self, trainer, pl_module) -> None:
-        self._file.close()
-        os.replace(self._part(trainer.global_rank, done=False), self._part(trainer.global_rank, done=True))
+        if self._gather is not None:
+            self._gather.finish()
+        for rank, file in self._files.items():
+            file.close()
+            os.replace(self._part(rank, done=False), self._part(rank, done=True))
         trainer.strategy.barrier("predictions_csv_merge")
         if trainer.global_rank == 0:
             known = self._dataset is not None and hasattr(self._dataset, "__len__") and not self._synthetic
