@@ -86,7 +86,8 @@ def build(hook: str, rank: int, start_iter: int | None) -> tuple[Callable | None
 
 
 def side_path(checkpoint: str | os.PathLike, rank: int) -> str:
-    """Where rank `rank` (>= 1) keeps its PowerSGD error feedback for `checkpoint`: a file beside it."""
+    """Where rank `rank` (>= 1) keeps its PowerSGD error feedback for `checkpoint`: a file beside it, on the disk of
+    the node that rank runs on (docs/clusters.md, "Node-local disks")."""
     return f"{os.fspath(checkpoint)}.powersgd-rank{rank}"
 
 
