@@ -1,6 +1,7 @@
 """Before the first step of a fit, a probe estimates one step's memory (lightning_app/callbacks/memory_probe.py)."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -67,6 +68,26 @@ def test_a_step_clearly_too_large_stops_before_it_starts_with_a_batch_that_fits(
     assert 1 <= fits < 240 / 4
     assert not list(tmp_path.glob("version_*"))  # nothing was written
 
+
+
+def test_a_progressive_resizing_ramp_is_judged_at_its_largest_size(tiny_data, tmp_path):
+    # free memory that one step at the ramp's first size (32 px) fits with room, and its last (64 px, ~4x) does not
+    model = ImageClassifier(arch="conv11", num_classes=10, image_size=32, arch_kwargs={"width": 8}, pictures=[])
+    at_32 = probe(model, pl.Trainer(accelerator="cpu", logger=False), size=32, batch=240)
+    free = int(2 * at_32.total)
+    assert verdict(at_32.total, free) == "ok"  # judged at its first size, the run would go on
+    config = tmp_path / "ramp.yaml"
+    config.write_text(json.dumps({"trainer": {"callbacks": [
+        {"class_path": "lightning_app.callbacks.progressive_resizing.ProgressiveResizing",
+         "init_args": {"start_size": 32, "end_size": 64, "start_epoch": 0, "end_epoch": 1}}]}}))
+    proc = run_main(["fit", *quick_args(tiny_data, tmp_path, epochs=2, batch=240), "--data.image_size", "64",
+                     "--config", str(config)], env={FREE_ENV: str(free)}, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "conv11 at 64 px (the largest train size of the progressive-resizing schedule 32 -> 64 px)" in err, err
+    assert "smaller sizes in the ProgressiveResizing schedule" in err
+    assert not list(tmp_path.glob("version_*"))  # nothing was written
 
 def documented_smoke_test() -> list[str]:
     text = (REPO / "docs" / "training.md").read_text()

@@ -2,7 +2,8 @@
 
 ResNet-50 at batch 1024 and 176 px needs about 60 GB for one step on a CPU; on a 24 GB machine the
 kernel killed it (exit 137, no message). `MemoryProbe` runs the model's forward pass on 2 and on 4
-random images (train mode, the run's precision, the train crop size) and adds up the bytes of every
+random images (train mode, the run's precision, the largest train crop size of the fit: a ProgressiveResizing
+schedule's largest, which it reaches epochs after the probe) and adds up the bytes of every
 tensor autograd keeps for the backward pass (`torch.autograd.graph.saved_tensors_hooks`, counting each
 storage once). The difference is the activation memory per image; weights, gradients and the SGD
 momentum come on top, and with --data.decode gpu the decode's buffers per image on the GPU
@@ -187,13 +188,15 @@ def _size(n: float) -> str:
 
 
 def describe(estimate: StepEstimate, free: float, where: str, arch: str, size: int, batch: int, processes: int,
-             split: int) -> str:
+             split: int, schedule: list[int] | None = None) -> str:
+    """What one step at `size` px needs and what is free; `schedule`: a progressive-resizing schedule's sizes."""
     per = f"{batch // processes} per process" if processes > 1 else ""
     per = f"{per}{', ' if per else ''}{estimate.batch} per device" if split > 1 else per
+    ramp = f" (the largest train size of the progressive-resizing schedule {' -> '.join(map(str, schedule))} px)"
     return (f"--data.batch_size {batch}{f' ({per})' if per else ''} needs about {_size(estimate.total)} for one "
-            f"training step of {arch} at {size} px ({estimate.per_image / 1e6:.1f} MB of activations per image, "
-            f"measured on a probe of {PROBE_BATCHES[-1]} images; {_size(estimate.fixed)} of weights, gradients "
-            f"and optimizer state), but about {_size(free)} is free {where}")
+            f"training step of {arch} at {size} px{ramp if schedule else ''} ({estimate.per_image / 1e6:.1f} MB of "
+            f"activations per image, measured on a probe of {PROBE_BATCHES[-1]} images; {_size(estimate.fixed)} of "
+            f"weights, gradients and optimizer state), but about {_size(free)} is free {where}")
 
 
 class MemoryProbe(pl.Callback):
@@ -227,6 +230,10 @@ class MemoryProbe(pl.Callback):
         strategy = trainer.strategy
         split = max(1, len(getattr(strategy, "cuda_devices", []) or []))  # dp: each GPU holds a slice
         size = int(getattr(dm, "train_size", None) or pl_module.hparams.get("image_size") or 224)
+        # ProgressiveResizing's sizes (its setup, before on_fit_start, lists them): the largest comes epochs later
+        schedule = [int(s) for s in getattr(dm, "scheduled_train_sizes", None) or []]
+        schedule = schedule if len(set(schedule)) > 1 else []
+        size = max([size, *schedule])
         estimate = probe(pl_module, trainer, size, math.ceil(per_process / split))
         if getattr(dm, "decodes_on_device", False) and pl_module.device.type == "cuda":
             from datamodules.sample.device_decode import device_bytes_per_image
@@ -241,12 +248,13 @@ class MemoryProbe(pl.Callback):
         if processes > 1:
             where += f" of rank {trainer.global_rank}"
         said = describe(estimate, free, where, pl_module.hparams.get("arch", "the model"), size, batch, processes,
-                        split)
+                        split, schedule)
+        smaller = "smaller sizes in the ProgressiveResizing schedule" if schedule else "a smaller --data.image_size"
         fits = fitting_batch(estimate, free, processes * split)
         advice = (f"--data.batch_size {fits} fits" if fits >= processes
-                  else "not even one image per process fits: lower --data.image_size or pick a smaller --model.arch")
-        hint = ("; or keep the batch and add devices (--trainer.devices), use --trainer.precision bf16-mixed or a "
-                "smaller --data.image_size")
+                  else f"not even one image per process fits: use {smaller} or pick a smaller --model.arch")
+        hint = f"; or keep the batch and add devices (--trainer.devices), use --trainer.precision bf16-mixed or " \
+            f"{smaller}"
         decision = verdict(estimate.total, free)
         if decision == "stop":
             return decision, (f"{said}: the step would not fit and the run would be killed. {advice}{hint}. "
