@@ -24,7 +24,15 @@ holds: the samples resume exactly, their crops do not.
 
 Under DDP only rank 0 writes the checkpoint, so `state_dict` gathers every rank's state (all ranks save
 together: Trainer.save_checkpoint ends in a barrier) and each rank loads its own. A checkpoint from another
-number of processes or loader workers cannot place this rank's workers: the epoch then restarts, with a warning.
+number of processes or loader workers cannot place this rank's workers. The loader must still go on from where
+the epoch stopped: Lightning restores its batch progress whatever the loader does and ends the epoch when that
+count reaches the epoch's batches (training_epoch_loop.py, `_num_ready_batches_reached`), so a loader started
+afresh would run the epoch's first batches again and never its last ones (and in epoch 0's order: the sampler
+makes the order before the fit loop's set_epoch). So the sampler alone resumes, at the saved epoch and at the
+sample all ranks had reached, shared out among this run's ranks; the workers' crops and flips start afresh,
+with a warning. (Resetting Lightning's batch progress instead, to run the epoch whole, has no hook between
+`_TrainingEpochLoop.reset`, which counts a batch saved at its end as done, and the first batch; and it would add
+that many steps to a fit whose LR schedule has a fixed length.)
 """
 from __future__ import annotations
 
@@ -54,15 +62,18 @@ class EpochSampler(StatefulDistributedSampler):
 
     torchdata's own counts its position lazily, in a generator that runs at the first index, so a state
     taken before an epoch's first batch would carry the previous epoch's count; here `__iter__` starts it.
+    A position loaded into the sampler holds until an iterator draws its first index: a DataLoader iterator
+    calls iter() on its sampler twice, in `_BaseDataLoaderIter.__init__` and in `_reset`
+    (torch/utils/data/dataloader.py), and draws from the second.
     """
 
     def __iter__(self) -> Iterator[int]:
         start = self.next_yielded or 0
-        self.next_yielded = None
         self.yielded = start
         return self._indices(start)
 
     def _indices(self, start: int) -> Iterator[int]:
+        self.next_yielded = None
         for index in itertools.islice(DistributedSampler.__iter__(self), start, None):
             self.yielded += 1
             yield index
@@ -124,16 +135,49 @@ class ResumableLoader(StatefulDataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         rank, world = _ranks()
         states = state_dict.get("ranks")
-        if states is None or len(states) != world:
-            saved = "an unknown number of" if states is None else len(states)
-            warnings.warn(f"The checkpoint's train loader state was saved by {saved} process(es), this run has "
-                          f"{world}: the interrupted epoch starts again from its first batch.", stacklevel=2)
+        if states and len(states) == world and _workers_in(states[rank]) == self.num_workers:
+            super().load_state_dict(states[rank])
             return
-        state = states[rank]
-        if _workers_in(state) != self.num_workers:
-            warnings.warn(f"The checkpoint's train loader state was saved with {_workers_in(state)} loader "
-                          f"worker(s), this run has {self.num_workers}: the interrupted epoch starts again from "
-                          "its first batch. Resume with --data.num_workers set to the saved number to continue "
-                          "it exactly.", stacklevel=2)
+        where = _sampler_position(states or [])
+        if where is None or not isinstance(self.sampler, EpochSampler):
+            # Lightning still counts the checkpoint's batches as done (its batch progress is restored whatever the
+            # loader does; the epoch ends when that count reaches the epoch's batches: training_epoch_loop.py,
+            # `_num_ready_batches_reached`), so a loader started afresh runs only the epoch's first batches
+            warnings.warn("The checkpoint's train loader state is not one this loader can read: the interrupted "
+                          "epoch's loader starts again from its first batch (in the order of the epoch its sampler "
+                          "is at, epoch 0 in a new process) and, as Lightning counts the checkpoint's batches of the "
+                          "epoch as done, runs only as many batches as the epoch had left: its first ones again, "
+                          "never its last.", stacklevel=2)
             return
-        super().load_state_dict(state)
+        epoch, samples = where
+        # the position in the epoch's order (the same on every layout: DistributedSampler shuffles with seed + epoch,
+        # then gives rank r every world-th index) that all ranks together had reached, shared out among this run's
+        # ranks; exactly the saved ranks' samples when the global batch divides among both layouts' ranks
+        self.sampler.load_state_dict({"epoch": epoch, "yielded": samples // world})
+        saved = f"{len(states)} process(es) with {_workers_in(states[0])} loader worker(s) each"
+        warnings.warn(f"The checkpoint's train loader state was saved by {saved}, this run has {world} with "
+                      f"{self.num_workers}: the interrupted epoch goes on from the sample it had reached (the samples "
+                      f"an uninterrupted run would see, none repeated, none skipped), but its crops and flips are "
+                      f"drawn afresh. Resume with the saved numbers of processes and --data.num_workers to continue it "
+                      f"pixel for pixel.", stacklevel=2)
+
+
+def _sampler_position(states: list[dict[str, Any]]) -> tuple[int, int] | None:
+    """(epoch, samples all ranks had taken in it) from the ranks' saved states; None where a state holds no
+    EpochSampler state.
+
+    torchdata keeps the sampler's state inside its batch sampler iterator's (torchdata/stateful_dataloader/
+    sampler.py, `_BatchSamplerIterator.state_dict`: "sampler_state"), at the top of the state without workers and
+    in the main snapshot with them (stateful_dataloader.py, `_SAMPLER_ITER_STATE`, `_MAIN_SNAPSHOT`); that snapshot
+    is as of the last batch yielded, as SNAPSHOT_EVERY_N_STEPS is 1.
+    """
+    found = []
+    for state in states:
+        main = state["_snapshot"]["_main_snapshot"] if state.get("_snapshot") else state
+        sampler = (main.get("_sampler_iter_state") or {}).get("sampler_state") or {}
+        if "epoch" not in sampler or "yielded" not in sampler:
+            return None
+        found.append((int(sampler["epoch"]), int(sampler["yielded"])))
+    if not found or len({epoch for epoch, _ in found}) != 1:
+        return None
+    return found[0][0], sum(yielded for _, yielded in found)

@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from datamodules.downscale.writer import ensure_downscaled
 from datamodules.lmdb.pack import pack
 from datamodules.resume import EpochSampler, ResumableLoader
 from tests.helpers.cli import quick_args, run_main
+from tests.helpers.processes import in_processes
 
 STEPS = 7  # per epoch: 240 tiny training images, 32 a (global) batch, the last partial batch dropped
 SAVED_AT = STEPS + 3  # a checkpoint after batch 3 of epoch 2 (index 2): the resumed run starts at index 3
@@ -77,7 +79,10 @@ def test_resumed_epoch_delivers_the_same_batches_under_each_worker_start(method,
     _resume_mid_epoch(*sources["imagefolder"], "cpu", tmp_path, "--data.worker_start", method)
 
 
-def _resume_mid_epoch(config: str, data: Path, decode: str, tmp_path: Path, *extra: str) -> None:
+def _resume_mid_epoch(config: str, data: Path, decode: str, tmp_path: Path, *extra: str,
+                      resume_with: tuple[str, ...] = ()) -> tuple[Path, Path, str]:
+    """The test above; `resume_with`: flags only the resumed run adds. (The uninterrupted run's and the resumed
+    run's SampleRecorder folders, the resumed run's stderr.)"""
     kept = tmp_path / "step.ckpt"
     # decode gpu: every file the device can take, on the device (the balanced share, timing-driven, would decode
     # some on the CPU path instead: the same boxes, pixels a grey level apart; docs/data.md)
@@ -91,37 +96,87 @@ def _resume_mid_epoch(config: str, data: Path, decode: str, tmp_path: Path, *ext
     assert step["global_step"] == SAVED_AT
     assert step["loops"]["fit_loop"]["state_dict"]["combined_loader"]  # the train loader's state is in it
     shutil.copy(kept, tmp_path / "version_0" / "checkpoints" / "last.ckpt")  # what a kill right after it leaves
-    run_main(_args(config, data, tmp_path, resumed, *steps, "--ckpt_path", "last"))
+    proc = run_main(_args(config, data, tmp_path, resumed, *steps, "--ckpt_path", "last", *resume_with))
     assert not (resumed / "rank0_epoch0.json").exists()  # epoch 1 was done: not run again
-    _assert_continues(_epoch(whole, 1), _epoch(resumed, 1), SAVED_AT - STEPS)
-    _assert_same(_epoch(whole, 2), _epoch(resumed, 2))
+    if not resume_with:
+        _assert_continues(_epoch(whole, 1), _epoch(resumed, 1), SAVED_AT - STEPS)
+        _assert_same(_epoch(whole, 2), _epoch(resumed, 2))
+    return whole, resumed, proc.stderr
 
 
-def test_loader_state_holds_the_epoch_and_another_worker_count_restarts_the_epoch_with_a_warning():
-    """In-process: a state taken 3 batches into epoch 1 continues it in a fresh loader whose sampler is still at
-    epoch 0 (Lightning calls set_epoch only after making the resumed iterator); a loader with another number of
-    workers cannot place the saved workers' states, so it warns and runs the epoch from its start."""
-    data = list(range(64))
+def test_another_worker_count_goes_on_from_the_sample_the_epoch_had_reached(sources, tmp_path):
+    """The checkpoint saved with 2 loader workers, resumed with 1: the workers' states cannot be placed, but the
+    resumed epoch still runs the uninterrupted run's remaining batches, samples for samples (not, as a loader
+    started afresh under Lightning's restored batch count would, epoch 0's first ones), and says so once."""
+    whole, resumed, err = _resume_mid_epoch(*sources["imagefolder"], "cpu", tmp_path,
+                                            resume_with=("--data.num_workers", "1"))
+    done = SAVED_AT - STEPS
+    assert _epoch(resumed, 1)["batches"] == _epoch(whole, 1)["batches"][done:]  # 4 batches: none again, none left
+    assert _epoch(resumed, 2)["batches"] == _epoch(whole, 2)["batches"]
+    said = [line for line in err.splitlines() if "train loader state" in line]
+    assert len(said) == 1, err[-3000:]
+    assert ("saved by 1 process(es) with 2 loader worker(s) each, this run has 1 with 1: the interrupted epoch goes "
+            "on from the sample it had reached") in said[0]
+    last = torch.load(tmp_path / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert last["global_step"] == 3 * STEPS
 
-    def loader(workers: int) -> ResumableLoader:
-        sampler = EpochSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True)
-        return ResumableLoader(data, batch_size=8, sampler=sampler, num_workers=workers)
 
-    whole = loader(0)
+def _loader(data: list[int], workers: int, world: int = 1, rank: int = 0, batch: int = 8) -> ResumableLoader:
+    sampler = EpochSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
+    return ResumableLoader(data, batch_size=batch, sampler=sampler, num_workers=workers)
+
+
+def _state_in_epoch_1(data: list[int], workers: int, done: int) -> tuple[list[list[int]], dict]:
+    """(epoch 1's batches, uninterrupted), and a state taken `done` batches into epoch 1 with `workers` workers."""
+    whole = _loader(data, 0)
     whole.sampler.set_epoch(1)
-    epoch = [batch.tolist() for batch in whole]
-    first = loader(2)
+    first = _loader(data, workers)
     first.sampler.set_epoch(1)
     batches = iter(first)
-    seen = [next(batches).tolist() for _ in range(3)]
-    state = first.state_dict()
-    again = loader(2)
+    for _ in range(done):
+        next(batches)
+    return [batch.tolist() for batch in whole], first.state_dict()
+
+
+def test_loader_state_holds_the_epoch_and_another_worker_count_goes_on_from_the_same_sample():
+    """In-process: a state taken 3 batches into epoch 1 continues it in a fresh loader whose sampler is still at
+    epoch 0 (Lightning calls set_epoch only after making the resumed iterator). A loader with another number of
+    workers cannot place the saved workers' states: it warns and goes on from the same sample of epoch 1's order,
+    running as many batches as the epoch had left (Lightning keeps its count of the 3 done)."""
+    data = list(range(64))
+    epoch, state = _state_in_epoch_1(data, workers=2, done=3)
+    again = _loader(data, 2)
     again.load_state_dict(state)
-    assert seen + [batch.tolist() for batch in again] == epoch
-    other = loader(1)
-    with pytest.warns(UserWarning, match="--data.num_workers"):
-        other.load_state_dict(state)
-    assert len(list(other)) == len(epoch)
+    assert epoch[:3] + [batch.tolist() for batch in again] == epoch
+    for workers in (1, 0):
+        other = _loader(data, workers)
+        with pytest.warns(UserWarning, match="saved by 1 process.* with 2 loader worker.*this run has 1 with "
+                                             f"{workers}: the interrupted epoch goes on from the sample it had "
+                                             "reached") as said:
+            other.load_state_dict(state)
+        assert len(said) == 1
+        assert [batch.tolist() for batch in other] == epoch[3:]
+
+
+def _resume_on_two_ranks(rank: int, store: str, state: dict) -> list[list[int]]:
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    try:
+        loader = _loader(list(range(64)), 0, world=2, rank=rank, batch=4)  # the same global batch of 8
+        with pytest.warns(UserWarning, match="saved by 1 process.*, this run has 2 with 0"):
+            loader.load_state_dict(state)
+        return [batch.tolist() for batch in loader]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_state_of_one_process_goes_on_from_the_same_sample_on_two(tmp_path):
+    """Saved by one process 3 batches of 8 into epoch 1, resumed by 2 gloo processes of 4 a batch each: between
+    them they take the epoch's remaining samples once each, in as many steps as the epoch had left."""
+    data = list(range(64))
+    epoch, state = _state_in_epoch_1(data, workers=2, done=3)
+    ranks = in_processes(_resume_on_two_ranks, 2, str(tmp_path / "store"), state)
+    assert [len(batches) for batches in ranks] == [len(epoch) - 3] * 2
+    assert sorted(i for batches in ranks for b in batches for i in b) == sorted(i for b in epoch[3:] for i in b)
 
 
 @pytest.mark.slow
