@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib.util
+import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -165,6 +167,11 @@ def test_two_nodes_on_one_machine_finish_together(tiny_data, tmp_path):
     codes, outputs = finish_all(start_nodes(args), timeout=300)
     assert codes == [0, 0], "\n\n".join(o[-3000:] for o in outputs)
     assert "GLOBAL_RANK: 0, MEMBER: 1/2" in outputs[0] and "GLOBAL_RANK: 1, MEMBER: 2/2" in outputs[1]
+    host = socket.gethostname()  # each rank says where it runs, in its own log; rank 0 adds the table
+    for rank, output in enumerate(outputs):
+        said = rf"^rank {rank} of 2: host {re.escape(host)} \(127\.0\.0\.1\), pid \d+, CPU$"
+        assert re.search(said, output, re.MULTILINE), output[-3000:]
+    assert f"ranks by host: {host} (127.0.0.1) 0-1" in outputs[0] and "ranks by host" not in outputs[1]
     runs = recorded_samples(out)
     assert runs[0, 0]["num_nodes"] == 2 and runs[0, 0]["world_size"] == 2
     assert not set(runs[0, 0]["indices"]) & set(runs[1, 0]["indices"])

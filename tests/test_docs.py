@@ -70,6 +70,7 @@ RULES = [
     (r"sbatch scripts/slurm/train\.sbatch .*", "dry-run", "no SLURM here"),
     (r"sbatch --array=\S+ scripts/slurm/sweep\.sbatch .*", "dry-run", "no SLURM here"),
     (r"python -m lightning_app\.sweep .*", "run", ""),
+    (r"srun .* python -m lightning_app\.sweep .*", "parse", "a sweep on a SLURM GPU node: its trials' flags parse"),
     (r"python -m bench(\.progressive)? .*", "parse",
      "benchmarks time the machine (tests/test_bench.py runs them small)"),
     (r"python -m (datamodules\.\w+|bench\.scanbench|lightning_app\.export)( .*)?", "run", ""),
@@ -180,6 +181,8 @@ def test_every_doc_command_runs_as_written_in_short_form(clone, monkeypatch, cap
             _run([sys.executable, *words[1:], *SHORT_SWEEP], work)
         elif mode == "run":
             _run([sys.executable, *words[1:]], work)
+        elif mode == "parse" and "lightning_app.sweep" in words:
+            _parse_main(_sweep_trial_args(command), work, monkeypatch)
         elif mode == "parse" and "main.py" in words:
             _parse_main(_main_args(command), work, monkeypatch)
         elif mode == "parse":

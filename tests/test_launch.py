@@ -28,6 +28,7 @@ def test_dry_run_keeps_the_configs_ddp_strategy(script, env, tiny_data, tmp_path
                           env={**os.environ, **env, "DRY_RUN": "1", "SLURM_SUBMIT_DIR": str(tmp_path)})
     cmd = shlex.split(proc.stdout)
     args = cmd[cmd.index("main.py") + 2:]  # after "main.py fit"
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT=1" in cmd[:cmd.index("main.py")], "NCCL's flight recorder dumps on a timeout"
     with pytest.raises(SystemExit):
         ClassifierCLI(args=[*args, "--print_config"], run=False)
     trainer = yaml.safe_load(capsys.readouterr().out)["trainer"]

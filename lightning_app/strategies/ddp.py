@@ -159,6 +159,10 @@ class ClusterDDPStrategy(_LightningDDP):
             if self._process_group_backend == "nccl":  # as Lightning's _init_dist_connection does
                 atexit.register(_destroy_dist_connection)
         peers.exchange(self.global_rank, self.world_size)  # who is where, for the message if one is lost
+        if self.world_size > 1:  # where each rank runs, in its own log: a stalled rank's log names its host and GPU
+            print(peers.own_line(self.global_rank, self.world_size), flush=True)
+            if self.global_rank == 0:
+                print(peers.layout_table(), flush=True)
 
     # -- gradient compression ------------------------------------------------------------------
     def _register_ddp_hooks(self) -> None:

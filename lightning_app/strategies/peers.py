@@ -1,5 +1,6 @@
-"""Who is where in a distributed run (each rank's host and address, exchanged once at start-up), and the
-paragraph that names a lost peer by its rank and address when a collective fails."""
+"""Who is where in a distributed run (each rank's host, address, process and GPU, exchanged once at start-up, and
+said in one line per rank and one table), and the paragraph that names a lost peer by its rank and address when a
+collective fails."""
 from __future__ import annotations
 
 import os
@@ -10,6 +11,8 @@ import torch.distributed as dist
 
 # rank -> (host name, address); filled on every rank by exchange()
 PEERS: dict[int, tuple[str, str]] = {}
+# rank -> (pid, device): what each rank runs on, for the start-up lines
+PLACES: dict[int, tuple[int, str]] = {}
 
 
 def own_address() -> str:
@@ -26,16 +29,65 @@ def own_address() -> str:
         return socket.gethostname()
 
 
+def own_device() -> str:
+    """This rank's GPU as the node knows it: its CUDA_VISIBLE_DEVICES entry (the launcher's name for it), model and
+    UUID (nvidia-smi -L lists the same), or "CPU". Lightning has set the rank's device before the process group
+    exists (Strategy.setup_environment, CUDAAccelerator.setup_device)."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return "CPU"
+    index = torch.cuda.current_device()
+    listed = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    props = torch.cuda.get_device_properties(index)
+    name = listed[index] if index < len(listed) else str(index)
+    uuid = getattr(props, "uuid", None)
+    return f"GPU {name} ({props.name}{f', GPU-{uuid}' if uuid else ''})"
+
+
 def exchange(rank: int, world: int) -> None:
-    """Every rank's (host, address) into PEERS; a collective, called once after the process group is up."""
+    """Every rank's (host, address) into PEERS and (pid, device) into PLACES; a collective, called once after the
+    process group is up."""
     PEERS.clear()
-    mine = (socket.gethostname(), own_address())
+    PLACES.clear()
+    mine = (socket.gethostname(), own_address(), os.getpid(), own_device())
     if world < 2 or not dist.is_initialized():
-        PEERS[rank] = mine
-        return
-    found: list = [None] * world
-    dist.all_gather_object(found, mine)
-    PEERS.update({r: tuple(v) for r, v in enumerate(found) if v})
+        found = {rank: mine}
+    else:
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, mine)
+        found = dict(enumerate(gathered))
+    for r, v in found.items():
+        if v:
+            PEERS[r], PLACES[r] = (v[0], v[1]), (v[2], v[3])
+
+
+def own_line(rank: int, world: int) -> str:
+    """'rank 3 of 8: host b (10.0.0.2), pid 4242, GPU 3 (NVIDIA H200, GPU-...)': what a rank says at start, so a
+    stalled rank's log names where it runs."""
+    host, address = PEERS.get(rank, ("?", "?"))
+    pid, device = PLACES.get(rank, (os.getpid(), "?"))
+    return f"rank {rank} of {world}: host {host} ({address}), pid {pid}, {device}"
+
+
+def layout_table() -> str:
+    """'ranks by host: a (10.0.0.1) 0-7; b (10.0.0.2) 8-15': which ranks each host runs (rank 0 says it)."""
+    by_host: dict[tuple[str, str], list[int]] = {}
+    for r, v in sorted(PEERS.items()):
+        by_host.setdefault(v, []).append(r)
+    return "ranks by host: " + "; ".join(f"{host} ({address}) {_spans(ranks)}"
+                                         for (host, address), ranks in by_host.items())
+
+
+def _spans(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def describe_lost(rank: int | str, error_text: str) -> str:
