@@ -35,6 +35,7 @@ from datamodules.sample.encoded import EncodedDataset
 from datamodules.shards.downloader import register_downloader
 from datamodules.shards.errors import as_data_error, corrupt_chunk, worker_died
 from datamodules.shards.prefetch import quiet_explained_crashes
+from datamodules.shards.topology import told
 
 
 def _our_litdata_parts() -> None:
@@ -51,25 +52,25 @@ class ShardDataset(StreamingDataset):
     ranks: (world size, global rank, nodes) as the trainer knows them. LitData guesses the node count as
     world size // torch.cuda.device_count(), and 1 without CUDA (litdata/utilities/env.py,
     _DistributedEnv.detect): wrong for a job using some of a node's GPUs, and for every CPU job on several
-    nodes. It groups ranks into nodes by that count to keep later epochs on each node's chunks
-    (streaming/shuffle.py, FullShuffle) and to count a chunk's readers on a node (streaming/dataset.py,
-    __iter__), so the dataset and its reader get the trainer's numbers instead.
+    nodes, and an error for some layouts (topology.py). It groups ranks into nodes by that count to keep later
+    epochs on each node's chunks (streaming/shuffle.py, FullShuffle) and to count a chunk's readers on a node
+    (streaming/dataset.py, __iter__), so its detection is told the trainer's numbers wherever it runs for this
+    dataset and its loader: the constructor, the cache and reader, the worker iterator, load_state_dict.
     """
 
     def __init__(self, url: str, *, batch_aligned: bool = True, endpoint: str | None = None,
                  ranks: tuple[int, int, int] | None = None, **kwargs) -> None:
         _our_litdata_parts()
         self.url, self.endpoint, self.batch_aligned = url, endpoint, batch_aligned
-        super().__init__(url, **kwargs)
-        if ranks is not None:  # read by __iter__, get_len and state_dict, in this process and (pickled) in workers
-            self.distributed_env = _DistributedEnv(*ranks)
+        # distributed_env, read by __iter__, get_len and state_dict, in this process and (pickled) in workers
+        with told(_DistributedEnv(*ranks) if ranks is not None else None):
+            super().__init__(url, **kwargs)
 
     def _create_cache(self, worker_env):
-        cache = super()._create_cache(worker_env)
         # The Cache and its reader detect their own (litdata/streaming/cache.py, reader.py BinaryReader); the
         # reader's node count decides whether chunks are deleted once read (PrepareChunksThread).
-        cache._distributed_env = cache._reader._distributed_env = self.distributed_env
-        return cache
+        with told(self.distributed_env):
+            return super()._create_cache(worker_env)
 
     def __setstate__(self, state: dict) -> None:
         _our_litdata_parts()
@@ -169,6 +170,14 @@ class ShardLoader(StreamingDataLoader):
     def __iter__(self):
         batches = self._batches()
         yield from batches if self.device_stage is None else self.device_stage(batches)
+
+    def _get_iterator(self):
+        with told(self.dataset.distributed_env):  # a worker iterator detects (litdata/streaming/dataloader.py)
+            return super()._get_iterator()
+
+    def load_state_dict(self, obj: dict) -> None:
+        with told(self.dataset.distributed_env):
+            super().load_state_dict(obj)
 
     def loader_state(self) -> dict:
         """LitData's state as of the batches this loader has yielded (a copy: LitData updates its own)."""
