@@ -89,6 +89,8 @@ class StepSyncs(pl.Callback):
 
 
 CUDA_16_MIXED = ["--trainer.accelerator", "gpu", "--trainer.devices", "1", "--trainer.precision", "16-mixed"]
+# updated after every step (torch's AveragedModel.update_parameters read its count from the device twice an update)
+EMA = ["--trainer.callbacks+=lightning_app.callbacks.ema.DelayedStartEMA", "--trainer.callbacks.decay", "0.9"]
 
 
 def _count(args: list[str]) -> tuple[dict[int, int], list[int]]:
@@ -123,7 +125,10 @@ def _assert_quiet(counts: dict[int, int], logged: list[int], steps: int) -> None
                  reason="needs CUDA: 16-mixed's GradScaler (fused SGD skips its found_inf .item())")]),
     pytest.param([*CUDA_16_MIXED, "--data.decode", "gpu"], marks=[pytest.mark.gpu, pytest.mark.skipif(
                  not torch.cuda.is_available(), reason="needs CUDA: nvJPEG and 16-mixed's GradScaler")]),
-], ids=["cpu", "cpu-decode-gpu", "cuda-16-mixed", "cuda-16-mixed-decode-gpu"])
+    EMA,
+    pytest.param([*CUDA_16_MIXED, *EMA], marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                 reason="needs CUDA: the EMA update's count read from a CUDA buffer is what syncs there")]),
+], ids=["cpu", "cpu-decode-gpu", "cuda-16-mixed", "cuda-16-mixed-decode-gpu", "cpu-ema", "cuda-16-mixed-ema"])
 def test_no_host_sync_on_steps_that_do_not_log(tiny_data, tmp_path, device):
     steps = 8
     _assert_quiet(*_count(_args(tiny_data, tmp_path, steps, *device)), steps)
