@@ -28,7 +28,8 @@ PARTS = [("pytest -m gpu", ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cachepr
 PARTS += [(f"bench gpu {group}", ["-m", "bench", "gpu", "--groups", group, *extra], seconds)
           for group, extra, seconds in (("ceiling", [], 60), ("trainer", ["--synthetic", "ceiling"], 300),
                                         ("input", [], 180), ("backends", [], 110), ("precision", [], 45),
-                                        ("flags", [], 120), ("dali", [], 30), ("dp,ddp", [], 40))]
+                                        ("flags", [], 120), ("dali", [], 30), ("dp,ddp", [], 40),
+                                        ("powersgd", [], 60))]
 # What issue 39 asks of a GPU first comes first: the decode's CUDA tests with their defects put back
 # (scripts/gpu_mutants.py), the step alone and the decode rows (trainer), then where the input time goes (input);
 # the rows earlier runs have measured (bench/results/gpu-check-h200*.md) take what is left of the deadline. The
@@ -123,8 +124,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", default=None, help="comma list of parts to run, by their last word (gpu, mutants, "
-                    "ceiling, trainer, input, backends, precision, flags, dali, ddp): a rerun of the ones that failed; "
-                    "default all")
+                    "ceiling, trainer, input, backends, precision, flags, dali, ddp, powersgd): a rerun of the ones "
+                    "that failed; default all")
     ap.add_argument("--deadline-s", type=float, default=DEADLINE_S, help=f"the whole check (default {DEADLINE_S})")
     ap.add_argument("--rehearse-on-cpu", action="store_true", help="without CUDA, run every part anyway at a tiny "
                     "size (bench gpu --allow-cpu): a test of this runner, never a result")

@@ -85,7 +85,8 @@ def test_bench_gpu_on_cpu_skips_every_gpu_row_and_runs_the_ceiling_and_shares(ti
                "--batch-size", "8",
                "--steps", "2", "--warmup", "1", "--num-workers", "0",
                "--backends", "imagefolder,dali-cpu", "--out", str(out), "--machine", "test",
-               "--groups", "ceiling,trainer,backends,dali,precision,flags,dp,ddp"])  # input: test_bench_gpu_input.py
+               # input: test_bench_gpu_input.py
+               "--groups", "ceiling,trainer,backends,dali,precision,flags,dp,ddp,powersgd"])
     assert rc == 0
     data = json.loads((out / "test.gpu.json").read_text())
     md = (out / "test.gpu.md").read_text()
@@ -103,7 +104,8 @@ def test_bench_gpu_on_cpu_skips_every_gpu_row_and_runs_the_ceiling_and_shares(ti
     assert decoded["extra"]["decoded"]["train"]["device"] > 0
     assert {c["status"] for c in data["checks"] if c["group"] == "input"} == {"skipped"}
     gpu_rows = [c for c in data["checks"] if c["group"] not in ("compute ceiling", "backend", "input")]
-    assert {c["group"] for c in gpu_rows} == {"trainer", "DALI mixed", "precision", "speed flag", "dp", "DDP"}
+    assert {c["group"] for c in gpu_rows} == {"trainer", "DALI mixed", "precision", "speed flag", "dp", "DDP",
+                                             "PowerSGD"}
     if not torch.cuda.is_available():
         assert all(c["status"] == "skipped" and "no CUDA GPU" in c["verdict"] for c in gpu_rows)
         assert "needs a CUDA GPU" in checks["DALI GPU (mixed)"]["verdict"] or \
@@ -192,3 +194,17 @@ def test_a_cpu_run_creates_no_cuda_context_where_torch_sees_a_gpu(tiny_data, tmp
                           check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "cuda initialized: False" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_powersgd_rows_run_the_hooks_path_on_a_group_of_one():
+    """`bench gpu`'s PowerSGD rows on a CPU (gloo, one process): each case trains, and the PowerSGD rows are
+    a share of the step without a hook."""
+    from bench.gpu.checks import Workload
+    from bench.gpu.powersgd import powersgd_rows
+
+    w = Workload(arch="conv11", image_size=32, batch_size=8, warmup=3, steps=2, device="cpu")
+    rows = powersgd_rows(w, backend="gloo")
+    assert [r.name for r in rows] == ["no hook", "PowerSGD, 25 MB buckets", "PowerSGD, 100 MB buckets"]
+    assert all(r.status == "ok" and r.images_s > 0 for r in rows), rows
+    assert "x the step without a hook" in rows[1].verdict and "100 MB buckets" in rows[2].verdict

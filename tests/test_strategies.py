@@ -60,6 +60,12 @@ def test_ddp_options_and_timeout_reach_the_strategy(tiny_data, tmp_path, monkeyp
             and cli.trainer.strategy._timeout == timedelta(seconds=42))
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         ClusterDDPStrategy(timeout_s=0)
+    # PowerSGD drains the GPU once per bucket: its config, stacked after ddp.yaml's 25, and its default take larger ones
+    cli = ClassifierCLI(args=["--config", "configs/ddp.yaml", "--config", "configs/comm/powersgd.yaml",
+                              *quick_args(tiny_data, tmp_path)], run=False)
+    assert cli.trainer.strategy._ddp_kwargs["bucket_cap_mb"] == 100
+    assert ClusterDDPStrategy(comm_hook="powersgd")._ddp_kwargs["bucket_cap_mb"] == 100
+    assert "bucket_cap_mb" not in ClusterDDPStrategy()._ddp_kwargs  # torch's own default
 
 
 def test_compile_with_a_bucket_below_1_mb_stops_the_cli_with_exit_2(tiny_data, tmp_path):

@@ -32,6 +32,7 @@ from bench.cli import AddCommon, BenchError, Subparsers
 from bench.gpu import checks as gc
 from bench.gpu import input as gi
 from bench.gpu import parallel as gp
+from bench.gpu import powersgd as gpsgd
 from bench.gpu.checks import Check, Workload
 from bench.gpu.data import NO_CUDA, backend_rows, batches_needed, dali_rows
 from bench.gpu.trainer import NAMES, trainer_rows
@@ -43,7 +44,7 @@ NO_USABLE_CUDA = (
     "or pass --allow-cpu to rehearse the rows that run on a CPU."
 )
 
-GROUPS = ("ceiling", "trainer", "backends", "input", "dali", "precision", "flags", "dp", "ddp")
+GROUPS = ("ceiling", "trainer", "backends", "input", "dali", "precision", "flags", "dp", "ddp", "powersgd")
 # On a CPU the same code runs, small enough to finish in a minute or two.
 DEFAULTS = {"cuda": {"image_size": 224, "batch_size": 256, "steps": 30, "warmup": 10},
             "cpu": {"image_size": 64, "batch_size": 16, "steps": 3, "warmup": 1}}
@@ -183,8 +184,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for group, names, fn in (("precision", ["32-true", "16-mixed", "bf16-mixed"], gc.precision_steps),
                              ("flags", ["plain (AMP)", "channels_last", "cudnn.benchmark", "compile"], gc.speed_flags),
                              ("dp", ["dp"], lambda w: [gp.dp_check(w)]),
-                             ("ddp", ["NCCL DDP"], lambda w: [gp.ddp_check(w)])):
-        label = {"flags": "speed flag", "ddp": "DDP"}.get(group, group)
+                             ("ddp", ["NCCL DDP"], lambda w: [gp.ddp_check(w)]),
+                             ("powersgd", [name for name, _, _ in gpsgd.cases()], gpsgd.powersgd_rows)):
+        label = {"flags": "speed flag", "ddp": "DDP", "powersgd": gpsgd.GROUP}.get(group, group)
         if group not in groups:
             skipped(label, names, "not selected (--groups)")
         elif not cuda:
