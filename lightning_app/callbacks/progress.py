@@ -39,8 +39,10 @@ class LogFriendlyProgressBar(TQDMProgressBar):
 class EpochLineProgress(ProgressBar):
     """What a log file gets instead of a bar: one plain line per epoch, no cursor-movement escapes.
 
-    `epoch 3/15: train/loss 0.912, val/acc1 0.8120, 1,544 images/s, 12.3 s` (rank 0 only). A
-    ProgressBar subclass, so Lightning adds no bar of its own (callback_connector._configure_progress_bar).
+    `epoch 3/15: train/loss 0.912, val/acc1 0.8120, 1,544 images/s, 12.3 s` (rank 0 only). The images/s are the
+    training's, from the epoch's start to its last training step (every rank's images); the seconds are the whole
+    epoch's, its validation included. A ProgressBar subclass, so Lightning adds no bar of its own
+    (callback_connector._configure_progress_bar).
     """
 
     def __init__(self) -> None:
@@ -49,7 +51,7 @@ class EpochLineProgress(ProgressBar):
         self._reset()
 
     def _reset(self) -> None:
-        self._t0 = time.perf_counter()
+        self._t0 = self._trained_until = time.perf_counter()
         self._images = 0
         self._loss_sum: torch.Tensor | float = 0.0  # summed on the device, read once at the epoch's end
         self._loss_n = 0
@@ -67,6 +69,7 @@ class EpochLineProgress(ProgressBar):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if isinstance(batch, (tuple, list)) and hasattr(batch[0], "shape"):
             self._images += int(batch[0].shape[0])
+        self._trained_until = time.perf_counter()
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self._loss_sum = self._loss_sum + loss.detach().float()
@@ -85,9 +88,10 @@ class EpochLineProgress(ProgressBar):
         acc = trainer.callback_metrics.get("val/acc1")
         if acc is not None and self._validated:  # not a stale value on epochs without validation
             parts.append(f"val/acc1 {float(acc):.4f}")
-        if seconds > 0 and self._images:
+        training = self._trained_until - self._t0
+        if training > 0 and self._images:
             # every rank runs the same number of steps on equal batches
-            parts.append(f"{self._images * trainer.world_size / seconds:,.0f} images/s")
+            parts.append(f"{self._images * trainer.world_size / training:,.0f} images/s")
         parts.append(f"{seconds:.1f} s")
         total = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
         print(f"epoch {trainer.current_epoch + 1}{total}: " + ", ".join(parts), flush=True)

@@ -25,6 +25,7 @@ class TrainSpeedMonitor(pl.Callback):
         self.summary: dict = {}
         self._reset_window()
         self._total = {"images": 0, "seconds": 0.0, "wait": 0.0}
+        self._every = {"images": 0, "seconds": 0.0, "wait": 0.0}  # the first steps too: for a fit too short to skip
         self._steps = 0
 
     def _reset_window(self) -> None:
@@ -50,7 +51,7 @@ class TrainSpeedMonitor(pl.Callback):
         self._last_end = now
         images = int(batch[0].shape[0]) if isinstance(batch, (tuple, list)) else 0
         self._steps += 1
-        for acc in (self._window,) + ((self._total,) if self._steps > self.skip_steps else ()):
+        for acc in (self._window, self._every) + ((self._total,) if self._steps > self.skip_steps else ()):
             acc["images"] += images
             acc["seconds"] += seconds
             acc["wait"] += self._wait
@@ -63,7 +64,7 @@ class TrainSpeedMonitor(pl.Callback):
             self._reset_window()
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        t = self._total
+        t = self._total if self._total["seconds"] > 0 else self._every
         if t["seconds"] <= 0:
             return
         per_process = t["images"] / t["seconds"]
