@@ -186,7 +186,7 @@ class ClassifierCLI(LightningCLI):
         return trainer
 
     def _trackers(self, names: list[str] | None, plan: runs.RunPlan | None, root: Path) -> list:
-        """TensorBoard as always, or the --trackers named (lightning_app/trackers.py); a resumed fit continues the
+        """TensorBoard as always, or the --trackers named (lightning_app/trackers/); a resumed fit continues the
         MLflow and W&B runs its run.json names, and a fresh one records them there."""
         settings = {name: dict(self._get(self.config, name, default=None) or {}) for name in trackers.PACKAGES}
         fit = self.subcommand == "fit" and plan is not None and plan.run_dir is not None

@@ -1,7 +1,7 @@
 """`python -m lightning_app.mlflow_runs [ROOT]`: the MLflow runs of a runs root's store, one row each, with what the
 template installs (mlflow-skinny has no `mlflow ui`): the run's name (its run folder), status, epochs and the last
 validation figures. ROOT defaults to logs (trainer.default_root_dir), whose store is ROOT/mlflow.db
-(lightning_app/trackers.py); --tracking-uri reads another (an older file:ROOT/mlruns, a server)."""
+(lightning_app/trackers/); --tracking-uri reads another (an older file:ROOT/mlruns, a server)."""
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,4 @@
-"""Experiment trackers (lightning_app/trackers.py) with the real packages: a fit stopped by SIGTERM, then resumed with
+"""Experiment trackers (lightning_app/trackers/) with the real packages: a fit stopped by SIGTERM, then resumed with
 `--ckpt_path last`, logging to TensorBoard, CSV, MLflow (local file store) and W&B (offline) at once; each tracker's
 files are read back. Nothing may reach the network: the first fit runs under strace when it is there."""
 from __future__ import annotations

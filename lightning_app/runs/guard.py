@@ -85,7 +85,7 @@ class RunGuard(pl.Callback):
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment._get_file_writer().add_event(
                     Event(step=step, session_log=SessionLog(status=SessionLog.START)))
-            elif hasattr(logger, "drop_from_step"):  # the CSV tracker's rows (lightning_app/trackers.py)
+            elif hasattr(logger, "drop_from_step"):  # the CSV tracker's rows (lightning_app/trackers/loggers.py)
                 logger.drop_from_step(step)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
