@@ -27,9 +27,10 @@ MAX_RESTARTS=${MAX_RESTARTS:-3}
 RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-fic-$MASTER_ADDR-$MASTER_PORT}}
 GPUS=${GPUS:-$(python -c "import torch; print(max(1, torch.cuda.device_count()))")}
 # NCCL's flight recorder (torch's ProcessGroupNCCL; its ring buffer of recent collectives is on by default,
-# TORCH_NCCL_TRACE_BUFFER_SIZE 2000): on a collective timeout each rank writes it to TRACE<rank>, which
-# `python -m torch.distributed.flight_recorder.fr_trace DIR` reads: which rank stopped at which collective.
-TRACE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$PWD/logs/nccl-trace/$RDZV_ID-rank}
+# TORCH_NCCL_TRACE_BUFFER_SIZE 2000): on a collective timeout each rank writes it to TRACE<rank>, one folder per
+# job, which `python -m torch.distributed.flight_recorder.fr_trace logs/nccl-trace/JOB` reads: which rank stopped
+# at which collective.
+TRACE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$PWD/logs/nccl-trace/$RDZV_ID/rank}
 [ -n "${DRY_RUN:-}" ] || mkdir -p "$(dirname "$TRACE")"
 NCCL_ENV=(env TORCH_NCCL_DUMP_ON_TIMEOUT="${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}" TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$TRACE"
           TORCH_FR_DUMP_TEMP_FILE="$TRACE")

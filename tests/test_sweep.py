@@ -267,6 +267,11 @@ def test_each_worker_gets_an_equal_block_of_adjacent_gpus_and_the_rest_are_named
     with pytest.raises(UserError, match=r"--workers 2 with 1 GPU\(s\) visible \(0\).*--workers 1 .*--share-gpus"):
         split_gpus(["0"], 2)
     assert split_gpus(["0"], 2, share=True) == ([None, None], None)  # meant: both trials see GPU 0
+    from lightning_app.sweep.placement import split_cpus
+
+    assert split_cpus(list(range(64)), 4) == [list(range(16 * i, 16 * (i + 1))) for i in range(4)]
+    assert split_cpus([0, 1, 2], 2) == [[0], [1]] and split_cpus([0, 1], 1) == [None]
+    assert split_cpus([0], 2) == [None, None]
 
 
 def test_a_trial_sees_neither_the_slurm_task_nor_the_jobs_rendezvous(monkeypatch):
@@ -314,6 +319,9 @@ def test_two_trials_at_once_inside_a_slurm_task_each_train_on_their_own_two_rank
     assert [s["slurm"]["job_id"] for s in starts] == ["4242", "4242"], "the trials still name their SLURM job"
     logs = [(folder / "trials" / f"trial_{t.number}.log").read_text() for t in trials]
     assert all("Done:" in log for log in logs), logs
+    if len(os.sched_getaffinity(0)) >= 2:  # each trial on its own half of the CPUs, and its loader planned for it
+        assert all(f"its affinity mask holds {len(os.sched_getaffinity(0)) // 2} of the node's" in log
+                   for log in logs), logs
 
 
 # -- no trial drawn twice ---------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from lightning_app.errors import EXIT_USER_ERROR, UserError
 from lightning_app.module import ImageClassifier
 from lightning_app.runs.folders import write_atomically
 from lightning_app.sweep import report, storage
-from lightning_app.sweep.placement import crowded_workers, split_gpus, visible_gpus
+from lightning_app.sweep.placement import crowded_workers, split_cpus, split_gpus, visible_gpus
 from lightning_app.sweep.pruning import SPACE_COPY
 from lightning_app.sweep.runner import MAX_FAILS_IN_A_ROW, Sweep, say
 from lightning_app.sweep.space import check_objective, locate, place_of, read_space
@@ -110,6 +110,8 @@ def run(argv: list[str] | None = None) -> int:
     check_objective(space, ImageClassifier.EPOCH_METRICS)
     check_one_node(config)
     shares, unused = split_gpus(visible_gpus(), args.workers, args.share_gpus)
+    cpu_blocks = split_cpus(sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
+                            args.workers)
     for key in report.pass_through(base_args)[1]:
         places.setdefault(key, place_of(key, config) or tuple(key.split(".")))
     root = Path((config.get("trainer") or {}).get("default_root_dir") or "logs")
@@ -132,7 +134,7 @@ def run(argv: list[str] | None = None) -> int:
         for line in (crowded_workers(args.workers, len(visible_gpus()), usable_cpus(), args.share_gpus), unused):
             if line:
                 say(line)
-        workers = [threading.Thread(target=sweep.work, args=(shares[i],), name=f"sweep-worker-{i}")
+        workers = [threading.Thread(target=sweep.work, args=(shares[i], cpu_blocks[i]), name=f"sweep-worker-{i}")
                    for i in range(args.workers)]
         for worker in workers:
             worker.start()

@@ -13,6 +13,7 @@ the SLURM job's own (SLURM_JOB_ID, the array's ids: run.json's record of the job
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import threading
 from collections.abc import Mapping
@@ -21,12 +22,13 @@ from lightning_app.errors import UserError
 
 # The task, step and rank variables srun sets for the sweep's own task (the job's, SLURM_JOB_ID and the array ids,
 # stay), and those of any other launcher (torchrun, mpirun) the sweep itself may run under.
-LAUNCHER_PREFIXES = ("SLURM_STEP_", "SLURM_SRUN_", "TORCHELASTIC_", "OMPI_COMM_WORLD_", "PMI_")
+LAUNCHER_PREFIXES = ("SLURM_STEP_", "SLURM_SRUN_", "TORCHELASTIC_", "OMPI_COMM_WORLD_", "PMI_", "PMIX_",
+                     "JSM_NAMESPACE_")
 LAUNCHER_VARIABLES = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
                       "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_GTIDS", "SLURM_TASK_PID",
                       "SLURM_LAUNCH_NODE_IPADDR", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                       "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                      "ROLE_NAME", "ROLE_WORLD_SIZE", "JSM_NAMESPACE_RANK", "STANDALONE_PORT")
+                      "ROLE_NAME", "ROLE_WORLD_SIZE", "STANDALONE_PORT")
 
 
 def trial_environment(parent: Mapping[str, str], gpus: str | None, port: int) -> dict[str, str]:
@@ -86,6 +88,24 @@ def split_gpus(visible: list[str], workers: int, share: bool = False) -> tuple[l
     unused = (f"{len(visible)} GPUs give {workers} workers {block} each; GPU(s) {','.join(rest)} stay unused "
               f"(--workers {_divisors_hint(len(visible), workers)} uses them all)." if rest else None)
     return shares, unused
+
+
+def split_cpus(cpus: list[int], workers: int) -> list[list[int] | None]:
+    """Each worker's CPUs (its trials' affinity mask; None: all of this process's): K workers get K equal blocks of
+    the CPUs this process may use, so each trial sizes its loader workers for its own block (datamodules/budget/
+    cpus.py reads the mask) instead of every trial planning for all of them."""
+    if workers < 2 or len(cpus) < workers:
+        return [None] * workers
+    block = len(cpus) // workers
+    return [sorted(cpus)[i * block:(i + 1) * block] for i in range(workers)]
+
+
+def pinned(command: list[str], cpus: list[int] | None) -> list[str]:
+    """`command` started on `cpus` only (taskset sets the mask before exec; a preexec_fn would run Python in a child
+    forked from this threaded process), or as it is where there is no share or no taskset."""
+    if cpus is None or not shutil.which("taskset"):
+        return command
+    return ["taskset", "--cpu-list", ",".join(map(str, cpus)), *command]
 
 
 def _divisors_hint(gpus: int, workers: int) -> str:

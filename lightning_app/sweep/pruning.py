@@ -76,10 +76,14 @@ class ReportToStudy(Callback):
                            f"metrics this fit logs ({', '.join(sorted(trainer.callback_metrics))}).")
             else:
                 value = float(found)
-                if math.isfinite(value):
-                    self.storage.set_trial_intermediate_value(self.trial_id, trainer.current_epoch, value)
-                trial = self.storage.get_trial(self.trial_id)
-                prune = not math.isfinite(value) or self.study.pruner.prune(self.study, trial)
+                try:
+                    if math.isfinite(value):
+                        self.storage.set_trial_intermediate_value(self.trial_id, trainer.current_epoch, value)
+                    trial = self.storage.get_trial(self.trial_id)
+                    prune = not math.isfinite(value) or self.study.pruner.prune(self.study, trial)
+                except Exception as error:  # noqa: BLE001 - the journal's folder gone or locked: said by every rank
+                    missing = (f"Sweep trial {self.number} could not report to its study in {self.folder} "
+                               f"({type(error).__name__}: {error}); the sweep fails the trial.")
         # rank 0's decision, and its error, reach every rank before any acts: a rank that raised alone would leave
         # the others in this collective until the process group's timeout
         prune, missing = trainer.strategy.broadcast((prune, missing), src=0)

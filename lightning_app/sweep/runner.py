@@ -22,7 +22,7 @@ from typing import Any
 from lightning_app.runs.folders import CHECKPOINTS, HPC_GLOB, LAST
 from lightning_app.runs.identity import record_sweep_outcome
 from lightning_app.sweep import storage
-from lightning_app.sweep.placement import Ports, trial_environment
+from lightning_app.sweep.placement import Ports, pinned, trial_environment
 from lightning_app.sweep.pruning import DIR_ENV, TRIAL_ENV
 from lightning_app.sweep.space import Space
 
@@ -100,9 +100,10 @@ class Sweep:
         return [t.number for t in self.resumable]
 
     # -- the worker loop -------------------------------------------------------------------------------------
-    def work(self, gpus: str | None = None) -> None:
-        """One worker's loop; `gpus`: the CUDA_VISIBLE_DEVICES its trials get (split_gpus), None: unchanged."""
-        self._local.gpus = gpus
+    def work(self, gpus: str | None = None, cpus: list[int] | None = None) -> None:
+        """One worker's loop; `gpus`: the CUDA_VISIBLE_DEVICES its trials get (split_gpus), `cpus` their CPUs
+        (split_cpus); None: unchanged."""
+        self._local.gpus, self._local.cpus = gpus, cpus
         try:
             self._work()
         except BaseException:  # noqa: BLE001 - a thread's exception would only be printed, and the sweep exit 0
@@ -152,8 +153,9 @@ class Sweep:
             with open(log, "a") as out, self._lock:
                 if self.stop.is_set():
                     return
-                child = subprocess.Popen([*DIE_WITH_THE_SWEEP, sys.executable, str(MAIN), "fit", *args], env=env,
-                                         stdout=out, stderr=subprocess.STDOUT)
+                command = pinned([*DIE_WITH_THE_SWEEP, sys.executable, str(MAIN), "fit", *args],
+                                 getattr(self._local, "cpus", None))
+                child = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
                 self._children.add(child)
             code = child.wait()
         finally:
