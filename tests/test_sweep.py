@@ -217,6 +217,16 @@ def test_a_bad_space_is_one_paragraph_and_exit_2(changes, said, tiny_data, tmp_p
     assert not (tmp_path / "logs").exists(), "nothing ran"
 
 
+def test_a_trial_on_several_nodes_is_refused_in_one_paragraph(tiny_data, tmp_path, capsys):
+    from lightning_app.sweep.__main__ import main
+
+    code = main(["--space", str(space_file(tmp_path)), "--trials", "1", *trial_flags(tiny_data, tmp_path / "logs"),
+                 "--trainer.num_nodes", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--trainer.num_nodes 2: a sweep's trial runs on the host of its sweep process" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "logs").exists()
+
+
 def test_a_study_of_another_space_is_refused(tiny_data, tmp_path, capsys):
     from lightning_app.sweep.__main__ import main
     from lightning_app.sweep.space import read_space
