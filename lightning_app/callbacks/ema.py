@@ -45,6 +45,9 @@ class DelayedStartEMA(_LightningEMA):
         super().setup(trainer, pl_module, stage)
         if stage == "fit":  # a new AveragedModel, n_averaged 0
             self.updates = 0
+            # Lightning's hooks decide when to update and call the average's update_parameters (pytorch_lightning/
+            # callbacks/weight_averaging.py, on_train_batch_end and on_train_epoch_end): that call becomes ours
+            self._average_model.update_parameters = self.update
 
     def started(self) -> bool:
         """True once the average holds at least one update."""
@@ -76,20 +79,6 @@ class DelayedStartEMA(_LightningEMA):
                 a.detach().copy_(p.detach().to(a.device))
         average.n_averaged += 1  # for the checkpoint; never read back during training
         self.updates += 1
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        # WeightAveraging.on_train_batch_end (pytorch_lightning/callbacks/weight_averaging.py) with our update
-        step_idx = trainer.global_step - 1
-        if trainer.global_step > self._latest_update_step and self.should_update(step_idx=step_idx):
-            self.update(pl_module)
-            self._latest_update_step = trainer.global_step
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # WeightAveraging.on_train_epoch_end with our update
-        if trainer.current_epoch > self._latest_update_epoch and self.should_update(epoch_idx=trainer.current_epoch):
-            self.update(pl_module)
-            self._latest_update_epoch = trainer.current_epoch
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
