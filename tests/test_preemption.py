@@ -7,7 +7,6 @@ run would end at the collective timeout (60 s here) with exit 1 and no save.
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from tests.helpers.cli import quick_args
 from tests.helpers.event_files import scalars
 from tests.helpers.optional import needs_dali
 from tests.helpers.processes import finish, finish_all, free_port, start_main
+from tests.helpers.slurm import fake_scontrol
 from tests.helpers.trees import make_tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -79,17 +79,8 @@ def test_sigterm_at_an_epoch_boundary_resumes_to_the_weights_of_an_uninterrupted
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _fake_scontrol(folder: Path) -> Path:
-    """An `scontrol` that records its arguments: the one part of SLURM this machine cannot run."""
-    folder.mkdir()
-    tool = folder / "scontrol"
-    tool.write_text(f"#!/bin/sh\necho \"$@\" >> {folder / 'calls.txt'}\n")
-    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
-    return folder
-
-
 def test_slurm_requeue_signal_saves_an_hpc_checkpoint_on_every_rank_and_requeues_once(tiny_data, tmp_path):
-    bin_dir = _fake_scontrol(tmp_path / "bin")
+    bin_dir = fake_scontrol(tmp_path / "bin")
     port = str(free_port())
 
     def task(rank: int, restart: int, *extra: str):  # what `srun` starts: one task per process

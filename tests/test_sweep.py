@@ -14,6 +14,7 @@ import yaml
 from tests.helpers.cli import run_main
 from tests.helpers.event_files import scalars
 from tests.helpers.processes import finish, free_port, start_command
+from tests.helpers.slurm import fake_scontrol
 
 optuna = pytest.importorskip("optuna")
 
@@ -42,6 +43,14 @@ def start_sweep(space: Path, trials: int, flags: list[str], *extra: str, log: Pa
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     return start_command([sys.executable, "-m", "lightning_app.sweep", "--space", str(space), "--trials", str(trials),
                           *extra, *flags], env, log=log, session=True)
+
+
+def wait_for_last_ckpt(run: Path, proc, timeout: float = 120) -> None:
+    """Until the trial in `run` has saved its first last.ckpt (its first epoch done), while the sweep runs."""
+    deadline = time.monotonic() + timeout
+    while not (run / "checkpoints" / "last.ckpt").is_file():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else "no ckpt"
+        time.sleep(0.05)
 
 
 def load(folder: Path):
@@ -143,10 +152,7 @@ def test_resume_finishes_the_interrupted_trial_from_its_last_checkpoint(tiny_dat
     space = space_file(tmp_path)
     flags = trial_flags(tiny_data, root, epochs=4)
     proc = start_sweep(space, 1, flags, "--study", str(folder))
-    deadline = time.monotonic() + 120
-    while not (root / "version_0" / "checkpoints" / "last.ckpt").is_file():
-        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else "no ckpt"
-        time.sleep(0.05)
+    wait_for_last_ckpt(root / "version_0", proc)
     os.killpg(proc.pid, signal.SIGINT)
     code, out = finish(proc, 120)
     assert code == 128 + signal.SIGINT, out
@@ -169,19 +175,13 @@ def test_slurms_warning_signal_saves_the_trial_and_the_sweep_requeues_its_own_ta
     trial, which does not see the SLURM task, saves last.ckpt and stops as on SIGTERM; the sweep then runs
     `scontrol requeue` for its own array task (a recording stand-in: SLURM cannot run here), and the requeued task
     (SLURM_RESTART_COUNT 1, --resume, as scripts/slurm/sweep.sbatch runs it) finishes that trial."""
-    root, folder, bin_dir = tmp_path / "logs", tmp_path / "study", tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {bin_dir / 'calls.txt'}\n")
-    (bin_dir / "scontrol").chmod(0o755)
+    root, folder, bin_dir = tmp_path / "logs", tmp_path / "study", fake_scontrol(tmp_path / "bin")
     task = {"SLURM_JOB_ID": "4242", "SLURM_ARRAY_JOB_ID": "4240", "SLURM_ARRAY_TASK_ID": "2", "SLURM_NTASKS": "1",
             "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NAME": "fic-sweep",
             "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     space, flags = space_file(tmp_path), trial_flags(tiny_data, root, epochs=4)
     proc = start_sweep(space, 1, flags, "--study", str(folder), env=task)
-    deadline = time.monotonic() + 120
-    while not (root / "version_0" / "checkpoints" / "last.ckpt").is_file():
-        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else "no ckpt"
-        time.sleep(0.05)
+    wait_for_last_ckpt(root / "version_0", proc)
     os.killpg(proc.pid, signal.SIGUSR1)
     code, out = finish(proc, 120)
     assert code == 128 + signal.SIGUSR1 and "requeued this SLURM task" in out, out

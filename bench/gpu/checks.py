@@ -92,6 +92,15 @@ class TrainStep:
         return loss.detach()
 
 
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, for the rendezvous of the processes a check spawns."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def sync(device: str) -> None:
     """Wait for the GPU's queued work (nothing to wait for on a CPU)."""
     if device.startswith("cuda"):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.gpu.checks import Check, TrainStep, Workload, cudnn_flags, make_model, rate, sync, synthetic_batch
+from bench.gpu.checks import Check, TrainStep, Workload, cudnn_flags, free_port, make_model, rate, sync, synthetic_batch
 
 # ------------------------------------------------------------------------------ dp
 
@@ -115,11 +115,7 @@ def ddp_check(w: Workload, mb: int = 256, tolerance: float = 1e-3, processes: in
         return Check("DDP", "NCCL DDP", "skipped", f"DDP over NCCL needs >= 2 CUDA GPUs ({n} here)")
     if backend == "nccl" and not dist.is_nccl_available():
         return Check("DDP", "NCCL DDP", "skipped", "this torch build has no NCCL")
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ddp.json")
         try:

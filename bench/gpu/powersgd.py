@@ -16,7 +16,7 @@ import tempfile
 
 import torch
 
-from bench.gpu.checks import Check, TrainStep, Workload, make_model, rate, synthetic_batch
+from bench.gpu.checks import Check, TrainStep, Workload, free_port, make_model, rate, synthetic_batch
 
 GROUP = "PowerSGD"
 TORCH_BUCKET_MB = 25  # DistributedDataParallel's bucket_cap_mb default
@@ -70,19 +70,14 @@ def _worker(rank: int, port: int, w: Workload, backend: str, out: str) -> None:
 def powersgd_rows(w: Workload, backend: str = "nccl") -> list[Check]:
     """One process, one device: a training step's images/s with each case; `backend="gloo"` runs it on a CPU
     (what the test suite does)."""
-    import socket
-
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
     if backend == "nccl" and not dist.is_nccl_available():
         return [Check(GROUP, name, "skipped", "this torch build has no NCCL") for name, _, _ in cases()]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "powersgd.json")
-        mp.spawn(_worker, args=(port, w, backend, out), nprocs=1, join=True)
+        mp.spawn(_worker, args=(free_port(), w, backend, out), nprocs=1, join=True)
         with open(out) as f:
             found = json.load(f)
     plain = found["no hook"]
