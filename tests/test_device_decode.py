@@ -52,8 +52,10 @@ def test_device_path_crops_the_cpu_paths_boxes_with_its_pixels(photo_tree, split
     assert decoder.counts == {"device": len(cpu), "cpu": 0, "cannot": 0}
     assert got.shape == want.shape and got.is_contiguous(memory_format=torch.channels_last)
     diff = (got.float() - want.float()).abs()
-    # the same libjpeg-turbo decode here; the float resize against the uint8 kernel: within 1 grey level
-    assert diff.max() <= 1 and diff.mean() < 0.3, (diff.mean(), diff.max())
+    # the same libjpeg-turbo decode here; the batched resize (2^-16 weights) against torch's uint8 kernel
+    # (2^-14 to 2^-16): a grey level apart in under 1% of the pixels (0.2% measured; the float resize it
+    # replaced, 16%)
+    assert diff.max() <= 1 and diff.mean() < 0.01, (diff.mean(), diff.max())
     assert torch.equal(got_labels, want_labels)
     if split == "train":
         assert packed.plans[:, 8].any() and not packed.plans[:, 8].all()  # both flips drawn
@@ -181,6 +183,25 @@ def test_nvjpeg_pixels_against_the_cpu_path(photo_tree, split):
     assert diff.mean() <= 1.5 and torch.equal(got_labels, want_labels)
 
 
+@needs_gpus(1, "CUDA matmuls")
+@pytest.mark.parametrize("precision", ["highest", "high", "medium"])
+def test_the_device_resizes_to_the_cpus_pixels_at_every_matmul_precision(precision):
+    """device_resize.py's exact arithmetic: the same decoded pixels give the same batch on the GPU as on the CPU,
+    whether cuBLAS computes fp32 products in fp32, TF32 or bf16."""
+    from datamodules.sample.device_resize import crop_resize_flip
+    from tests.test_device_resize import SIZE, _images_and_plans
+
+    images, plans = _images_and_plans(40, seed=5)
+    want = crop_resize_flip(images, torch.tensor(plans), SIZE)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        got = crop_resize_flip([image.cuda() for image in images], torch.tensor(plans), SIZE).cpu()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert torch.equal(got, want), (got.float() - want.float()).abs().mean()
+
+
 @needs_gpus(1, "nvJPEG's private stream")
 def test_training_stream_memory_is_never_written_by_a_decode_it_did_not_wait_for(photo_tree):
     """pytorch/vision PR 9606: memory freed on the training stream while queued kernels still read it must not
@@ -225,6 +246,7 @@ def test_the_training_stream_waits_for_the_side_streams_batch(photo_tree):
 def test_the_memory_probes_figure_covers_what_a_decoded_batch_holds(photo_tree):
     """memory_probe.py adds `device_bytes_per_image` per image with --data.decode gpu: it must not undercount."""
     from datamodules.sample.device_decode import device_bytes_per_image
+    from datamodules.sample.device_resize import working_bytes
 
     _, dev = _pair(photo_tree, "train", TrainCrop(0.25), 64)
     packed = dev.__getitems__(list(range(len(dev))))
@@ -236,4 +258,6 @@ def test_the_memory_probes_figure_covers_what_a_decoded_batch_holds(photo_tree):
     kept = [decoder(packed) for _ in range(2)]  # the batch trained on and the one decoded ahead
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    assert len(kept) == 2 and 0 < peak <= len(dev) * device_bytes_per_image(64, decoded=3 * 200 * 150)
+    crops = [(h, w) for h, w in packed.plans[:, 2:4].tolist()]
+    allowed = len(dev) * device_bytes_per_image(64, decoded=3 * 200 * 150) + working_bytes(crops, 64)
+    assert len(kept) == 2 and 0 < peak <= allowed, (peak, allowed)

@@ -1,9 +1,9 @@
 """GPU decode, the device's half: an `EncodedBatch` -> a uint8 channels-last batch on the training device.
 
 `DeviceDecode` decodes a batch's JPEGs in one batched call (`torchvision.io.decode_jpeg(list, device=...)`:
-nvJPEG's hardware engine for baseline JPEGs on A100/H100/H200), then per sample crops the planned box,
-resizes it (bilinear, antialiased, in float: CUDA's antialiased resize takes no uint8) and keeps the planned
-window, flips the batch's flipped samples, and writes the CPU-decoded samples into their places.
+nvJPEG's hardware engine for baseline JPEGs on A100/H100/H200), then crops the planned boxes, resizes them
+(antialiased bilinear) to the planned windows and flips the flipped ones in a few batched calls
+(device_resize.py), and writes the CPU-decoded samples into their places.
 `on_after_batch_transfer` then only normalises (base.py).
 
 Streams (torchvision/csrc/io/image/cuda/decode_jpegs_cuda.cpp): the decode allocates its outputs on the
@@ -36,13 +36,13 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from datamodules.errors import DataError
 from datamodules.sample.balance import CANNOT, CpuShare
 from datamodules.sample.batches import batch_layout
 from datamodules.sample.decode import decode
+from datamodules.sample.device_resize import BYTES_PER_ELEMENT, GROUP_ELEMENTS, crop_resize_flip
 from datamodules.sample.encoded import EncodedBatch
 
 Describe = Callable[[int, Exception], str]  # (sample id, error) -> the message naming the file
@@ -51,9 +51,13 @@ BATCHES_ON_DEVICE = 2  # the batch the step trains on, and the one decoded ahead
 
 
 def device_bytes_per_image(size: int, decoded: int = DECODED_BYTES) -> int:
-    """GPU memory one image of a batch holds while the device decodes (for the memory probe): its decoded pixels,
-    the float crop, the rounded uint8, the flipped batch and the output, for each batch on the device."""
-    return BATCHES_ON_DEVICE * (decoded + 3 * size * size * (4 + 1 + 1 + 1))
+    """GPU memory one image of a batch holds while the device decodes (for the memory probe): the output, for
+    each batch on the device; while one is built, its decoded pixels twice (the images and their flat copy) and
+    the resized pixels (before they take their places). A group's resize holds DEVICE_GROUP_BYTES besides."""
+    return BATCHES_ON_DEVICE * 3 * size * size + 2 * decoded + 3 * size * size
+
+
+DEVICE_GROUP_BYTES = BYTES_PER_ELEMENT * GROUP_ELEMENTS  # device_resize.py: one group at a time
 
 
 class Decoded(NamedTuple):
@@ -147,17 +151,9 @@ class DeviceDecode:
             images = self._decode(batch, batch.offsets.tolist())
             decoded = time.perf_counter()
             self.waits.jpeg += decoded - start
-            resized = torch.empty((len(slots), 3, size, size), dtype=torch.float32, device=self.device)
-            for j, (image, plan) in enumerate(zip(images, batch.plans.tolist(), strict=True)):
-                top, left, h, w, rh, rw, wt, wl, _ = plan
-                x = image[None, :, top:top + h, left:left + w].float()
-                if (rh, rw) != (h, w):
-                    x = F.interpolate(x, size=(rh, rw), mode="bilinear", antialias=True, align_corners=False)
-                resized[j] = x[0, :, wt:wt + size, wl:wl + size]
-            # round half up (the uint8 resize's rounding), clamp, then an exact cast; flip after, on uint8
-            pixels = resized.add_(0.5).floor_().clamp_(0, 255).to(torch.uint8)
-            flips = batch.plans[:, 8].bool().to(self.device, non_blocking=True).view(-1, 1, 1, 1)
-            out[batch.slots.to(self.device, non_blocking=True)] = torch.where(flips, pixels.flip(-1), pixels)
+            pixels = crop_resize_flip(images, batch.plans, size)
+            del images  # the decoded images: their memory is free for the next batch once the side stream is done
+            out[batch.slots.to(self.device, non_blocking=True)] = pixels
             self.waits.crop += time.perf_counter() - decoded
         if len(batch.pixel_slots):
             out[batch.pixel_slots.to(self.device, non_blocking=True)] = batch.pixels.to(self.device, non_blocking=True)

@@ -6,9 +6,9 @@ random images (train mode, the run's precision, the largest train crop size of t
 schedule's largest, which it reaches epochs after the probe) and adds up the bytes of every
 tensor autograd keeps for the backward pass (`torch.autograd.graph.saved_tensors_hooks`, counting each
 storage once). The difference is the activation memory per image; weights, gradients and the SGD
-momentum come on top, and with --data.decode gpu the decode's buffers per image on the GPU
-(datamodules/sample/device_decode.py, `device_bytes_per_image`). Against the memory free for this
-process (CUDA: `torch.cuda.mem_get_info`; CPU: MemAvailable and the cgroup limit, shared by the training
+momentum come on top, and with --data.decode gpu the decode's buffers on the GPU (datamodules/sample/
+device_decode.py: `device_bytes_per_image`, and DEVICE_GROUP_BYTES for one resize group). Against the memory
+free for this process (CUDA: `torch.cuda.mem_get_info`; CPU: MemAvailable and the cgroup limit, shared by the training
 processes of the node):
 
 - clearly too much (estimate > STOP_FACTOR x free): the fit stops with one paragraph that names a
@@ -236,9 +236,10 @@ class MemoryProbe(pl.Callback):
         size = max([size, *schedule])
         estimate = probe(pl_module, trainer, size, math.ceil(per_process / split))
         if getattr(dm, "decodes_on_device", False) and pl_module.device.type == "cuda":
-            from datamodules.sample.device_decode import device_bytes_per_image
+            from datamodules.sample.device_decode import DEVICE_GROUP_BYTES, device_bytes_per_image
 
             estimate.per_image += device_bytes_per_image(size)  # --data.decode gpu: its buffers are the step's
+            estimate.fixed += DEVICE_GROUP_BYTES
         on_node = max(1, processes // max(1, trainer.num_nodes))
         free = free_memory(pl_module.device, on_node)
         if not free:

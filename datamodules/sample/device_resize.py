@@ -1,0 +1,163 @@
+"""Crop, resize and flip a batch of decoded images on the device in a few batched calls.
+
+A loop of per-image kernels (crop, float, resize, copy: about 1,000 launches a batch of 256) costs the decode
+thread Python and launches under the training process's GIL; on an H200 that thread set the pace
+(bench/results/gpu-check-h200-decode.md). Here a batch takes a few dozen launches:
+
+1. the decoded images go into one flat buffer (one `cat`);
+2. the crops are gathered, in groups of similar size, into one padded tensor per group (`plan_groups`), the
+   edge pixel repeated into the padding (its weights are 0, so it never shows);
+3. the resize is Pillow's antialiased bilinear (`torch.nn.functional.interpolate(antialias=True)` computes
+   the same filter, aten/src/ATen/native/UpSample.h `_compute_indices_min_size_weights_aa`): two passes,
+   horizontal then vertical, each one batched matrix product with a weight matrix per image whose rows hold
+   one output pixel's taps, each rounded to uint8 as Pillow and torch's uint8 kernel round between passes.
+   The flip is the horizontal weights' rows reversed.
+
+Exact arithmetic: each weight is a multiple of 2^-16 (torch's uint8 kernel keeps 14 to 16 bits), split into a
+high part (a multiple of 2^-8) and a low part (2^-16 times an integer below 2^8); each pass is the sum of two
+products, pixels x high and pixels x low. Pixels (integers below 2^8) and both parts have at most 8
+significant bits, exact in bf16 and TF32 as in fp32, and every partial sum is a multiple of 2^-16 below 2^8,
+exact in fp32's 24 bits. So a product is exact in any order whatever `torch.set_float32_matmul_precision`
+says ("medium" computes in bf16, "high" in TF32), and the device gives the pixels the CPU gives in the tests.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+WEIGHT_STEPS = 1 << 16  # the weights' resolution (see the module doc)
+HIGH_STEPS = 1 << 8  # the high part's
+GROUP_ELEMENTS = 1 << 25  # the most elements one group's largest tensor holds
+# bytes a group holds per element of its largest tensor, at most: the fp32 crops (4), the weights being built
+# (3 fp32 temporaries, 12) and the horizontal pass's fp32 output (4); the int32 gather index is freed before
+BYTES_PER_ELEMENT = 20
+PAD_WASTE = 1.5  # a group's padded area is at most this times its crops' own
+# the plan's columns (datamodules/sample/crop.py CropPlan), then the image's place in the flat buffer
+TOP, LEFT, HEIGHT, WIDTH, RESIZE_H, RESIZE_W, WINDOW_TOP, WINDOW_LEFT, FLIP, BASE, IMAGE_H, IMAGE_W = range(12)
+
+
+def plan_groups(crops: list[tuple[int, int]], size: int) -> list[list[int]]:
+    """Sample indices in groups to pad together: by crop area, largest first; a group closes when padding
+    would waste more than PAD_WASTE or a tensor of it would pass GROUP_ELEMENTS. A crop too large for any
+    group is a group of its own."""
+    order = sorted(range(len(crops)), key=lambda i: crops[i][0] * crops[i][1], reverse=True)
+    groups: list[list[int]] = []
+    members: list[int] = []
+    hp = wp = area = 0
+    for i in order:
+        h, w = crops[i]
+        n, nh, nw = len(members) + 1, max(hp, h), max(wp, w)
+        if members and (n * nh * nw > PAD_WASTE * (area + h * w) or largest_elements(n, nh, nw, size) > GROUP_ELEMENTS):
+            groups.append(members)
+            members, area, nh, nw = [], 0, h, w
+        members.append(i)
+        hp, wp, area = nh, nw, area + h * w
+    if members:
+        groups.append(members)
+    return groups
+
+
+def largest_elements(n: int, height: int, width: int, size: int) -> int:
+    """Elements of the largest tensor a group of n crops padded to height x width holds: the crops, a
+    pass's weights or output."""
+    return n * max(3 * height * width, 3 * height * size, size * max(height, width), 3 * size * size)
+
+
+def working_bytes(crops: list[tuple[int, int]], size: int) -> int:
+    """The most device memory one group of these crops holds while it is resized (for the memory probe)."""
+    return BYTES_PER_ELEMENT * max(
+        largest_elements(len(group), max(crops[i][0] for i in group), max(crops[i][1] for i in group), size)
+        for group in plan_groups(crops, size))
+
+
+def resize_weights(length: torch.Tensor, target: torch.Tensor, window: torch.Tensor, size: int, n: int,
+                   flip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two (G, size, n) float32 matrices, the high and low parts (module doc): row i holds the taps of output
+    pixel window + i of a `length` -> `target` antialiased bilinear resize, over input pixels 0..n-1 (0 past
+    `length`), in steps of 2^-16; rows reversed where `flip`. Pillow's `precompute_coeffs` (and torch's):
+    center (i + 0.5) * scale, support max(scale, 1), taps from trunc(center - support + 0.5) to
+    trunc(center + support + 0.5), triangle filter, normalised."""
+    device = length.device
+    scale = length.double() / target.double()  # (G,)
+    support = scale.clamp(min=1.0)[:, None]
+    out = window[:, None] + torch.arange(size, device=device)  # (G, size)
+    center = scale[:, None] * (out + 0.5)
+    first = (center - support + 0.5).floor().clamp(min=0)
+    last = torch.minimum((center + support + 0.5).floor(), length[:, None].double())
+    # distance in float32 from an exact integer part: (j - floor(center)) + (0.5 - frac(center))
+    whole = center.floor()
+    j = torch.arange(n, device=device, dtype=torch.float64)
+    offset = (j - whole[..., None]).float() + (0.5 - (center - whole)).float()[..., None]
+    weights = (1 - (offset / support.float()[..., None]).abs()).clamp_(min=0)
+    weights *= (j >= first[..., None]) & (j < last[..., None])
+    weights /= weights.sum(-1, keepdim=True)
+    steps = weights.mul_(WEIGHT_STEPS).add_(0.5).floor_()  # integers up to 2^16
+    if flip is not None:
+        steps = torch.where(flip.bool()[:, None, None], steps.flip(1), steps)
+    high = steps.div(WEIGHT_STEPS // HIGH_STEPS).floor_()
+    low = steps.sub_(high * (WEIGHT_STEPS // HIGH_STEPS)).div_(WEIGHT_STEPS)
+    return high.div_(HIGH_STEPS), low
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, b_low: torch.Tensor | None = None,
+             a_low: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b, the weights given as high + low parts (either side), rounded to uint8 values: one exact pass."""
+    if b_low is not None:
+        return _round(torch.baddbmm(torch.bmm(a, b_low), a, b))
+    return _round(torch.baddbmm(torch.bmm(a_low, b), a, b))
+
+
+def _round(x: torch.Tensor) -> torch.Tensor:
+    """Round half up and clamp to 0..255, in place: Pillow's clip8 of its fixed-point sum."""
+    return x.add_(0.5).floor_().clamp_(0, 255)
+
+
+def crop_resize_flip(images: list[torch.Tensor], plans: torch.Tensor, size: int) -> torch.Tensor:
+    """Decoded (3, H, W) uint8 images and their (n, 9) `CropPlan`s -> (n, 3, size, size) uint8 (a view of
+    (n, size, 3, size) memory: write it into the batch)."""
+    device = images[0].device
+    n = len(images)
+    flat = torch.cat([image.reshape(-1) for image in images])
+    numels = [image.numel() for image in images]
+    bases = [0, *itertools.accumulate(numels)][:n]
+    shapes = [(int(image.shape[1]), int(image.shape[2])) for image in images]
+    rows = plans.tolist()
+    groups = plan_groups([(r[HEIGHT], r[WIDTH]) for r in rows], size)
+    order = [i for group in groups for i in group]
+    table = torch.tensor([[*rows[i], bases[i], *shapes[i]] for i in order], dtype=torch.int64)
+    table = table.to(device, non_blocking=True)
+    places = torch.tensor(order, dtype=torch.int64).to(device, non_blocking=True)
+    result = torch.empty((n, size, 3, size), dtype=torch.uint8, device=device)
+    start = 0
+    for group in groups:
+        g = len(group)
+        p = table[start:start + g]
+        hp = max(rows[i][HEIGHT] for i in group)
+        wp = max(rows[i][WIDTH] for i in group)
+        crops = _gather(flat, p, hp, wp).float().view(g, 3 * hp, wp)
+        high, low = resize_weights(p[:, WIDTH], p[:, RESIZE_W], p[:, WINDOW_LEFT], size, wp, p[:, FLIP])
+        wide = _product(crops, high.transpose(1, 2), b_low=low.transpose(1, 2))  # (g, 3 * hp, size)
+        del crops, high, low
+        tall = wide.view(g, 3, hp, size).transpose(1, 2).reshape(g, hp, 3 * size)
+        del wide
+        high, low = resize_weights(p[:, HEIGHT], p[:, RESIZE_H], p[:, WINDOW_TOP], size, hp)
+        pixels = _product(high, tall, a_low=low).to(torch.uint8).view(g, size, 3, size)
+        result.index_copy_(0, places[start:start + g], pixels)
+        start += g
+    return result.permute(0, 2, 1, 3)
+
+
+def _gather(flat: torch.Tensor, p: torch.Tensor, hp: int, wp: int) -> torch.Tensor:
+    """(g, 3, hp, wp) uint8: each crop from the flat buffer, its last row and column repeated into the
+    padding. Index: base + channel * H * W + (top + y) * W + left + x."""
+    device = flat.device
+    y = torch.minimum(torch.arange(hp, device=device), p[:, HEIGHT, None] - 1)  # (g, hp)
+    x = torch.minimum(torch.arange(wp, device=device), p[:, WIDTH, None] - 1)  # (g, wp)
+    rows = (p[:, TOP, None] + y) * p[:, IMAGE_W, None]
+    cols = p[:, LEFT, None] + x
+    planes = p[:, BASE, None] + torch.arange(3, device=device) * (p[:, IMAGE_H] * p[:, IMAGE_W])[:, None]
+    index_type = torch.int32 if flat.numel() < 2**31 else torch.int64  # half the index's memory when it can
+    index = (planes[:, :, None, None] + rows[:, None, :, None]).to(index_type) + cols[:, None, None, :].to(index_type)
+    return flat[index]
+
