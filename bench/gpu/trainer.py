@@ -5,13 +5,13 @@ Each row fits `ImageClassifier` (its fused SGD on CUDA, its warm-up + cosine sch
 the host syncs per step in that window (CUDA's sync debug mode warns at every synchronising call; the
 window has no logging step) and the peak memory. The synthetic rows feed one uint8 batch that is already on
 the device, normalised as every backend's batch is (the step alone: the ceiling). The ImageFolder rows read
-JPEGs decoded by the loader workers (--data.decode cpu), by the GPU alone (--data.decode gpu), by both at
-fixed shares (--data.cpu_decode_share 0.4 ...: the workers decode that part of each batch) or balanced (null),
-each a share of the synthetic row with the same settings, after a longer warm-up; then LMDB, packed from the
-same tree, decoded by the workers; then the fastest ImageFolder row with compile, against the synthetic compile
-row. The balanced row starts from a share of 0 and the workers have 2 batches each packed ahead, so its share
-lags the balance by about 2 x workers batches: a short row
-shows the start, not where it settles (datamodules/sample/balance.py).
+JPEGs decoded by the loader workers (--data.decode cpu), by the GPU alone (--data.decode gpu) or by both,
+balanced (--data.cpu_decode_share null), each a share of the synthetic row with the same settings, after a
+longer warm-up; then LMDB, packed from the same tree, with each decode; then ImageFolder with each decode and
+compile, against the synthetic compile row (fixed shares, 0.4 to 0.7, were no faster than cpu on an H200:
+bench/results/gpu-check-h200-decode.md, run 3). The balanced row starts from a share of 0 and the workers have
+2 batches each packed ahead, so its share lags the balance by about 2 x workers batches: a short row shows the
+start, not where it settles (datamodules/sample/balance.py).
 """
 from __future__ import annotations
 
@@ -38,14 +38,14 @@ SYNTHETIC = (("16-mixed", "16-mixed", False, False),
 IMAGEFOLDER = (("ImageFolder data, decode cpu, 16-mixed + channels_last", {"decode": "cpu"}),
                ("ImageFolder data, decode gpu alone, 16-mixed + channels_last",
                 {"decode": "gpu", "cpu_decode_share": 0.0}),
-               *((f"ImageFolder data, decode gpu, workers decode {share:.0%}, 16-mixed + channels_last",
-                  {"decode": "gpu", "cpu_decode_share": share}) for share in (0.4, 0.55, 0.7)),
                ("ImageFolder data, decode gpu balanced, 16-mixed + channels_last",
                 {"decode": "gpu", "cpu_decode_share": None}))
-LMDB = "LMDB data (packed from the same tree before the fit), decode cpu, 16-mixed + channels_last"
-COMPILED = "ImageFolder data, the fastest decode above + compile"
+LMDB = tuple((f"LMDB data (packed from the same tree before the fit), decode {decode}, 16-mixed + channels_last",
+              args) for decode, (_, args) in zip(("cpu", "gpu"), IMAGEFOLDER[:2], strict=True))
+COMPILED = tuple((f"ImageFolder data, decode {decode} + compile", args)
+                 for decode, (_, args) in zip(("cpu", "gpu"), IMAGEFOLDER[:2], strict=True))
 DATA_WARMUP = 25  # steps before the data rows' window: workers started, the balance settled
-NAMES = [row[0] for row in SYNTHETIC] + [row[0] for row in IMAGEFOLDER] + [LMDB, COMPILED]
+NAMES = [row[0] for row in (*SYNTHETIC, *IMAGEFOLDER, *LMDB, *COMPILED)]
 NUM_CLASSES = 10
 
 
@@ -135,9 +135,9 @@ def _check(name: str, w: Workload, clock: StepClock, verdict: str) -> Check:
 
 def trainer_rows(w: Workload, root: Path, num_workers: int, ceiling_only: bool = False) -> list[Check]:
     """The synthetic rows (`ceiling_only`: the two the data rows are a share of, with and without compile), then
-    ImageFolder (decoded by the workers, by the GPU, by both) as a share of the first, and the fastest of those
-    with compile as a share of the second. Each row is printed as it ends (a part stopped at its timeout keeps
-    the rows it measured in its log)."""
+    ImageFolder (decoded by the workers, by the GPU, by both) and LMDB (each decode) as a share of the first, and
+    ImageFolder with each decode and compile as a share of the second. Each row is printed as it ends (a part
+    stopped at its timeout keeps the rows it measured in its log)."""
     synthetic, compiled = "16-mixed + channels_last", "16-mixed + channels_last + compile"
 
     def synthetic_row(name: str, precision: str, channels_last: bool, compile: bool) -> Check:
@@ -149,13 +149,12 @@ def trainer_rows(w: Workload, root: Path, num_workers: int, ceiling_only: bool =
     checks = [synthetic_row(*row) for row in SYNTHETIC if not ceiling_only or row[0] == synthetic]
     ceiling = next(c.images_s for c in checks if c.name == synthetic)
     rows = [_data_row(w, root, num_workers, name, decode, False, ceiling, synthetic) for name, decode in IMAGEFOLDER]
-    lmdb = _data_row(w, root, num_workers, LMDB, {"decode": "cpu"}, False, ceiling, synthetic, lmdb=True)
+    rows += [_data_row(w, root, num_workers, name, decode, False, ceiling, synthetic, lmdb=True)
+             for name, decode in LMDB]
     if ceiling_only:  # the compile rows last: the longest to start, and the least asked for
         checks += [synthetic_row(*row) for row in SYNTHETIC if row[0] == compiled]
-    fastest = max(rows, key=lambda row: row.images_s)
-    rows.append(lmdb)
-    rows.append(_data_row(w, root, num_workers, COMPILED, dict(IMAGEFOLDER)[fastest.name], True,
-                          next(c.images_s for c in checks if c.name == compiled), compiled))
+    ceiling = next(c.images_s for c in checks if c.name == compiled)
+    rows += [_data_row(w, root, num_workers, name, decode, True, ceiling, compiled) for name, decode in COMPILED]
     return checks + rows
 
 
