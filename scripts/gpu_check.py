@@ -24,12 +24,17 @@ DEADLINE_S = 560  # the whole check; a 10-minute device call keeps 40 s of slack
 # 10-15 s, compiling ResNet-50 about 40 s.
 PARTS = [("pytest -m gpu", ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
                             "--timeout", "150", "-rfEs", "--tb=short"], 180),
-         ("gpu mutants", ["scripts/gpu_mutants.py"], 120)]
+         ("gpu mutants", ["scripts/gpu_mutants.py"], 150)]
 PARTS += [(f"bench gpu {group}", ["-m", "bench", "gpu", "--groups", group, *extra], seconds)
           for group, extra, seconds in (("ceiling", [], 60), ("trainer", ["--synthetic", "ceiling"], 300),
                                         ("input", [], 180), ("backends", [], 110), ("precision", [], 45),
                                         ("flags", [], 120), ("dali", [], 30), ("dp,ddp", [], 40),
                                         ("powersgd", [], 60))]
+# The template's multi-process paths on one GPU (issue 41): sweep trials sharing it, predict on it against the CPU
+PARTS.insert(next(i for i, part in enumerate(PARTS) if part[0] == "bench gpu trainer") + 1,
+             ("pytest -m gpu clusters", ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-p",
+                                         "no:randomly", "--timeout", "150", "-rfEs", "--tb=short",
+                                         "tests/test_sweep.py", "tests/test_predict.py"], 150))
 # What issue 39 asks of a GPU first comes first: the decode's CUDA tests with their defects put back
 # (scripts/gpu_mutants.py), the step alone and the decode rows (trainer), then where the input time goes (input);
 # the rows earlier runs have measured (bench/results/gpu-check-h200*.md) take what is left of the deadline. The
@@ -124,8 +129,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", default=None, help="comma list of parts to run, by their last word (gpu, mutants, "
-                    "ceiling, trainer, input, backends, precision, flags, dali, ddp, powersgd): a rerun of the ones "
-                    "that failed; default all")
+                    "ceiling, trainer, input, clusters, backends, precision, flags, dali, ddp, powersgd): a rerun of "
+                    "the ones that failed; default all")
     ap.add_argument("--deadline-s", type=float, default=DEADLINE_S, help=f"the whole check (default {DEADLINE_S})")
     ap.add_argument("--rehearse-on-cpu", action="store_true", help="without CUDA, run every part anyway at a tiny "
                     "size (bench gpu --allow-cpu): a test of this runner, never a result")
@@ -171,6 +176,8 @@ def main() -> int:
             measured = [c["extra"].get("precision") for c in rows if c["group"] == "compute ceiling" and c.get("extra")]
             if measured and measured[0] in ("16-mixed", "bf16-mixed"):
                 precision = ["--precision", measured[0]]
+            elif name.endswith("trainer") and not precision and part["status"] == "ok":
+                precision = ["--precision", "16-mixed"]  # the trainer rows' (bench/gpu/trainer.py): later rows compare
         result["parts"].append(part)
     result["checks"] = bench_checks(out)
     failed = [p["part"] for p in result["parts"] if p["status"] == "FAIL"]

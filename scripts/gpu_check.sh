@@ -8,8 +8,8 @@
 # - OUT/gpu-check.md and OUT/gpu-check.json, naming the GPU and the date (scripts/gpu_check.py).
 # Exit status: 0 when every part passed and at least one GPU row ran; 2 without a usable CUDA device; 1 when a
 # part failed or every row was skipped. PYTHON picks the machine's Python (default python3). --parts reruns some
-# parts (by their last word: gpu, mutants, ceiling, trainer, precision, flags, backends, dali, ddp, input), --deadline-s
-# sets the limit.
+# parts (by their last word: gpu, mutants, ceiling, trainer, input, clusters, backends, precision, flags, dali, ddp,
+# powersgd), --deadline-s sets the limit.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 usage="usage: scripts/gpu_check.sh --wheels DIR --out OUT [--parts P1,P2] [--deadline-s S]"

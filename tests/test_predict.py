@@ -13,6 +13,7 @@ from datamodules.predict import PredictDataset
 from lightning_app.callbacks.predictions import PredictionsCSV, columns
 from lightning_app.cli import ClassifierCLI
 from tests.helpers.cli import quick_args, run_main, train_checkpoint
+from tests.helpers.optional import needs_gpus
 from tests.helpers.processes import finish_all, free_port, in_processes, start_nodes
 
 JPEG = b"\xff\xd8\xff\xe0" + b"\x00" * 64 + b"\xff\xd9"
@@ -179,6 +180,24 @@ def test_predict_on_two_nodes_with_node_local_run_folders_keeps_every_row(traine
     assert f"predict: {Path('runs') / out.parent.name} is not shared by every rank" in outs[0], outs[0][-3000:]
     assert not [p for node in nodes for p in node.rglob(".predictions.csv*")]  # no part file left on either node
     assert not list(nodes[1].iterdir())  # rank 1 wrote nothing on its own disk
+
+
+@needs_gpus(1, "predict on CUDA")
+def test_predict_on_a_gpu_writes_the_cpus_rows(trained, tmp_path):
+    """The same checkpoint and folder on the GPU (16-mixed) and on the CPU: the same files, each with the same class
+    wherever the CPU's top two are 0.05 apart or more, and probabilities within 0.02."""
+    ckpt, _, flat = trained
+    run_main(predict_args(ckpt, flat, tmp_path / "cpu"))
+    run_main([*predict_args(ckpt, flat, tmp_path / "gpu"), "--trainer.accelerator", "gpu", "--trainer.devices", "1",
+              "--trainer.precision", "16-mixed"])
+    (on_cpu,) = (tmp_path / "cpu").rglob("predictions.csv")
+    (on_gpu,) = (tmp_path / "gpu").rglob("predictions.csv")
+    cpu_rows, gpu_rows = read_csv(on_cpu), read_csv(on_gpu)
+    assert [r["path"] for r in gpu_rows] == [r["path"] for r in cpu_rows] and len(gpu_rows) == 80
+    for a, b in zip(cpu_rows, gpu_rows, strict=True):
+        assert abs(float(a["prob"]) - float(b["prob"])) < 0.02, (a, b)
+        if float(a["top1_prob"]) - float(a["top2_prob"]) >= 0.05:
+            assert a["class"] == b["class"], (a, b)
 
 
 @pytest.mark.slow

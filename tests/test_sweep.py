@@ -13,6 +13,7 @@ import yaml
 
 from tests.helpers.cli import run_main
 from tests.helpers.event_files import scalars
+from tests.helpers.optional import needs_gpus
 from tests.helpers.processes import finish, free_port, start_command
 from tests.helpers.slurm import fake_scontrol
 
@@ -332,6 +333,24 @@ def test_two_trials_at_once_inside_a_slurm_task_each_train_on_their_own_two_rank
     if len(os.sched_getaffinity(0)) >= 2:  # each trial on its own half of the CPUs, and its loader planned for it
         assert all(f"its affinity mask holds {len(os.sched_getaffinity(0)) // 2} of the node's" in log
                    for log in logs), logs
+
+
+@needs_gpus(1, "trials on a CUDA GPU")
+def test_two_trials_at_once_share_one_gpu_each_with_a_rendezvous_of_its_own(tiny_data, tmp_path):
+    """--workers 2 --share-gpus on one GPU: both trials train on it at once, each a DDP fit of one rank on NCCL
+    whose TCPStore takes a port of its own (the same port twice: the second fails at 'address in use')."""
+    root, folder = tmp_path / "logs", tmp_path / "study"
+    flags = [*trial_flags(tiny_data, root), "--trainer.accelerator", "gpu", "--trainer.devices", "1",
+             "--trainer.strategy", "ddp", "--trainer.precision", "16-mixed", "--trainer.limit_train_batches", "4"]
+    proc = start_sweep(space_file(tmp_path), 2, flags, "--workers", "2", "--share-gpus", "--study", str(folder))
+    code, out = finish(proc, 300)
+    assert code == 0, out
+    study = load(folder)
+    assert states(study) == ["COMPLETE", "COMPLETE"], out
+    logs = [(folder / "trials" / f"trial_{t.number}.log").read_text() for t in study.get_trials()]
+    for log in logs:
+        assert "GPU available: True (cuda), used: True" in log and "CUDA_VISIBLE_DEVICES: [0]" in log, log[-3000:]
+        assert "Done:" in log, log[-3000:]
 
 
 # -- no trial drawn twice ---------------------------------------------------------------------------------------
