@@ -38,7 +38,7 @@ inner=$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')
 [ -z "$outer" ] || echo "$outer" > "$inner/machine_python.pth"
 # --no-deps: scripts/wheelhouse.txt is closed under what the image lacks; the import below proves it
 if ! "$venv/bin/python" -m pip install --quiet --no-index --no-deps --find-links "$wheels" -r scripts/wheelhouse.txt \
-   || ! "$venv/bin/python" -c "import jsonargparse, lmdb, litdata, obstore, boto3, torchdata"; then
+   || ! "$venv/bin/python" -c "import jsonargparse, lmdb, litdata, obstore, boto3, torchdata, optuna"; then
   echo "gpu_check.sh: the wheelhouse $wheels does not install offline: make it with scripts/wheelhouse.sh for this Python ($("$python" -V))." >&2
   exit 1
 fi

@@ -15,6 +15,7 @@ start, not where it settles (datamodules/sample/balance.py).
 """
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from dataclasses import replace
@@ -34,16 +35,22 @@ SYNTHETIC = (("16-mixed", "16-mixed", False, False),
              ("bf16-mixed", "bf16-mixed", False, False),
              ("16-mixed + channels_last", "16-mixed", True, False),
              ("16-mixed + channels_last + compile", "16-mixed", True, True))
-# (row, the data module's decode arguments); each a share of the synthetic 16-mixed + channels_last row
+# (row, the data module's decode arguments, and for --data.decode gpu how the decode thread resizes: "script", one
+# TorchScript call without the GIL, or "eager", Python op by op: datamodules/sample/device_resize.py); each a share
+# of the synthetic 16-mixed + channels_last row
+GPU = {"decode": "gpu", "cpu_decode_share": 0.0}
 IMAGEFOLDER = (("ImageFolder data, decode cpu, 16-mixed + channels_last", {"decode": "cpu"}),
-               ("ImageFolder data, decode gpu alone, 16-mixed + channels_last",
-                {"decode": "gpu", "cpu_decode_share": 0.0}),
-               ("ImageFolder data, decode gpu balanced, 16-mixed + channels_last",
-                {"decode": "gpu", "cpu_decode_share": None}))
-LMDB = tuple((f"LMDB data (packed from the same tree before the fit), decode {decode}, 16-mixed + channels_last",
-              args) for decode, (_, args) in zip(("cpu", "gpu"), IMAGEFOLDER[:2], strict=True))
-COMPILED = tuple((f"ImageFolder data, decode {decode} + compile", args)
-                 for decode, (_, args) in zip(("cpu", "gpu"), IMAGEFOLDER[:2], strict=True))
+               ("ImageFolder data, decode gpu alone, resize eager, 16-mixed + channels_last",
+                {**GPU, "resize": "eager"}),
+               ("ImageFolder data, decode gpu alone, resize scripted, 16-mixed + channels_last",
+                {**GPU, "resize": "script"}),
+               ("ImageFolder data, decode gpu balanced, resize scripted, 16-mixed + channels_last",
+                {**GPU, "cpu_decode_share": None, "resize": "script"}))
+LMDB = (("LMDB data (packed from the same tree), decode cpu, 16-mixed + channels_last", {"decode": "cpu"}),
+        ("LMDB data (packed from the same tree), decode gpu, resize scripted, 16-mixed + channels_last",
+         {**GPU, "resize": "script"}))
+COMPILED = (("ImageFolder data, decode cpu + compile", {"decode": "cpu"}),
+            ("ImageFolder data, decode gpu, resize scripted + compile", {**GPU, "resize": "script"}))
 DATA_WARMUP = 25  # steps before the data rows' window: workers started, the balance settled
 NAMES = [row[0] for row in (*SYNTHETIC, *IMAGEFOLDER, *LMDB, *COMPILED)]
 NUM_CLASSES = 10
@@ -170,10 +177,21 @@ def _data_row(w: Workload, root: Path, num_workers: int, name: str, decode: dict
     data_w = replace(w, warmup=max(w.warmup, DATA_WARMUP))
     # LMDBDataModule packs the tree into its cache the first time (in setup, before any timed step)
     module = LMDBDataModule if lmdb else ImageFolderDataModule
+    decode = dict(decode)
+    resize = decode.pop("resize", None)
     data = module(data_dir=str(root), batch_size=w.batch_size, num_workers=num_workers, image_size=w.image_size,
                   pin_memory=True, persistent_workers=True, **decode)
-    clock = fit_rate(data_w, data, "16-mixed", True, compile)
+    before = os.environ.get("FIC_DEVICE_RESIZE")
+    os.environ["FIC_DEVICE_RESIZE"] = resize or "eager"
+    try:
+        clock = fit_rate(data_w, data, "16-mixed", True, compile)
+    finally:
+        if before is None:
+            del os.environ["FIC_DEVICE_RESIZE"]
+        else:
+            os.environ["FIC_DEVICE_RESIZE"] = before
     flags = " ".join(f"--data.{k} {'null' if v is None else v}" for k, v in decode.items())
+    flags += f" (resize {resize})" if resize else ""
     row = _check(name, data_w, clock, f"{num_workers} loader workers, {flags}; share of the synthetic {synthetic} row")
     counts = {split: dict(d.counts) for split, d in data.device_decoders.items()}
     if counts:

@@ -42,7 +42,7 @@ from datamodules.errors import DataError
 from datamodules.sample.balance import CANNOT, CpuShare
 from datamodules.sample.batches import batch_layout
 from datamodules.sample.decode import decode
-from datamodules.sample.device_resize import BYTES_PER_ELEMENT, GROUP_ELEMENTS, crop_resize_flip
+from datamodules.sample.device_resize import BYTES_PER_ELEMENT, GROUP_ELEMENTS, build_on_device, resize_plan
 from datamodules.sample.encoded import EncodedBatch
 
 Describe = Callable[[int, Exception], str]  # (sample id, error) -> the message naming the file
@@ -144,22 +144,19 @@ class DeviceDecode:
     def _build(self, batch: EncodedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         n, size = len(batch.labels), int(batch.size)
         shape, stride, _ = batch_layout(n, size)
-        out = torch.empty_strided(shape, stride, dtype=torch.uint8, device=self.device)
         slots = batch.slots.tolist()
+        start = time.perf_counter()
+        images = self._decode(batch, batch.offsets.tolist()) if slots else []
+        decoded = time.perf_counter()
+        table, spans = resize_plan(images, batch.plans, size) if slots else (batch.plans, [])
+        out, labels = build_on_device()(images, table, spans, size, list(shape), list(stride), batch.slots,
+                                        batch.pixels, batch.pixel_slots, batch.labels, self.device)
         if slots:
-            start = time.perf_counter()
-            images = self._decode(batch, batch.offsets.tolist())
-            decoded = time.perf_counter()
             self.waits.jpeg += decoded - start
-            pixels = crop_resize_flip(images, batch.plans, size)
-            del images  # the decoded images: their memory is free for the next batch once the side stream is done
-            out[batch.slots.to(self.device, non_blocking=True)] = pixels
             self.waits.crop += time.perf_counter() - decoded
-        if len(batch.pixel_slots):
-            out[batch.pixel_slots.to(self.device, non_blocking=True)] = batch.pixels.to(self.device, non_blocking=True)
         self.counts["device"] += len(slots)
         self.counts["cpu"] += len(batch.pixel_slots)
-        return out, batch.labels.to(self.device, non_blocking=True)
+        return out, labels
 
     def _decode(self, batch: EncodedBatch, offsets: list[int]) -> list[torch.Tensor]:
         """The batch's JPEGs as (3, H, W) uint8 on the device, in one call; a file it refuses is named."""

@@ -23,6 +23,9 @@ says ("medium" computes in bf16, "high" in TF32), and the device gives the pixel
 from __future__ import annotations
 
 import itertools
+import os
+import warnings
+from typing import Optional
 
 import torch
 
@@ -33,8 +36,9 @@ GROUP_ELEMENTS = 1 << 25  # the most elements one group's largest tensor holds
 # (3 fp32 temporaries, 12) and the horizontal pass's fp32 output (4); the int32 gather index is freed before
 BYTES_PER_ELEMENT = 20
 PAD_WASTE = 1.5  # a group's padded area is at most this times its crops' own
-# the plan's columns (datamodules/sample/crop.py CropPlan), then the image's place in the flat buffer
-TOP, LEFT, HEIGHT, WIDTH, RESIZE_H, RESIZE_W, WINDOW_TOP, WINDOW_LEFT, FLIP, BASE, IMAGE_H, IMAGE_W = range(12)
+# the plan's columns (datamodules/sample/crop.py CropPlan), the image's place in the flat buffer, its size, and
+# the sample's index in the batch
+TOP, LEFT, HEIGHT, WIDTH, RESIZE_H, RESIZE_W, WINDOW_TOP, WINDOW_LEFT, FLIP, BASE, IMAGE_H, IMAGE_W, PLACE = range(13)
 
 
 def plan_groups(crops: list[tuple[int, int]], size: int) -> list[list[int]]:
@@ -72,7 +76,8 @@ def working_bytes(crops: list[tuple[int, int]], size: int) -> int:
 
 
 def resize_weights(length: torch.Tensor, target: torch.Tensor, window: torch.Tensor, size: int, n: int,
-                   flip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   flip: Optional[torch.Tensor] = None, resolution: int = WEIGHT_STEPS,  # noqa: UP045
+                   high_resolution: int = HIGH_STEPS) -> tuple[torch.Tensor, torch.Tensor]:
     """Two (G, size, n) float32 matrices, the high and low parts (module doc): row i holds the taps of output
     pixel window + i of a `length` -> `target` antialiased bilinear resize, over input pixels 0..n-1 (0 past
     `length`), in steps of 2^-16; rows reversed where `flip`. Pillow's `precompute_coeffs` (and torch's):
@@ -92,19 +97,20 @@ def resize_weights(length: torch.Tensor, target: torch.Tensor, window: torch.Ten
     weights = (1 - (offset / support.float()[..., None]).abs()).clamp_(min=0)
     weights *= (j >= first[..., None]) & (j < last[..., None])
     weights /= weights.sum(-1, keepdim=True)
-    steps = weights.mul_(WEIGHT_STEPS).add_(0.5).floor_()  # integers up to 2^16
+    steps = weights.mul_(resolution).add_(0.5).floor_()  # integers up to 2^16
     if flip is not None:
-        steps = torch.where(flip.bool()[:, None, None], steps.flip(1), steps)
-    high = steps.div(WEIGHT_STEPS // HIGH_STEPS).floor_()
-    low = steps.sub_(high * (WEIGHT_STEPS // HIGH_STEPS)).div_(WEIGHT_STEPS)
-    return high.div_(HIGH_STEPS), low
+        steps = torch.where(flip[:, None, None] != 0, steps.flip(1), steps)
+    high = steps.div(resolution // high_resolution).floor_()
+    low = steps.sub_(high * (resolution // high_resolution)).div_(resolution)
+    return high.div_(high_resolution), low
 
 
-def _product(a: torch.Tensor, b: torch.Tensor, b_low: torch.Tensor | None = None,
-             a_low: torch.Tensor | None = None) -> torch.Tensor:
+def _product(a: torch.Tensor, b: torch.Tensor, b_low: Optional[torch.Tensor] = None,  # noqa: UP045
+             a_low: Optional[torch.Tensor] = None) -> torch.Tensor:  # noqa: UP045
     """a @ b, the weights given as high + low parts (either side), rounded to uint8 values: one exact pass."""
     if b_low is not None:
         return _round(torch.baddbmm(torch.bmm(a, b_low), a, b))
+    assert a_low is not None
     return _round(torch.baddbmm(torch.bmm(a_low, b), a, b))
 
 
@@ -113,51 +119,99 @@ def _round(x: torch.Tensor) -> torch.Tensor:
     return x.add_(0.5).floor_().clamp_(0, 255)
 
 
-def crop_resize_flip(images: list[torch.Tensor], plans: torch.Tensor, size: int) -> torch.Tensor:
-    """Decoded (3, H, W) uint8 images and their (n, 9) `CropPlan`s -> (n, 3, size, size) uint8 (a view of
-    (n, size, 3, size) memory: write it into the batch)."""
-    device = images[0].device
-    n = len(images)
-    flat = torch.cat([image.reshape(-1) for image in images])
-    numels = [image.numel() for image in images]
-    bases = [0, *itertools.accumulate(numels)][:n]
+def resize_plan(images: list[torch.Tensor], plans: torch.Tensor, size: int) -> tuple[torch.Tensor, list[list[int]]]:
+    """On the host, no device work: the groups (`plan_groups`) as `resize_groups` takes them. The table, per
+    sample in group order: its plan, its place in the flat buffer, the image's height and width, and its index in
+    the batch; the spans, per group: its first row in the table, its count, its padded height and width."""
+    bases = [0, *itertools.accumulate(image.numel() for image in images)][:len(images)]
     shapes = [(int(image.shape[1]), int(image.shape[2])) for image in images]
     rows = plans.tolist()
     groups = plan_groups([(r[HEIGHT], r[WIDTH]) for r in rows], size)
-    order = [i for group in groups for i in group]
-    table = torch.tensor([[*rows[i], bases[i], *shapes[i]] for i in order], dtype=torch.int64)
-    table = table.to(device, non_blocking=True)
-    places = torch.tensor(order, dtype=torch.int64).to(device, non_blocking=True)
-    result = torch.empty((n, size, 3, size), dtype=torch.uint8, device=device)
-    start = 0
+    spans, start = [], 0
     for group in groups:
-        g = len(group)
-        p = table[start:start + g]
-        hp = max(rows[i][HEIGHT] for i in group)
-        wp = max(rows[i][WIDTH] for i in group)
-        crops = _gather(flat, p, hp, wp).float().view(g, 3 * hp, wp)
-        high, low = resize_weights(p[:, WIDTH], p[:, RESIZE_W], p[:, WINDOW_LEFT], size, wp, p[:, FLIP])
+        spans.append([start, len(group), max(rows[i][HEIGHT] for i in group), max(rows[i][WIDTH] for i in group)])
+        start += len(group)
+    table = torch.tensor([[*rows[i], bases[i], *shapes[i], i] for group in groups for i in group], dtype=torch.int64)
+    return table.view(-1, PLACE + 1), spans
+
+
+def crop_resize_flip(images: list[torch.Tensor], plans: torch.Tensor, size: int) -> torch.Tensor:
+    """Decoded (3, H, W) uint8 images and their (n, 9) `CropPlan`s -> (n, 3, size, size) uint8 channels-last, through
+    the same call as a batch (`build_on_device`)."""
+    n, device = len(images), images[0].device
+    table, spans = resize_plan(images, plans, size)
+    none = torch.zeros(0, dtype=torch.int64)
+    out, _ = build_on_device()(images, table, spans, size, [n, 3, size, size], [3 * size * size, 1, 3 * size, 3],
+                               torch.arange(n), torch.zeros(0, 3, size, size, dtype=torch.uint8), none, none, device)
+    return out
+
+
+def assemble(images: list[torch.Tensor], table: torch.Tensor, spans: list[list[int]], size: int, shape: list[int],
+             stride: list[int], slots: torch.Tensor, pixels: torch.Tensor, pixel_slots: torch.Tensor,
+             labels: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every device op of one batch after its JPEG decode, in one call (`build_on_device` scripts it): the host
+    tensors copied first (a copy from pageable memory waits for the stream's queued work: none yet), then the
+    resize of the decoded images into their slots, the workers' pixels into theirs, and the labels."""
+    table = table.to(device, non_blocking=True)
+    slots = slots.to(device, non_blocking=True)
+    pixels = pixels.to(device, non_blocking=True)
+    pixel_slots = pixel_slots.to(device, non_blocking=True)
+    labels = labels.to(device, non_blocking=True)
+    out = torch.empty_strided(shape, stride, dtype=torch.uint8, device=device)
+    if len(images) > 0:
+        out[slots] = resize_groups(images, table, spans, size).permute(0, 2, 1, 3)
+    if pixel_slots.numel() > 0:
+        out[pixel_slots] = pixels
+    return out, labels
+
+
+def resize_groups(images: list[torch.Tensor], table: torch.Tensor, spans: list[list[int]], size: int) -> torch.Tensor:
+    """The tensor work of `crop_resize_flip`: (n, size, 3, size) uint8. `table`: per sample (in group order) its
+    plan, its place in the flat buffer, the image's height and width, and its index in the batch; `spans`: per
+    group its first row in `table`, its count and its padded height and width. Written for TorchScript too."""
+    flat = torch.cat([image.reshape(-1) for image in images])
+    result = torch.empty((len(images), size, 3, size), dtype=torch.uint8, device=flat.device)
+    for span in spans:
+        start, g, hp, wp = span[0], span[1], span[2], span[3]
+        # the table's columns (TOP ... PLACE above), each (g,)
+        top, left, height, width, resize_h, resize_w, window_top, window_left, flip, base, image_h, image_w, place = \
+            table[start:start + g].unbind(1)
+        crops = _gather(flat, base, image_h, image_w, top, left, height, width, hp, wp).float().view(g, 3 * hp, wp)
+        high, low = resize_weights(width, resize_w, window_left, size, wp, flip)
         wide = _product(crops, high.transpose(1, 2), b_low=low.transpose(1, 2))  # (g, 3 * hp, size)
-        del crops, high, low
         tall = wide.view(g, 3, hp, size).transpose(1, 2).reshape(g, hp, 3 * size)
-        del wide
-        high, low = resize_weights(p[:, HEIGHT], p[:, RESIZE_H], p[:, WINDOW_TOP], size, hp)
+        high, low = resize_weights(height, resize_h, window_top, size, hp, None)
         pixels = _product(high, tall, a_low=low).to(torch.uint8).view(g, size, 3, size)
-        result.index_copy_(0, places[start:start + g], pixels)
-        start += g
-    return result.permute(0, 2, 1, 3)
+        result.index_copy_(0, place, pixels)
+    return result
 
 
-def _gather(flat: torch.Tensor, p: torch.Tensor, hp: int, wp: int) -> torch.Tensor:
+_SCRIPTED: list = []
+
+
+def build_on_device():
+    """`assemble`, scripted by TorchScript once (FIC_DEVICE_RESIZE=eager: as it is, op by op): a scripted call runs
+    all its ops without the GIL (torch/csrc/jit/python/pybind_utils.h, runAndInsertCall), where each eager op gives
+    the GIL up and waits to take it back, behind the training thread's Python."""
+    if os.environ.get("FIC_DEVICE_RESIZE", "script") != "script":
+        return assemble
+    if not _SCRIPTED:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch.jit.script is deprecated from torch 2.10
+            _SCRIPTED.append(torch.jit.script(assemble))
+    return _SCRIPTED[0]
+
+
+def _gather(flat: torch.Tensor, base: torch.Tensor, image_h: torch.Tensor, image_w: torch.Tensor, top: torch.Tensor,
+            left: torch.Tensor, height: torch.Tensor, width: torch.Tensor, hp: int, wp: int) -> torch.Tensor:
     """(g, 3, hp, wp) uint8: each crop from the flat buffer, its last row and column repeated into the
     padding. Index: base + channel * H * W + (top + y) * W + left + x."""
     device = flat.device
-    y = torch.minimum(torch.arange(hp, device=device), p[:, HEIGHT, None] - 1)  # (g, hp)
-    x = torch.minimum(torch.arange(wp, device=device), p[:, WIDTH, None] - 1)  # (g, wp)
-    rows = (p[:, TOP, None] + y) * p[:, IMAGE_W, None]
-    cols = p[:, LEFT, None] + x
-    planes = p[:, BASE, None] + torch.arange(3, device=device) * (p[:, IMAGE_H] * p[:, IMAGE_W])[:, None]
-    index_type = torch.int32 if flat.numel() < 2**31 else torch.int64  # half the index's memory when it can
+    y = torch.minimum(torch.arange(hp, device=device), height[:, None] - 1)  # (g, hp)
+    x = torch.minimum(torch.arange(wp, device=device), width[:, None] - 1)  # (g, wp)
+    rows = (top[:, None] + y) * image_w[:, None]
+    cols = left[:, None] + x
+    planes = base[:, None] + torch.arange(3, device=device) * (image_h * image_w)[:, None]
+    index_type = torch.int32 if flat.numel() < 2147483648 else torch.int64  # half the index's memory when it can
     index = (planes[:, :, None, None] + rows[:, None, :, None]).to(index_type) + cols[:, None, None, :].to(index_type)
     return flat[index]
-
