@@ -106,3 +106,30 @@ def test_groups_bound_padding_and_memory():
             assert len(group) * hp * wp <= PAD_WASTE * sum(crops[i][0] * crops[i][1] for i in group)
             assert largest_elements(len(group), hp, wp, 224) <= GROUP_ELEMENTS
     assert [256] in groups  # the large photo alone
+
+
+def test_the_scripted_call_gives_the_eager_ops_pixels(monkeypatch):
+    """The batch's device ops run as one TorchScript call by default (no GIL taken op by op); FIC_DEVICE_RESIZE=eager
+    runs the same function op by op: the same pixels."""
+    from datamodules.sample import device_resize
+
+    images, plans = _images_and_plans(20, seed=2)
+    monkeypatch.setattr(device_resize, "_SCRIPTED", [])
+    assert isinstance(device_resize.build_on_device(), torch.jit.ScriptFunction)
+    scripted = crop_resize_flip(images, torch.tensor(plans), SIZE)
+    monkeypatch.setenv("FIC_DEVICE_RESIZE", "eager")
+    assert device_resize.build_on_device() is device_resize.assemble
+    assert torch.equal(crop_resize_flip(images, torch.tensor(plans), SIZE), scripted)
+
+
+def test_a_torch_that_cannot_script_gets_the_eager_ops_said_once(monkeypatch):
+    from datamodules.sample import device_resize
+
+    def refuse(fn):
+        raise RuntimeError("TorchScript was removed")
+
+    monkeypatch.setattr(device_resize, "_SCRIPTED", [])
+    monkeypatch.setattr(torch.jit, "script", refuse)
+    with pytest.warns(UserWarning, match="TorchScript could not compile the device resize"):
+        assert device_resize.build_on_device() is device_resize.assemble
+    assert device_resize.build_on_device() is device_resize.assemble  # decided once: no second warning

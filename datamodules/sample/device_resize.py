@@ -1,17 +1,20 @@
-"""Crop, resize and flip a batch of decoded images on the device in a few batched calls.
+"""Crop, resize and flip a batch of decoded images on the device: every op of a batch in one call.
 
-A loop of per-image kernels (crop, float, resize, copy: about 1,000 launches a batch of 256) costs the decode
-thread Python and launches under the training process's GIL; on an H200 that thread set the pace
-(bench/results/gpu-check-h200-decode.md). Here a batch takes a few dozen launches:
-
-1. the decoded images go into one flat buffer (one `cat`);
-2. the crops are gathered, in groups of similar size, into one padded tensor per group (`plan_groups`), the
-   edge pixel repeated into the padding (its weights are 0, so it never shows);
-3. the resize is Pillow's antialiased bilinear (`torch.nn.functional.interpolate(antialias=True)` computes
+The steps, per batch (`assemble`, after the JPEG decode):
+1. the host tensors go to the device before any kernel is queued (a copy from pageable memory waits for the
+   stream's queued work);
+2. the decoded images go into one flat buffer (one `cat`);
+3. the crops are gathered, in groups of similar size, into one padded tensor per group (`plan_groups`, planned
+   on the host by `resize_plan`), the edge pixel repeated into the padding (its weights are 0, so it never shows);
+4. the resize is Pillow's antialiased bilinear (`torch.nn.functional.interpolate(antialias=True)` computes
    the same filter, aten/src/ATen/native/UpSample.h `_compute_indices_min_size_weights_aa`): two passes,
    horizontal then vertical, each one batched matrix product with a weight matrix per image whose rows hold
    one output pixel's taps, each rounded to uint8 as Pillow and torch's uint8 kernel round between passes.
-   The flip is the horizontal weights' rows reversed.
+   The flip is the horizontal weights' rows reversed;
+5. the resized samples and the workers' decoded ones take their slots in the channels-last batch.
+
+The call is scripted by TorchScript (`build_on_device`), which runs it without the GIL: op by op, each of its
+100 or so ops a group gives the GIL up and waits to take it back behind the training thread's Python.
 
 Exact arithmetic: each weight is a multiple of 2^-16 (torch's uint8 kernel keeps 14 to 16 bits), split into a
 high part (a multiple of 2^-8) and a low part (2^-16 times an integer below 2^8); each pass is the sum of two
@@ -192,13 +195,19 @@ _SCRIPTED: list = []
 def build_on_device():
     """`assemble`, scripted by TorchScript once (FIC_DEVICE_RESIZE=eager: as it is, op by op): a scripted call runs
     all its ops without the GIL (torch/csrc/jit/python/pybind_utils.h, runAndInsertCall), where each eager op gives
-    the GIL up and waits to take it back, behind the training thread's Python."""
+    the GIL up and waits to take it back, behind the training thread's Python. A torch without TorchScript (it is
+    deprecated from torch 2.10) gets the eager path, said once."""
     if os.environ.get("FIC_DEVICE_RESIZE", "script") != "script":
         return assemble
     if not _SCRIPTED:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # torch.jit.script is deprecated from torch 2.10
-            _SCRIPTED.append(torch.jit.script(assemble))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                _SCRIPTED.append(torch.jit.script(assemble))
+        except Exception as e:  # noqa: BLE001 - any failure to script leaves the same ops, run eagerly
+            warnings.warn(f"--data.decode gpu: TorchScript could not compile the device resize ({e}); it runs op by "
+                          "op, each taking the GIL", stacklevel=2)
+            _SCRIPTED.append(assemble)
     return _SCRIPTED[0]
 
 
