@@ -124,13 +124,24 @@ def test_the_cache_stays_under_max_cache_size(s3_pack, tmp_path):
     cache = tmp_path / "cache"
     budget = 200_000  # bytes: about the least 2 workers need (3 chunks each + one in flight, and val's share)
     dm = _dm(s3_pack, cache_dir=str(cache), max_cache_size=f"{budget}B", max_pre_download=2, batch_size=8)
-    peak, done = [0], threading.Event()
+    peak, done, failed = [0], threading.Event(), []
+
+    def size_now() -> int:
+        total = 0
+        for f in cache.rglob("chunk-*.bin*"):
+            try:
+                total += f.stat().st_size
+            except FileNotFoundError:  # evicted between the listing and the stat
+                pass
+        return total
 
     def watch() -> None:
-        while not done.is_set():
-            size = sum(f.stat().st_size for f in cache.rglob("chunk-*.bin*") if f.is_file())
-            peak[0] = max(peak[0], size)
-            time.sleep(0.002)
+        try:
+            while not done.is_set():
+                peak[0] = max(peak[0], size_now())
+                time.sleep(0.002)
+        except Exception as e:  # noqa: BLE001 - said by the test: a watcher that stopped early measured nothing
+            failed.append(e)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
@@ -139,6 +150,7 @@ def test_the_cache_stays_under_max_cache_size(s3_pack, tmp_path):
     finally:
         done.set()
         watcher.join()
+    assert not failed, f"the cache watcher stopped early: {failed}"
     assert len(ids) == 240  # 277 KB of chunks went through a 200 KB cache
     assert 0 < peak[0] <= budget, f"the cache reached {peak[0]} bytes, over max_cache_size {budget}"
     with pytest.raises(DataError, match="max_cache_size 100000B is too small for 2 reader"):
