@@ -47,6 +47,7 @@ from lightning_app.runs.plan import discard_evaluation_folder
 from lightning_app.runs.predict_data import check_predict_data, run_of
 from lightning_app.settings import check_settings, init_args, require_trained_weights
 from lightning_app.strategies import STRATEGY_HELP, ClusterDDPStrategy  # registers --trainer.strategy dp, ddp
+from lightning_app.strategies.launched_ranks import die_with_the_launching_rank
 from lightning_app.strategies.peers import describe_distributed_failure
 from lightning_app.weights import refuse_plain_state_dict, safe_load
 
@@ -317,6 +318,7 @@ def default_config_kwargs(run: bool) -> dict:
 
 
 def main(args=None) -> ClassifierCLI:
+    die_with_the_launching_rank()
     try:
         return ClassifierCLI(args=args)
     except SIGTERMException:  # a stop signal, saved by CheckpointOnSigterm

@@ -1,7 +1,9 @@
 """Faults with real processes and real signals: SIGKILL + resume, SIGTERM checkpoint, a frozen node."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -117,3 +119,53 @@ def test_a_frozen_node_ends_the_other_within_the_timeout(tiny_data, tmp_path):
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["importing", "in the rendezvous"])
+def test_a_rank_ends_with_the_rank_0_that_started_it(tiny_data, tmp_path, when):
+    """Lightning's launcher starts rank 1 as rank 0's child and watches it; nothing watched rank 0. SIGKILL to rank 0
+    (the OOM killer; a stop signal before its handlers exist, as a sweep's trial meets SLURM's warning while it
+    starts) left rank 1 waiting for it until the collective timeout (here 200 s), holding its port and GPU. It now
+    ends with rank 0 (launched_ranks.py): by the kernel's SIGKILL once it has asked for it, else on its own before
+    it reaches the rendezvous."""
+    from tests.helpers.processes import finish, process_tree, start_main
+
+    log = tmp_path / "run.log"
+    proc = start_main(["fit", *quick_args(tiny_data, tmp_path), "--trainer.strategy", "ddp", "--trainer.devices", "2"],
+                      {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "FIC_DDP_TIMEOUT_S": "200"},
+                      log=log)
+    deadline = time.monotonic() + 120
+    rank1 = None
+    try:
+        while rank1 is None or (when == "in the rendezvous" and "GLOBAL_RANK: 1" not in log.read_text()):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+            rank1 = rank1 or next((p for p in process_tree(proc.pid)[1:] if _runs_main(p)), None)
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        finish(proc, 30)
+        deadline = time.monotonic() + 30
+        while _alive(rank1):
+            assert time.monotonic() < deadline, f"rank 1 (pid {rank1}) outlived rank 0:\n{log.read_text()[-3000:]}"
+            time.sleep(0.1)
+    finally:
+        for pid in [proc.pid] + ([rank1] if rank1 and _alive(rank1) else []):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    if when == "importing":
+        assert "has ended; this rank ends too" in log.read_text(), log.read_text()[-3000:]
+
+
+def _runs_main(pid: int) -> bool:
+    try:
+        return b"main.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (a dead child of the test's own process would stay one until waited for)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -458,3 +458,51 @@ def test_an_objective_the_fit_does_not_log_stops_both_ranks_of_a_trial_in_one_pa
     said = "The sweep's objective val/acc9"
     assert code == 2 and said in out and "Traceback" not in out, out
     assert "lost" not in out.lower() and "epoch 2/2" not in out, out
+
+
+@pytest.mark.slow
+def test_slurms_warning_signal_while_a_trial_starts_its_ranks_leaves_no_process_behind(tiny_data, tmp_path):
+    """SLURM's warning signal to the task's processes while a 2-rank trial starts: the trial's processes ignore it
+    until their fit handles it (main.py), the sweep sends the trial's rank 0 SIGTERM, which ends it unsaved (it had
+    nothing to save). Its rank 1, which rank 0 started, waited for it until the rendezvous timeout; it now ends with
+    it (strategies/launched_ranks.py). The sweep requeues its task at once, the trial stays RUNNING, and --resume
+    runs it from its start."""
+    from tests.helpers.processes import process_tree
+
+    root, folder, bin_dir = tmp_path / "logs", tmp_path / "study", fake_scontrol(tmp_path / "bin")
+    task = {"SLURM_JOB_ID": "4242", "SLURM_ARRAY_JOB_ID": "4240", "SLURM_ARRAY_TASK_ID": "2", "SLURM_NTASKS": "1",
+            "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NAME": "fic-sweep",
+            "PATH": f"{bin_dir}:{os.environ['PATH']}", "FIC_DDP_TIMEOUT_S": "200"}
+    space, flags = space_file(tmp_path), [*trial_flags(tiny_data, root), "--trainer.devices", "2",
+                                          "--trainer.strategy", "ddp", "--trainer.limit_train_batches", "2"]
+    proc = start_sweep(space, 1, flags, "--study", str(folder), env=task)
+    log, deadline = folder / "trials" / "trial_0.log", time.monotonic() + 180
+    while not (log.is_file() and "GLOBAL_RANK: 0" in log.read_text()):  # rank 1 started, in the rendezvous soon
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else "no start"
+        time.sleep(0.05)
+    trial = [p for p in process_tree(proc.pid) if b"main.py" in _cmdline(p)]
+    os.killpg(proc.pid, signal.SIGUSR1)
+    code, out = finish(proc, 120)
+    assert code == 128 + signal.SIGUSR1 and "requeued this SLURM task" in out, out
+    deadline = time.monotonic() + 30
+    try:
+        while [p for p in trial if _cmdline(p)]:
+            assert time.monotonic() < deadline, (f"trial processes outlived the sweep: {trial}\n"
+                                                 f"{log.read_text()[-3000:]}")
+            time.sleep(0.1)
+    finally:
+        for pid in (p for p in trial if _cmdline(p)):
+            os.kill(pid, signal.SIGKILL)
+    assert states(load(folder)) == ["RUNNING"], out
+    code, out = finish(start_sweep(space, 1, flags, "--study", str(folder), "--resume",
+                                   env={**task, "SLURM_RESTART_COUNT": "1"}), 240)
+    assert code == 0 and "--resume: finishing interrupted trial(s) [0] first" in out, out
+    assert states(load(folder)) == ["COMPLETE"], out
+
+
+def _cmdline(pid: int) -> bytes:
+    """The command line of a live process; b"" once it has ended (or is a zombie, whose cmdline is empty)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -18,7 +18,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_app.errors import UserError
 from lightning_app.lr_schedule import total_steps
-from lightning_app.strategies import comm_hooks, peers
+from lightning_app.strategies import comm_hooks, launched_ranks, peers
 from lightning_app.strategies.dp import DP_COMPILE_MESSAGE, DataParallelStrategy
 
 log = logging.getLogger("pytorch_lightning")  # Lightning's handler prints its INFO lines
@@ -150,6 +150,11 @@ class ClusterDDPStrategy(_LightningDDP):
         comm_hooks.check_settings(comm_hook, powersgd_rank, powersgd_start_iter, kwargs.get("process_group_backend"))
         if comm_hook != "none" and kwargs.get("ddp_comm_hook") is not None:
             raise UserError(f"ClusterDDPStrategy: comm_hook {comm_hook!r} and ddp_comm_hook both given; choose one.")
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self.cluster_environment is not None and not self.cluster_environment.creates_processes_externally:
+            launched_ranks.name_the_launching_rank()  # the ranks it starts die with this one
 
     def setup_distributed(self) -> None:
         ClusterDDPStrategy.last_rank = (self.global_rank, self.world_size)
