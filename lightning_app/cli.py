@@ -48,7 +48,7 @@ from lightning_app.runs.predict_data import check_predict_data, run_of
 from lightning_app.settings import check_settings, init_args, require_trained_weights
 from lightning_app.strategies import STRATEGY_HELP, ClusterDDPStrategy  # registers --trainer.strategy dp, ddp
 from lightning_app.strategies.launched_ranks import die_with_the_launching_rank
-from lightning_app.strategies.peers import describe_distributed_failure
+from lightning_app.strategies.peers import describe_distributed_failure, describe_taken_port
 from lightning_app.weights import refuse_plain_state_dict, safe_load
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -331,6 +331,10 @@ def main(args=None) -> ClassifierCLI:
             # once, from rank 0 (the other ranks exit quietly), or from each rank an error says it concerns
             if rank_zero_only.rank == 0 or getattr(user_error, "every_rank", False):
                 print(paragraph(user_error), file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_USER_ERROR) from None
+        taken = describe_taken_port(error)  # a setting (MASTER_PORT), not a lost peer
+        if taken is not None:
+            print(taken, file=sys.stderr, flush=True)
             raise SystemExit(EXIT_USER_ERROR) from None
         message = describe_distributed_failure(error, ClusterDDPStrategy.last_timeout_s, ClusterDDPStrategy.last_rank)
         if message is None:

@@ -104,3 +104,24 @@ def test_evaluating_from_weights_needs_every_layer_of_these_classes(tiny_data, t
 def test_a_mistyped_subcommand_names_the_closest_one(capsys):
     err = _fails(["predcit", "--ckpt_path", "x.ckpt"], capsys)
     assert "invalid choice: 'predcit'" in err and "did you mean predict?" in err and len(err.splitlines()) == 3
+
+
+def test_a_rendezvous_port_another_process_holds_is_named_not_taken_for_a_lost_peer(tiny_data, tmp_path):
+    """MASTER_PORT held by another process: rank 0's TCPStore cannot listen (EADDRINUSE). One paragraph naming the
+    port and the setting, exit 2; before, it was "lost a peer ... lost the master", exit 1 (the sweep retries a
+    trial on this, sweep/runner.py)."""
+    import socket
+
+    from tests.helpers.cli import run_main
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        run = run_main(["fit", *quick_args(tiny_data, tmp_path), "--trainer.strategy", "ddp",
+                        "--trainer.devices", "1", "--trainer.limit_train_batches", "1"],
+                       env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, timeout=120, check=False)
+    err = run.stderr.strip()
+    assert run.returncode == 2, run.stdout[-2000:] + err
+    assert f"could not listen on its rendezvous 127.0.0.1:{port}" in err and "Set MASTER_PORT" in err, err
+    assert "lost" not in err and "Traceback" not in err, err

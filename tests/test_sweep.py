@@ -461,6 +461,47 @@ def test_an_objective_the_fit_does_not_log_stops_both_ranks_of_a_trial_in_one_pa
 
 
 @pytest.mark.slow
+def test_a_trial_whose_port_was_taken_before_it_listened_starts_again_on_another(tiny_data, tmp_path, capsys):
+    """The sweep draws a free port for each trial (placement.Ports), but another process may take it before the
+    trial's rank 0 listens on it. That trial failed (and 3 such in a row stopped the sweep); it now starts again on a
+    new port, and only its own failures count."""
+    import socket
+
+    from lightning_app.sweep import storage
+    from lightning_app.sweep.placement import Ports
+    from lightning_app.sweep.pruning import SPACE_COPY
+    from lightning_app.sweep.runner import Sweep
+    from lightning_app.sweep.space import read_space
+
+    class HeldFirst(Ports):
+        """Hands out `held` first: the port another process took after the sweep drew it."""
+
+        def __init__(self, held: int) -> None:
+            super().__init__()
+            self.first, self.handed = held, []
+
+        def take(self) -> int:
+            self.handed.append(super().take() if self.handed else self.first)
+            return self.handed[-1]
+
+    path, folder = space_file(tmp_path), tmp_path / "study"
+    space = read_space(path)
+    study = storage.open_study(folder, space, space.make_sampler(), space.make_pruner())
+    (folder / SPACE_COPY).write_bytes(path.read_bytes())
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        ports = HeldFirst(held.getsockname()[1])
+        sweep = Sweep(folder, space, trial_flags(tiny_data, tmp_path / "logs"), trials=1, stale_s=60.0, study=study,
+                      ports=ports)
+        sweep._work()
+    out = capsys.readouterr().out
+    assert len(ports.handed) == 2, ports.handed
+    assert f"another process took port {ports.handed[0]} before the trial's rank 0 listened on it" in out, out
+    assert states(load(folder)) == ["COMPLETE"] and sweep.fails_in_a_row == 0, out
+
+
+@pytest.mark.slow
 def test_slurms_warning_signal_while_a_trial_starts_its_ranks_leaves_no_process_behind(tiny_data, tmp_path):
     """SLURM's warning signal to the task's processes while a 2-rank trial starts: the trial's processes ignore it
     until their fit handles it (main.py), the sweep sends the trial's rank 0 SIGTERM, which ends it unsaved (it had

@@ -109,6 +109,32 @@ def describe_lost(rank: int | str, error_text: str) -> str:
     return parts[0] if len(parts) == 1 else "one of " + ", ".join(parts)
 
 
+def taken_port_words(address: str, port: int | str) -> str:
+    """The words that name a rendezvous whose port another process held (the sweep looks for them in a trial's
+    log, sweep/runner.py)."""
+    return f"could not listen on its rendezvous {address}:{port}"
+
+
+def describe_taken_port(error: BaseException) -> str | None:
+    """One paragraph when rank 0's TCPStore could not listen on MASTER_PORT because another process holds it
+    (torch's DistNetworkError, "code: -98, name: EADDRINUSE": torch/csrc/distributed/c10d/socket.cpp), else None.
+    A setting, not a lost peer: the other ranks never met this one."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if "eaddrinuse" in str(error).lower():
+            break
+        error = error.__cause__ or error.__context__
+    else:
+        return None
+    address = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = re.search(r"port: (\d+)", str(error))
+    port = port.group(1) if port else os.environ.get("MASTER_PORT", "?")
+    return (f"Rank 0 {taken_port_words(address, port)}: another process already listens on port {port} "
+            "(EADDRINUSE). Set MASTER_PORT to a free port (every rank the same), or leave it unset on one node so "
+            "that Lightning picks a free one; with torchrun, --master-port or --rdzv-endpoint HOST:PORT.")
+
+
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "recv", "send",
               "timed out", "timeout", "nccl", "gloo", "socket", "store", "distbackenderror", "watchdog")
 

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_app.errors import EXIT_USER_ERROR
 from lightning_app.runs.folders import CHECKPOINTS, HPC_GLOB, LAST
 from lightning_app.runs.identity import record_sweep_outcome
+from lightning_app.strategies.peers import taken_port_words
 from lightning_app.sweep import storage
 from lightning_app.sweep.placement import Ports, pinned, trial_environment
 from lightning_app.sweep.pruning import DIR_ENV, TRIAL_ENV
@@ -34,6 +36,7 @@ DIE_WITH_THE_SWEEP = ["setpriv", "--pdeathsig", "TERM"] if shutil.which("setpriv
 
 MAIN = Path(__file__).resolve().parents[2] / "main.py"
 LOGS = "trials"  # trials/trial_N.log: each trial's output
+PORT_TRIES = 3  # starts of a trial whose rendezvous port another process took first
 MAX_FAILS_IN_A_ROW = 3  # per sweep process: a setting every trial trips over stops the sweep instead of looping
 REPORTER = "lightning_app.sweep.pruning.ReportToStudy"
 
@@ -138,30 +141,22 @@ class Sweep:
 
         args = [*self.base_args, *trial_args(params), f"--trainer.callbacks+={REPORTER}",
                 *(["--ckpt_path", ckpt] if ckpt else [])]
-        port = self.ports.take()
-        env = {**trial_environment(os.environ, getattr(self._local, "gpus", None), port),
-               DIR_ENV: str(self.folder), TRIAL_ENV: str(number), "PYTHONUNBUFFERED": "1"}
-        # A requeued SLURM job's fit takes its own earlier run whatever --ckpt_path says (lightning_app/runs/
-        # resolve.py): here a requeued array task starts new trials too, so each trial is a fresh fit, and an
-        # interrupted one is resumed by its explicit last.ckpt.
-        env.pop("SLURM_RESTART_COUNT", None)
         log = self.folder / LOGS / f"trial_{number}.log"
         log.parent.mkdir(exist_ok=True)
         say(f"trial {number}: {'resuming ' + ckpt if ckpt else 'starting'}, " +
             ", ".join(f"{k}={flag_value(v)}" for k, v in params.items()) + f" (output: {log})")
-        try:
-            with open(log, "a") as out, self._lock:
-                if self.stop.is_set():
-                    return
-                command = pinned([*DIE_WITH_THE_SWEEP, sys.executable, str(MAIN), "fit", *args],
-                                 getattr(self._local, "cpus", None))
-                child = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-                self._children.add(child)
-            code = child.wait()
-        finally:
-            self.ports.give_back(port)
-        with self._lock:
-            self._children.discard(child)
+        for attempt in range(1, PORT_TRIES + 1):
+            port = self.ports.take()
+            try:
+                code = self._run_once(args, number, port, log)
+            finally:
+                self.ports.give_back(port)
+            if code is None:  # the sweep was stopped before the trial started
+                return
+            if attempt == PORT_TRIES or not port_was_taken(code, log, port):
+                break
+            say(f"trial {number}: another process took port {port} before the trial's rank 0 listened on it; "
+                "starting it again on another port.")
         frozen = self.study.get_trials(deepcopy=False)[number]
         values, ended = frozen.intermediate_values, code == 0 and storage.FIT_ENDED in frozen.user_attrs
         run_dir = frozen.user_attrs.get(storage.RUN_DIR)
@@ -192,6 +187,27 @@ class Sweep:
                 return
         with self._lock:
             self.fails_in_a_row = 0
+
+    def _run_once(self, args: list[str], number: int, port: int, log: Path) -> int | None:
+        """One start of the trial's fit on rendezvous port `port`; its exit status, None when the sweep is stopping."""
+        env = {**trial_environment(os.environ, getattr(self._local, "gpus", None), port),
+               DIR_ENV: str(self.folder), TRIAL_ENV: str(number), "PYTHONUNBUFFERED": "1"}
+        # A requeued SLURM job's fit takes its own earlier run whatever --ckpt_path says (lightning_app/runs/
+        # resolve.py): here a requeued array task starts new trials too, so each trial is a fresh fit, and an
+        # interrupted one is resumed by its explicit last.ckpt.
+        env.pop("SLURM_RESTART_COUNT", None)
+        with open(log, "a") as out, self._lock:
+            if self.stop.is_set():
+                return None
+            command = pinned([*DIE_WITH_THE_SWEEP, sys.executable, str(MAIN), "fit", *args],
+                             getattr(self._local, "cpus", None))
+            child = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+            self._children.add(child)
+        try:
+            return child.wait()
+        finally:
+            with self._lock:
+                self._children.discard(child)
 
     def _told_as_before(self, number: int, params: dict[str, Any]) -> bool:
         """A trial whose settings a finished trial had is not run again: it ends as that one did (optuna's FAQ,
@@ -230,6 +246,17 @@ def newest_checkpoint(run_dir: str | None) -> str | None:
         return None
     found = [p for p in (Path(run_dir) / CHECKPOINTS / LAST, *Path(run_dir).glob(HPC_GLOB)) if p.is_file()]
     return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
+
+
+def port_was_taken(code: int, log: Path, port: int) -> bool:
+    """Whether a trial's fit stopped because another process held its rendezvous port (lightning_app/cli.py says so
+    in one paragraph, exit 2): the sweep's free port is free when drawn (placement.Ports), not reserved until the
+    trial's rank 0 listens on it."""
+    if code != EXIT_USER_ERROR:
+        return False
+    with open(log, "rb") as text:
+        text.seek(max(0, log.stat().st_size - 4096))
+        return taken_port_words("127.0.0.1", port) in text.read().decode(errors="replace")
 
 
 def say(line: str) -> None:
