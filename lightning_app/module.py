@@ -20,7 +20,7 @@ from lightning_app.log_steps import logs_this_step
 from lightning_app.lr_schedule import total_steps, warmup_cosine
 from lightning_app.settings import arch_problems
 from models import create_model, own_kwargs
-from models.recipes import Recipe, recipe
+from models.recipes import Recipe, batch_scale, recipe
 
 
 class ImageClassifier(pl.LightningModule):
@@ -200,12 +200,11 @@ class ImageClassifier(pl.LightningModule):
 
     @property
     def scaled_lr(self) -> float:
-        """lr per 256 images scaled to the global batch: linearly for SGD, by the square root for AdamW (timm's
-        train.py: `lr_base_scale` is sqrt for the Ada* and LAMB optimisers, linear otherwise)."""
+        """lr per 256 images scaled to the global batch: linearly for SGD, by the square root for AdamW
+        (models/recipes.py, batch_scale)."""
         accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
-        ratio = self.hparams.global_batch_size * accumulate / 256
         name, lr = self.optim[:2]
-        return lr * (ratio ** 0.5 if name == "adamw" else ratio)
+        return lr * batch_scale(name, self.hparams.global_batch_size * accumulate)
 
     def param_groups(self) -> list[dict]:
         """SGD groups: head first (its rate is the logged one), then the backbone at lr * backbone_lr_scale;
@@ -230,7 +229,8 @@ class ImageClassifier(pl.LightningModule):
     def configure_optimizers(self):
         name, lr, weight_decay, family = self.optim
         if family is not None:
-            rank_zero_info(f"--model.arch {self.hparams.arch}: {name.upper()}, lr {lr:g} per 256 images, weight decay "
+            rate = family.said if self.hparams.lr is None and name == family.optimizer else f"lr {lr:g} per 256 images"
+            rank_zero_info(f"--model.arch {self.hparams.arch}: {name.upper()}, {rate}, weight decay "
                            f"{weight_decay:g} ({family.source}: models/recipes.py) for what the config leaves unset; "
                            "--model.optimizer, --model.lr and --model.weight_decay set them.")
         if name == "adamw":
