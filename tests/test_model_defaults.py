@@ -21,14 +21,33 @@ ARCHS = [("conv11", [], f"SGD, lr 0.4 per 256 images, {SGD}, weight decay 0.0005
          ("timm/convnext_atto", [], f"ADAMW, lr 0.004 per 4096 images, {ADAMW}, weight decay 0.05"),
          ("timm/vit_tiny_patch16_224", ["--model.arch_kwargs", "{timm/vit_tiny_patch16_224: {patch_size: 4}}"],
           f"ADAMW, lr 0.0005 per 512 images, {ADAMW}, weight decay 0.05")]
+CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS = 10, 120, 100
+# A model that learned nothing scores chance (1 / 10) plus binomial noise on the 1,000 validation images: one
+# standard deviation is sqrt(0.1 * 0.9 / 1000) = 0.95 points. Three of them above chance (12.85%) is a score such
+# a model reaches with probability 0.13%.
+CHANCE = 1 / CLASSES
+MARGIN = 3 * math.sqrt(CHANCE * (1 - CHANCE) / (CLASSES * VAL_PER_CLASS))
+# Which archs clear that margin in these 3 epochs. The published recipes are made for 90 to 300 epochs: on 2 CPUs,
+# with these 112 steps (and with 3x the images, 337 steps), ResNet-18 (its stem leaves 8x8 of a 32 px image),
+# ConvNeXt and the ViT stay within 2 points of chance, and timm's ResNet10-T clears it only with 3x the images.
+CLEARS_CHANCE = {"conv11"}
+
+
+@pytest.fixture(scope="module")
+def defaults_data(tmp_path_factory):
+    """The built-in data at 32 px: TRAIN_PER_CLASS training and VAL_PER_CLASS validation images a class (JPEGs)."""
+    from datamodules.builtin.tree import generate
+
+    return generate(tmp_path_factory.mktemp("builtin") / "defaults", "small", train_per_class=TRAIN_PER_CLASS,
+                    val_per_class=VAL_PER_CLASS, progress=False)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("arch", "extra", "said"), ARCHS, ids=[a for a, _, _ in ARCHS])
-def test_an_arch_alone_trains_with_its_familys_recipe(learnable_data, tmp_path, arch, extra, said):
+def test_an_arch_alone_trains_with_its_familys_recipe(defaults_data, tmp_path, arch, extra, said):
     """3 epochs of 1,200 images at 32 px, batch 32, on the default config: the train loss goes down and never
-    runs away. (Its accuracy after so little training is near chance: the figures are in the issue's note.)"""
-    run = run_main(["fit", "--model.arch", arch, *extra, "--data.data_dir", str(learnable_data),
+    runs away, and for the archs of CLEARS_CHANCE the last validation's accuracy clears chance by MARGIN."""
+    run = run_main(["fit", "--model.arch", arch, *extra, "--data.data_dir", str(defaults_data),
                     "--data.batch_size", "32", "--data.num_workers", "0", "--trainer.max_epochs", "3",
                     "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
                     "--model.pictures", "[]", "--trainer.log_every_n_steps", "5"], env={"OMP_NUM_THREADS": "2"})
@@ -38,6 +57,9 @@ def test_an_arch_alone_trains_with_its_familys_recipe(learnable_data, tmp_path, 
     assert len(losses) >= 6 and all(math.isfinite(v) for v in losses), losses
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first and max(losses) < 1.5 * losses[0], losses
+    accuracy = [v for _, v in scalars(tmp_path / "version_0", "val/acc1")]
+    print(f"{arch}: train/loss {losses[0]:.3f} -> {losses[-1]:.3f}, val/acc1 by epoch {accuracy}")
+    assert len(accuracy) == 3 and (arch not in CLEARS_CHANCE or accuracy[-1] > CHANCE + MARGIN), accuracy
 
 
 @pytest.mark.parametrize(("arch", "batch", "published"), [
