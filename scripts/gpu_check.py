@@ -30,8 +30,11 @@ PARTS += [(f"bench gpu {group}", ["-m", "bench", "gpu", "--groups", group, *extr
                                         ("input", [], 180), ("backends", [], 110), ("precision", [], 45),
                                         ("flags", [], 120), ("dali", [], 30), ("dp,ddp", [], 40),
                                         ("powersgd", [], 60))]
-# The template's multi-process paths on one GPU (issue 41): sweep trials sharing it, predict on it against the CPU
+# Where the decode thread's batch goes under training (issue 39): a profiler trace of one --data.decode gpu fit
 PARTS.insert(next(i for i, part in enumerate(PARTS) if part[0] == "bench gpu trainer") + 1,
+             ("bench gpu trace", ["-m", "bench", "gpu", "--groups", "trace"], 120))
+# The template's multi-process paths on one GPU (issue 41): sweep trials sharing it, predict on it against the CPU
+PARTS.insert(next(i for i, part in enumerate(PARTS) if part[0] == "bench gpu trace") + 1,
              ("pytest -m gpu clusters", ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-p",
                                          "no:randomly", "--timeout", "150", "-rfEs", "--tb=short",
                                          "tests/test_sweep.py", "tests/test_predict.py"], 150))
@@ -129,8 +132,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", default=None, help="comma list of parts to run, by their last word (gpu, mutants, "
-                    "ceiling, trainer, input, clusters, backends, precision, flags, dali, ddp, powersgd): a rerun of "
-                    "the ones that failed; default all")
+                    "ceiling, trainer, trace, input, clusters, backends, precision, flags, dali, ddp, powersgd): a "
+                    "rerun of the ones that failed; default all")
     ap.add_argument("--deadline-s", type=float, default=DEADLINE_S, help=f"the whole check (default {DEADLINE_S})")
     ap.add_argument("--rehearse-on-cpu", action="store_true", help="without CUDA, run every part anyway at a tiny "
                     "size (bench gpu --allow-cpu): a test of this runner, never a result")

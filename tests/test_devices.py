@@ -119,7 +119,7 @@ def test_the_gpu_check_stops_without_a_usable_gpu_and_its_runner_reports_every_p
     report = json.loads((tmp_path / "cpu" / "gpu-check.json").read_text())
     parts = {p["part"]: p for p in report["parts"]}
     groups = ("backends", "precision", "flags", "dali", "dp,ddp", "powersgd")
-    assert list(parts) == ["pytest -m gpu", "gpu mutants", "bench gpu ceiling", "bench gpu trainer",
+    assert list(parts) == ["pytest -m gpu", "gpu mutants", "bench gpu ceiling", "bench gpu trainer", "bench gpu trace",
                            "pytest -m gpu clusters", "bench gpu input", *(f"bench gpu {g}" for g in groups)]
     assert parts["pytest -m gpu clusters"]["status"] == "ok"  # its tests skip here
     assert all(p["status"] == "ok" for name, p in parts.items() if name.startswith("bench")), parts
@@ -129,6 +129,7 @@ def test_the_gpu_check_stops_without_a_usable_gpu_and_its_runner_reports_every_p
     assert rows[("compute ceiling", "compute ceiling")]["status"] == "ok"
     assert all(c["status"] == "skipped" for (group, _), c in rows.items() if group == "trainer")
     assert rows[("input", "VERDICT")]["status"] == "ok"
+    assert rows[("trace", "decode gpu, where a batch's time goes")]["status"] == "ok"  # its CPU path's ranges
     assert (tmp_path / "cpu" / "gpu-check.md").read_text().startswith("# GPU check, ")
     assert report["verdict"].startswith("rehearsal on a CPU, not a check") and "passed" not in report["verdict"]
     assert rehearsal.returncode == 0, rehearsal.stdout[-3000:]

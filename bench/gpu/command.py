@@ -13,7 +13,9 @@ goes with real JPEGs: the ImageFolder loader alone (to the device and normalised
 workers (capped at the CPUs), the best count with pin_memory off, end-to-end training and the step alone at that
 count, one core's decode + crop rate (x the workers: the CPU decode ceiling), the training process's CPU, and a
 VERDICT naming the limit (decode CPU, the main process, contention, the H2D copy / pinning, or the GPU step) with
-its arithmetic (bench/gpu/input.py).
+its arithmetic (bench/gpu/input.py). The `trace` group profiles one `--data.decode gpu` fit and says where the
+decode thread's batch goes: waiting on the GPU, launching, copying, allocating or its own host work, with the
+trace for Perfetto (bench/gpu/trace.py).
 
 Without a usable CUDA device it says so in one paragraph and exits 2. `--allow-cpu` rehearses on a CPU
 instead: every GPU row skipped with its reason, the compute ceiling (at a small size) and the backend shares
@@ -33,9 +35,10 @@ from bench.gpu import checks as gc
 from bench.gpu import input as gi
 from bench.gpu import parallel as gp
 from bench.gpu import powersgd as gpsgd
+from bench.gpu import trace as gt
 from bench.gpu.checks import Check, Workload
 from bench.gpu.data import NO_CUDA, backend_rows, batches_needed, dali_rows
-from bench.gpu.trainer import NAMES, trainer_rows
+from bench.gpu.trainer import DATA_WARMUP, NAMES, trainer_rows
 
 NO_USABLE_CUDA = (
     "bench gpu: no usable CUDA device here (torch.cuda.is_available() is False), so there is no GPU path to check "
@@ -44,7 +47,7 @@ NO_USABLE_CUDA = (
     "or pass --allow-cpu to rehearse the rows that run on a CPU."
 )
 
-GROUPS = ("ceiling", "trainer", "backends", "input", "dali", "precision", "flags", "dp", "ddp", "powersgd")
+GROUPS = ("ceiling", "trainer", "backends", "input", "dali", "precision", "flags", "dp", "ddp", "powersgd", "trace")
 # On a CPU the same code runs, small enough to finish in a minute or two.
 DEFAULTS = {"cuda": {"image_size": 224, "batch_size": 256, "steps": 30, "warmup": 10},
             "cpu": {"image_size": 64, "batch_size": 16, "steps": 3, "warmup": 1}}
@@ -157,7 +160,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         skipped("compute ceiling", ["compute ceiling"], "not selected (--groups)")
     # one tree for every data group, large enough for the longest window (the input group's: whole rounds of workers)
     batches = max([batches_needed(w)] * bool(groups & {"backends", "dali", "trainer"})
-                  + [gi.batches_needed(w, gi.worker_counts(cuda))] * ("input" in groups), default=0)
+                  + [gi.batches_needed(w, gi.worker_counts(cuda))] * ("input" in groups)
+                  + [max(w.warmup, DATA_WARMUP) + w.steps] * ("trace" in groups), default=0)
     root = _root(args, w, batches) if batches else None
     if "trainer" not in groups:
         skipped("trainer", NAMES, "not selected (--groups)")
@@ -193,6 +197,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             skipped(label, names, NO_CUDA)
         else:
             checks += guarded(label, names[0], lambda fn=fn: fn(w))
+    if "trace" in groups:  # on a CPU too: the same fit on the decode's CPU path, its ranges without CUDA calls
+        checks += guarded(gt.GROUP, gt.NAME, lambda: [gt.trace_row(w, root, args.num_workers, Path(args.out))])
+    else:
+        skipped(gt.GROUP, [gt.NAME], "not selected (--groups)")
     from bench.report import machine_info
 
     return {"checks": [c.as_dict() for c in checks], "gpu": gpu_info(), "machine": machine_info(),

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
+from torch.profiler import record_function
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from datamodules.errors import DataError
@@ -47,6 +48,7 @@ from datamodules.sample.encoded import EncodedBatch
 
 Describe = Callable[[int, Exception], str]  # (sample id, error) -> the message naming the file
 DECODED_BYTES = 3 * 500 * 400  # a decoded ImageNet-sized JPEG (about 500 x 400 px), uint8 RGB
+JPEG_RANGE, RESIZE_RANGE = "fic.decode.jpeg", "fic.decode.resize"  # a batch's two parts, named in a profiler's trace
 BATCHES_ON_DEVICE = 2  # the batch the step trains on, and the one decoded ahead
 
 
@@ -146,11 +148,13 @@ class DeviceDecode:
         shape, stride, _ = batch_layout(n, size)
         slots = batch.slots.tolist()
         start = time.perf_counter()
-        images = self._decode(batch, batch.offsets.tolist()) if slots else []
+        with record_function(JPEG_RANGE):  # named ranges for a profiler's trace (bench/gpu/trace.py)
+            images = self._decode(batch, batch.offsets.tolist()) if slots else []
         decoded = time.perf_counter()
-        table, spans = resize_plan(images, batch.plans, size) if slots else (batch.plans, [])
-        out, labels = build_on_device()(images, table, spans, size, list(shape), list(stride), batch.slots,
-                                        batch.pixels, batch.pixel_slots, batch.labels, self.device)
+        with record_function(RESIZE_RANGE):
+            table, spans = resize_plan(images, batch.plans, size) if slots else (batch.plans, [])
+            out, labels = build_on_device()(images, table, spans, size, list(shape), list(stride), batch.slots,
+                                            batch.pixels, batch.pixel_slots, batch.labels, self.device)
         if slots:
             self.waits.jpeg += decoded - start
             self.waits.crop += time.perf_counter() - decoded
