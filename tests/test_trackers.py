@@ -295,23 +295,31 @@ def test_a_run_of_an_older_file_store_resumes_there_and_a_new_one_starts_in_sqli
 
 
 @pytest.mark.slow  # two real fits in subprocesses
-def test_a_resume_that_drops_mlflow_ends_its_run_and_one_that_adds_wandb_says_so(tiny_data, tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one process", "two ranks, SIGTERM to rank 1"])
+def test_a_resume_that_drops_mlflow_ends_its_run_and_one_that_adds_wandb_says_so(tiny_data, tmp_path, ranks):
     """A fit with MLflow stopped by SIGTERM, resumed with TensorBoard and W&B: the MLflow run ends FINISHED (not
-    left as the stop left it), and the start-up line says which tracker runs continue, end and begin."""
+    left as the stop left it), and the start-up line says which tracker runs continue, end and begin. With two
+    ranks (gloo; the signal to rank 1 only, the stop agreed by both): all of it once, from rank 0, and no tracker
+    run of rank 1's own."""
     from mlflow.tracking import MlflowClient
 
     root = tmp_path / "logs"
     base = ["fit", *quick_args(tiny_data, root, epochs=2, batch=40), "--data.image_size", "16",
-            "--trainer.num_sanity_val_steps", "0", "--model.pictures", "[]"]
+            "--trainer.num_sanity_val_steps", "0", "--model.pictures", "[]",
+            *(["--trainer.strategy", "ddp", "--trainer.devices", "2"] if ranks == 2 else [])]
     stop = ["--trainer.callbacks+=tests.helpers.callbacks.SignalAt", "--trainer.callbacks.epoch=1",
-            "--trainer.callbacks.batch=1", "--trainer.callbacks.sig=SIGTERM"]
+            "--trainer.callbacks.batch=1", "--trainer.callbacks.sig=SIGTERM", f"--trainer.callbacks.rank={ranks - 1}"]
     _run([], [*base, "--trackers", "[tensorboard, mlflow]", *stop])
     run_id = json.loads((root / "version_0" / "run.json").read_text())["trackers"]["mlflow"]["run_id"]
     client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     assert client.get_run(run_id).info.status != "FINISHED"  # stopped mid-fit
     out = _run([], [*base, "--trackers", "[tensorboard, wandb]", "--ckpt_path", "last"])
     wandb_id = json.loads((root / "version_0" / "run.json").read_text())["trackers"]["wandb"]["id"]
-    line = next(x for x in out.splitlines() if "trackers on resume: " in x)
-    assert f"MLflow run {run_id} ends here, FINISHED (mlflow is not in --trackers now)" in line, line
-    assert f"W&B begins run {wandb_id}" in line, line
+    lines = [x for x in out.splitlines() if "trackers on resume: " in x]
+    assert len(lines) == 1, out[-3000:]
+    assert f"MLflow run {run_id} ends here, FINISHED (mlflow is not in --trackers now)" in lines[0], lines
+    assert f"W&B begins run {wandb_id}" in lines[0], lines
+    assert [r.info.run_id for r in _mlflow_runs(root)[1]] == [run_id]
     assert client.get_run(run_id).info.status == "FINISHED"
+    folders = glob.glob(str(root / "version_0" / "wandb" / "offline-run-*"))
+    assert len(folders) == 1 and folders[0].endswith(f"-{wandb_id}"), folders
