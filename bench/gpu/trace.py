@@ -53,9 +53,9 @@ def call_kind(name: str) -> str:
 
 
 def spans(trace: dict) -> list[Span]:
-    """The ranges, runtime calls and device work of a chrome trace as torch.profiler exports it (kineto's
-    categories: user_annotation for a range on a thread, cuda_runtime / cuda_driver, kernel / gpu_memcpy /
-    gpu_memset on a stream, whose "tid" is the stream's id)."""
+    """The ranges, runtime calls and device work of a chrome trace as torch.profiler exports it, by kineto's
+    categories (libkineto/src/ActivityType.cpp): user_annotation for a range on a thread, cuda_runtime and
+    cuda_driver for a call, kernel, gpu_memcpy and gpu_memset on a stream (its id in args.stream, else "tid")."""
     out = []
     for e in trace.get("traceEvents", []):
         if e.get("ph") != "X" or "dur" not in e:
