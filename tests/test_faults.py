@@ -5,6 +5,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -169,3 +170,24 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@pytest.mark.parametrize("launcher", ["running elsewhere", "gone"])
+def test_a_launching_ranks_name_inherited_through_another_launcher_is_ignored_unless_it_has_ended(launcher):
+    """A rank 0 names itself in os.environ for the ranks it starts; a process that made a strategy in-process (a
+    test runner, a notebook) and then starts torchrun or srun passes that name on to ranks it is not the parent
+    of. Such a rank goes on while the named process runs (it exited at once before: torchrun's rank 1 would
+    have), and ends in one line if the named process has ended."""
+    if launcher == "gone":
+        ended = subprocess.Popen([sys.executable, "-c", "pass"])
+        ended.wait()
+        pid = ended.pid
+    else:
+        pid = os.getppid()  # this test process's parent: running, and not the child's parent
+    code = "from lightning_app.strategies.launched_ranks import die_with_the_launching_rank as d; d(); print('on')"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
+                         env={**os.environ, "LOCAL_RANK": "1", "FIC_LAUNCHING_RANK_PID": str(pid)})
+    if launcher == "gone":
+        assert run.returncode == 1 and f"(pid {pid}) has ended; this rank ends too" in run.stderr, run.stderr
+    else:
+        assert run.returncode == 0 and run.stdout.strip() == "on", run.stdout + run.stderr

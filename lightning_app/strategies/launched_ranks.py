@@ -24,15 +24,32 @@ def name_the_launching_rank() -> None:
 
 
 def die_with_the_launching_rank() -> None:
-    """In a local rank the launcher started: SIGKILL when rank 0 ends; if it has ended already, end now."""
+    """In a local rank the launcher started: SIGKILL when rank 0 ends; if it has ended already, end now. A name
+    inherited through another launcher (torchrun, srun, a test runner that made a strategy in-process) whose
+    process still runs is not this rank's parent: ignored."""
     launcher = os.environ.pop(LAUNCHER_ENV, "")
     local_rank = os.environ.get("LOCAL_RANK", "0")
     if not launcher.isdigit() or local_rank in ("", "0"):
         return
-    from datamodules.processes.exits import die_with_parent
+    pid = int(launcher)
+    if os.getppid() == pid:
+        from datamodules.processes.exits import die_with_parent
 
-    die_with_parent()
-    if os.getppid() != int(launcher):  # rank 0 ended before the line above: no signal will come
-        os.write(2, f"[rank: {local_rank}] the rank 0 process that started this one (pid {launcher}) has ended; "
-                    "this rank ends too (rank 0's own output says why).\n".encode())
-        os._exit(1)
+        die_with_parent()
+        if os.getppid() == pid:
+            return
+    elif _running(pid):
+        return
+    # rank 0 ended before die_with_parent took hold (this process was handed to another parent): no signal will come
+    os.write(2, f"[rank: {local_rank}] the rank 0 process that started this one (pid {pid}) has ended; this rank "
+                "ends too (rank 0's own output says why).\n".encode())
+    os._exit(1)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (not gone, not a zombie: a parent that has exited but is not yet reaped), proc(5)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
