@@ -93,10 +93,11 @@ def summarise(events: list[Span], steps: int) -> dict:
     """Per range name: batches, wall ms per batch, and ms per batch of the decode thread's runtime calls inside it
     by kind; per stream: kernels and copies per step and busy ms per step."""
     parts: dict[str, dict] = {}
-    runtime = defaultdict(list)
-    for s in events:
-        if s.kind == "runtime":
-            runtime[s.where].append(s)
+    runtime = defaultdict(list)  # thread -> its outermost calls (a runtime call's own driver calls nest in it)
+    for s in sorted((s for s in events if s.kind == "runtime"), key=lambda s: (s.start, -s.end)):
+        calls_of = runtime[s.where]
+        if not calls_of or s.start >= calls_of[-1].end:
+            calls_of.append(s)
     for name in RANGES:
         ranges = [s for s in events if s.kind == "range" and s.name == name]
         calls: dict[str, float] = defaultdict(float)
@@ -121,7 +122,8 @@ def summarise(events: list[Span], steps: int) -> dict:
 
 
 def verdict(summary: dict) -> str:
-    """'nvJPEG call 30.1 ms a batch: wait 24.0, launch 1.2, ...; largest: wait (the host waits for the GPU)'."""
+    """'fic.decode.jpeg 30.1 ms a batch (wait 24.0, launch 1.2, host 4.9); fic.decode.resize ...; largest: wait in
+    fic.decode.jpeg (the host waits for the GPU), 24.0 ms'."""
     said = []
     largest = ("", 0.0)
     meaning = {"wait": "the host waits for the GPU", "launch": "launching kernels", "copy": "copies",
