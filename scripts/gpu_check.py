@@ -22,8 +22,9 @@ DEADLINE_S = 560  # the whole check; a 10-minute device call keeps 40 s of slack
 # (part, command after `python`, its own timeout in seconds), in order; the bench groups of bench/gpu/command.py.
 # Limits from the first run on an H200 (bench/results/gpu-check-h200.md): startup (torch, CUDA, cuDNN) alone takes
 # 10-15 s, compiling ResNet-50 about 40 s.
-PARTS = [("pytest -m gpu", ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                            "--timeout", "150", "-rfEs", "--tb=short"], 180),
+PYTEST_GPU = ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "--timeout", "150",
+              "-rfEs", "--tb=short"]
+PARTS = [("pytest -m gpu", PYTEST_GPU, 180),
          ("gpu mutants", ["scripts/gpu_mutants.py"], 150)]
 PARTS += [(f"bench gpu {group}", ["-m", "bench", "gpu", "--groups", group, *extra], seconds)
           for group, extra, seconds in (("ceiling", [], 60), ("trainer", ["--synthetic", "ceiling"], 300),
@@ -35,9 +36,7 @@ PARTS.insert(next(i for i, part in enumerate(PARTS) if part[0] == "bench gpu tra
              ("bench gpu trace", ["-m", "bench", "gpu", "--groups", "trace"], 120))
 # The template's multi-process paths on one GPU (issue 41): sweep trials sharing it, predict on it against the CPU
 PARTS.insert(next(i for i, part in enumerate(PARTS) if part[0] == "bench gpu trace") + 1,
-             ("pytest -m gpu clusters", ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-p",
-                                         "no:randomly", "--timeout", "150", "-rfEs", "--tb=short",
-                                         "tests/test_sweep.py", "tests/test_predict.py"], 150))
+             ("pytest -m gpu clusters", [*PYTEST_GPU, "tests/test_sweep.py", "tests/test_predict.py"], 150))
 # What issue 39 asks of a GPU first comes first: the decode's CUDA tests with their defects put back
 # (scripts/gpu_mutants.py), the step alone and the decode rows (trainer), then where the input time goes (input);
 # the rows earlier runs have measured (bench/results/gpu-check-h200*.md) take what is left of the deadline. The
