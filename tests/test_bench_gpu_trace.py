@@ -31,10 +31,13 @@ def test_runtime_calls_count_in_the_range_of_their_own_thread_and_streams_by_the
     assert jpeg["batches"] == 2 and jpeg["wall_ms"] == 25.0
     assert jpeg["calls_ms"] == {"wait": 17.0} and jpeg["calls"] == {"wait": 1.0} and jpeg["host_ms"] == 8.0
     assert resize["calls_ms"] == {"allocate": 2.0, "launch": 0.01} and resize["calls"]["launch"] == 1.0
-    assert summary["streams"][7] == {"items_per_step": 1.0, "busy_ms_per_step": 7.5}
+    # the device's window is 0 .. 15 ms: 7.5 ms a step, stream 7 busy all of it (two overlapping kernels)
+    assert summary["step_ms"] == 7.5
+    assert summary["streams"][7] == {"items_per_step": 1.0, "busy_ms_per_step": 7.5, "busy_share": 1.0}
     assert summary["streams"][13]["busy_ms_per_step"] == 2.0
     said = gt.verdict(summary)
     assert said.startswith(f"{JPEG} 25.0 ms a batch (wait 17.0, host 8.0)") and "largest: wait in" in said, said
+    assert "a step 7.5 ms on the device, its busiest stream busy 100% of it" in said, said
 
 
 def test_kinetos_chrome_trace_is_read_by_category_and_stream():
@@ -72,4 +75,4 @@ def test_the_trace_group_runs_on_a_cpu(tiny_data, tmp_path):
     for name in gt.RANGES:
         part = row["extra"]["parts"][name]
         assert 2 <= part["batches"] <= 3 and part["wall_ms"] > 0 and part["calls_ms"] == {}, part
-    assert row["extra"]["streams"] == {} and f"{JPEG} " in row["verdict"], row
+    assert row["extra"]["streams"] == {} and row["extra"]["step_ms"] is None and f"{JPEG} " in row["verdict"], row

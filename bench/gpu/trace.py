@@ -9,7 +9,8 @@ only the thread that starts the profiler) and CUPTI every thread's CUDA runtime 
 OS thread id. From them:
 - per batch, each part's wall time and, inside it on the decode thread, the CUDA calls by what they do: wait
   (stream, event and device syncs: the host waits for the GPU), launch, copy, allocate, other;
-- per step, each CUDA stream's kernels and copies: how many, and how long the stream was busy.
+- per step, each CUDA stream's kernels and copies: how many, and how long the stream was busy, also as a share
+  of the step's span on the device (a training stream that waits for the decode's batch is idle in between).
 The verdict names what fills most of the decode thread's batch. The trace itself is written beside the results
 (chrome JSON, gzip; open it in Perfetto). On a CPU (--allow-cpu) the same fit runs on the decode's CPU path with
 CPU activities only: the ranges, no CUDA calls.
@@ -113,12 +114,16 @@ def summarise(events: list[Span], steps: int) -> dict:
                        "calls_ms": {k: v / n / 1e3 for k, v in sorted(calls.items())} if n else {},
                        "calls": {k: v / n for k, v in sorted(counts.items())} if n else {},
                        "host_ms": (wall - sum(calls.values())) / n / 1e3 if n else None}
+    device = [s for s in events if s.kind == "device"]
+    # a step on the device: from the first piece of device work of the window to the last, over the steps
+    step_ms = (max(s.end for s in device) - min(s.start for s in device)) / steps / 1e3 if device else None
     streams: dict[int, dict] = {}
-    for stream in sorted({s.where for s in events if s.kind == "device"}):
-        work = [s for s in events if s.kind == "device" and s.where == stream]
-        streams[stream] = {"items_per_step": len(work) / steps,
-                           "busy_ms_per_step": union([(s.start, s.end) for s in work]) / steps / 1e3}
-    return {"parts": parts, "streams": streams}
+    for stream in sorted({s.where for s in device}):
+        work = [s for s in device if s.where == stream]
+        busy = union([(s.start, s.end) for s in work]) / steps / 1e3
+        streams[stream] = {"items_per_step": len(work) / steps, "busy_ms_per_step": busy,
+                           "busy_share": busy / step_ms if step_ms else None}
+    return {"parts": parts, "streams": streams, "step_ms": step_ms}
 
 
 def verdict(summary: dict) -> str:
@@ -138,6 +143,10 @@ def verdict(summary: dict) -> str:
         for k, v in shares.items():
             if v > largest[1]:
                 largest = (f"{k} in {name} ({meaning[k]})", v)
+    if summary.get("step_ms"):  # the busiest stream is the training step's
+        busiest = max(summary["streams"].values(), key=lambda v: v["busy_ms_per_step"])
+        said.append(f"a step {summary['step_ms']:.1f} ms on the device, its busiest stream busy "
+                    f"{busiest['busy_share']:.0%} of it")
     return "; ".join(said) + (f"; largest: {largest[0]}, {largest[1]:.1f} ms" if largest[0] else "")
 
 
