@@ -71,6 +71,21 @@ def _gpus_visible_again(monkeypatch):
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _stop_signals_as_they_were():
+    """The stop signals' handlers after each test as before it. A process started by a later test inherits an
+    ignored signal (an ignored disposition survives exec, and Python then installs no handler of its own): a
+    SIGINT left ignored in this process by an in-process run made every tool a later test starts ignore the
+    group's Ctrl-C (tests/test_tools.py's SIGINT cases, after others in CI's slow part 2/6)."""
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for sig, handler in before.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """The built-in dataset, 'tiny' preset: 10 classes x (24 train, 8 val), 32 px JPEGs."""
