@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.helpers.cli import quick_args, run_main
-from tests.helpers.processes import start_nodes
+from tests.helpers.processes import running, start_nodes
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -146,11 +146,11 @@ def test_a_rank_ends_with_the_rank_0_that_started_it(tiny_data, tmp_path, when):
         os.kill(proc.pid, signal.SIGKILL)
         finish(proc, 30)
         deadline = time.monotonic() + 30
-        while _alive(rank1):
+        while running(rank1):
             assert time.monotonic() < deadline, f"rank 1 (pid {rank1}) outlived rank 0:\n{log.read_text()[-3000:]}"
             time.sleep(0.1)
     finally:
-        for pid in [proc.pid] + ([rank1] if rank1 and _alive(rank1) else []):
+        for pid in [proc.pid] + ([rank1] if rank1 and running(rank1) else []):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
     if when == "importing":
@@ -163,13 +163,6 @@ def _runs_main(pid: int) -> bool:
     except OSError:
         return False
 
-
-def _alive(pid: int) -> bool:
-    """Running, not a zombie (a dead child of the test's own process would stay one until waited for)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("launcher", ["running elsewhere", "gone"])

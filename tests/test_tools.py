@@ -15,6 +15,7 @@ import pytest
 
 from datamodules.processes.exits import descendants
 from tests.helpers import REPO
+from tests.helpers.processes import running
 
 STOPPED = {signal.SIGINT: ("stopped by SIGINT (Ctrl-C)", 130), signal.SIGTERM: ("stopped by SIGTERM", 143)}
 
@@ -90,7 +91,7 @@ def _stop_midway(args: list[str], started: Path | float, sig: int = signal.SIGIN
     time.sleep(1)
     # no worker of the tool outlives it, nor anything it started elsewhere (zombies are dead: a container's PID 1
     # may not reap what a SIGKILLed tool leaves it)
-    alive = [pid for pid in {*started_by_it, *_group(proc.pid)} if _alive(pid)]
+    alive = [pid for pid in {*started_by_it, *_group(proc.pid)} if running(pid)]
     assert not alive, f"{args}: {[_command(pid) for pid in alive]} outlived the tool\n{(out + err)[-2000:]}"
     return proc.returncode, out + err
 
@@ -105,12 +106,6 @@ def _group(pgid: int) -> list[int]:
             continue
     return found
 
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _command(pid: int) -> str:

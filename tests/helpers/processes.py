@@ -48,6 +48,14 @@ def stack_env(env: dict[str, str]) -> dict[str, str]:
     return env if PY_SPY else {**env, "PYTHONFAULTHANDLER": "1"}
 
 
+def running(pid: int) -> bool:
+    """Whether process `pid` runs: there, and not a zombie (a dead child not yet waited for), proc(5)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def process_tree(pid: int) -> list[int]:
     """pid and every descendant of it (Linux /proc), parents first."""
     tree = [pid]
