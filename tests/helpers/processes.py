@@ -219,8 +219,11 @@ def in_processes(fn, n: int, *args, method: str = "fork", timeout: float = 120) 
                         raise RuntimeError(f"process {dead[0][0]} of {fn.__qualname__} died (exit status "
                                            f"{dead[0][1]})") from None
                 elif time.monotonic() > deadline:
-                    raise TimeoutError(f"{n - len(got)} of {n} processes of {fn.__qualname__} still ran after "
-                                       f"{timeout} s") from None
+                    late = TimeoutError(f"{n - len(got)} of {n} processes of {fn.__qualname__} still ran after "
+                                        f"{timeout} s")
+                    late.add_note("".join(_stack(p.pid) for rank, p in enumerate(procs) if rank not in got)
+                                  or "(faulthandler printed their stacks to stderr)")
+                    raise late from None
                 else:
                     continue
             if not ok:
