@@ -3,6 +3,7 @@ fixture is in tests/helpers/."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import zlib
 from pathlib import Path
@@ -51,6 +52,12 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def pytest_sessionstart(session) -> None:
+    # A runner that starts the suite as a background job of a script (`cmd &`, job control off) starts it with
+    # SIGINT ignored (POSIX), Python then installs no handler of its own, and an ignored disposition survives exec:
+    # every tool a test starts would ignore the Ctrl-C that test_tools.py sends it. The tests stand in for a
+    # terminal's foreground job, where SIGINT is Python's default.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if DALI_MISSING and os.environ.get(REQUIRE_DALI_ENV) == "1":
         pytest.exit(f"{REQUIRE_DALI_ENV}=1 and DALI's tests cannot run: they {DALI_MISSING}", returncode=1)
 
@@ -73,12 +80,8 @@ def _gpus_visible_again(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _stop_signals_as_they_were():
-    """The stop signals' handlers after each test as before it. A process started by a later test inherits an
-    ignored signal (an ignored disposition survives exec, and Python then installs no handler of its own): a
-    SIGINT left ignored in this process by an in-process run made every tool a later test starts ignore the
-    group's Ctrl-C (tests/test_tools.py's SIGINT cases, after others in CI's slow part 2/6)."""
-    import signal
-
+    """The stop signals' handlers after each test as before it: an in-process run that left one ignored would make
+    every process a later test starts ignore it too (see pytest_sessionstart)."""
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     yield
     for sig, handler in before.items():
