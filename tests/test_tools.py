@@ -17,6 +17,7 @@ from datamodules.processes.exits import descendants
 from tests.helpers import REPO
 from tests.helpers.processes import running
 
+SETTLE_S = 15
 STOPPED = {signal.SIGINT: ("stopped by SIGINT (Ctrl-C)", 130), signal.SIGTERM: ("stopped by SIGTERM", 143)}
 
 
@@ -88,10 +89,14 @@ def _stop_midway(args: list[str], started: Path | float, sig: int = signal.SIGIN
     started_by_it = descendants(proc.pid)
     os.killpg(proc.pid, sig) if whole_group else os.kill(proc.pid, sig)
     out, err = proc.communicate(timeout=120)
-    time.sleep(1)
     # no worker of the tool outlives it, nor anything it started elsewhere (zombies are dead: a container's PID 1
-    # may not reap what a SIGKILLed tool leaves it)
-    alive = [pid for pid in {*started_by_it, *_group(proc.pid)} if running(pid)]
+    # may not reap what a SIGKILLed tool leaves it). A fit's fork server started just before the signal reads its
+    # alive pipe's end-of-file only once its preload is imported (multiprocessing/forkserver.py, `main`: seconds of
+    # torch), and its resource tracker ends after it: they get SETTLE_S to end by themselves.
+    deadline = time.monotonic() + SETTLE_S
+    while (alive := [pid for pid in {*started_by_it, *_group(proc.pid)} if running(pid)]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not alive, f"{args}: {[_command(pid) for pid in alive]} outlived the tool\n{(out + err)[-2000:]}"
     return proc.returncode, out + err
 
