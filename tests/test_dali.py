@@ -348,7 +348,7 @@ def test_dali_trains_like_imagefolder_and_its_checkpoint_validates_there(learnab
     """Same budget on both backends; the DALI checkpoint then validated by the ImageFolder backend."""
     from lightning_app.cli import ClassifierCLI
 
-    common = quick_args(learnable_data, tmp_path, epochs=8, batch=32, width=16)
+    common = quick_args(learnable_data, tmp_path, epochs=20, batch=32, width=16)
     dali_cli = ClassifierCLI(args=["fit", "--config", "configs/data/dali.yaml", *common, "--data.num_threads", "2",
                                    "--trainer.default_root_dir", str(tmp_path / "dali")])
     folder_cli = ClassifierCLI(args=["fit", *common, "--trainer.default_root_dir", str(tmp_path / "folder")])
@@ -359,9 +359,10 @@ def test_dali_trains_like_imagefolder_and_its_checkpoint_validates_there(learnab
                                             ckpt_path=ckpt)[0]["val/acc1"]
     print(f"val/acc1: DALI {dali_acc:.4f}, ImageFolder {folder_acc:.4f}, "
           f"DALI checkpoint on ImageFolder {cross_acc:.4f}")
-    assert dali_acc > 0.35 and folder_acc > 0.35, "a run did not learn: the comparison would measure noise"
-    # The two draw different crops from different generators, and 8 epochs of a small net on 300 val images are
-    # noisy (DALI 0.52 against ImageFolder 0.42 on an AVX2-only AMD EPYC): a DALI that learns less is the defect
+    assert dali_acc > 0.6 and folder_acc > 0.6, "a run did not learn: the comparison would measure noise"
+    # The two draw different crops from different generators. At 8 epochs both were still climbing and a run's seed
+    # moved it by more than the backend did (3 seeds here: DALI 0.38-0.45, ImageFolder 0.27-0.49); at 20 they are
+    # near their plateau (DALI 0.75-0.79, ImageFolder 0.73-0.80): a DALI that learns less is the defect
     assert dali_acc > folder_acc - 0.08
     assert abs(cross_acc - dali_acc) <= 0.02
 
