@@ -164,7 +164,6 @@ def _runs_main(pid: int) -> bool:
         return False
 
 
-
 @pytest.mark.parametrize("launcher", ["running elsewhere", "gone"])
 def test_a_launching_ranks_name_inherited_through_another_launcher_is_ignored_unless_it_has_ended(launcher):
     """A rank 0 names itself in os.environ for the ranks it starts; a process that made a strategy in-process (a

@@ -112,7 +112,6 @@ def _group(pgid: int) -> list[int]:
     return found
 
 
-
 def _command(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
