@@ -84,7 +84,7 @@ def _ensure(rank: int, preset: str, root: Path, kw: dict) -> Path:  # in a spawn
 
 def test_ensure_builtin_from_two_processes(tmp_path):
     kw = {"train_per_class": 6, "val_per_class": 2, "progress": False}
-    paths = in_processes(_ensure, 2, "tiny", tmp_path, kw, method="spawn")  # like two DDP ranks starting at once
+    paths = in_processes(_ensure, 2, "tiny", tmp_path, kw)  # like two DDP ranks starting at once
     assert paths[0] == paths[1] == tmp_path / "tiny-6-2-s0"
     assert json.loads((paths[0] / MARKER).read_text())["train_per_class"] == 6
     assert len(list(paths[0].rglob("*.jpg"))) == 10 * (6 + 2)

@@ -249,7 +249,7 @@ def _race_for_the_lock(rank: int, run: Path) -> str:
 def test_processes_starting_at_once_get_one_lock(tmp_path, clean_env):
     run = tmp_path / "version_0"
     run.mkdir()
-    # real processes, forked (no fresh interpreter each), released at the same instant
+    # real processes, released at the same instant
     outcomes = sorted(in_processes(_race_for_the_lock, 4, run, timeout=60))
     assert outcomes == ["held", "refused", "refused", "refused"]
 

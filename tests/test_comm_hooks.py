@@ -86,7 +86,7 @@ def _two_gloo_processes(rank: int, store_path: str, out_dir: str) -> None:
 def test_every_hook_trains_two_real_gloo_processes(tmp_path):
     if not comm_hooks._bf16_hook_allowed():
         pytest.skip("this torch has no NCCL >= 2.10: DDP refuses the bf16 hook (the refusal is tested below)")
-    in_processes(_two_gloo_processes, 2, str(tmp_path / "store"), str(tmp_path), method="spawn", timeout=300)
+    in_processes(_two_gloo_processes, 2, str(tmp_path / "store"), str(tmp_path), timeout=300)
     for rank in (0, 1):
         report = torch.load(tmp_path / f"rank{rank}.pt")
         assert all(r["same_weights"] for r in report.values()), report
@@ -192,7 +192,7 @@ def _overflow_once(rank: int, store_path: str, inf_step: int) -> dict:
 
 def test_powersgd_state_stays_finite_after_a_gradscaler_overflow(tmp_path):
     inf_step = 5  # PowerSGD runs from step 2
-    for got in in_processes(_overflow_once, 2, str(tmp_path / "store"), inf_step, method="spawn", timeout=120):
+    for got in in_processes(_overflow_once, 2, str(tmp_path / "store"), inf_step, timeout=120):
         assert got["finite"][:inf_step] == [True] * inf_step and not got["finite"][inf_step]
         assert all(got["finite"][inf_step + 1:]), got["finite"]  # every later all-reduced gradient is finite
         assert got["scale"][-1] == 2.0 ** 9  # one skipped step: the scale halved once

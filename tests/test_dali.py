@@ -472,7 +472,7 @@ def _val_batches_of_rank(rank: int, data: str) -> dict:
 @pytest.mark.slow
 def test_uneven_val_shards_never_give_a_rank_an_empty_batch(tmp_path):
     data = make_tree(tmp_path / "eleven", {"a": 6, "b": 5})  # 11 val images, 2 ranks of 5 per batch
-    ranks = in_processes(_val_batches_of_rank, 2, str(data), method="spawn", timeout=180)
+    ranks = in_processes(_val_batches_of_rank, 2, str(data), timeout=180)
     for epoch in (0, 1):
         seen = []
         for got in ranks:

@@ -159,5 +159,5 @@ def _probe_with_sync_batchnorm(rank: int, store: str) -> float:
 
 def test_the_probe_runs_without_syncbatchnorm_collectives(tmp_path):
     # spawn: forked from this process after the probes of the tests above ran in it, the two never finished
-    ratios = in_processes(_probe_with_sync_batchnorm, 2, str(tmp_path / "store"), method="spawn", timeout=180)
+    ratios = in_processes(_probe_with_sync_batchnorm, 2, str(tmp_path / "store"), timeout=180)
     assert ratios == [1.0, 1.0]  # the same activations as plain BatchNorm

@@ -34,7 +34,7 @@ from datamodules.shards.pack import pack
 from datamodules.shards.s3_clients import obstore_store, s3_client
 from tests.helpers import REPO
 from tests.helpers.cli import quick_args, run_main, train_checkpoint
-from tests.helpers.processes import finish_all, in_fork, start_nodes
+from tests.helpers.processes import finish_all, in_child, start_nodes
 from tests.helpers.streaming import IdRecordingStreamingDataModule, read_records
 
 pytestmark = pytest.mark.timeout(300)
@@ -68,8 +68,8 @@ def _only_a_paragraph(stderr: str) -> None:
 
 @pytest.fixture(autouse=True)
 def _no_obstore_in_this_process():
-    """Downloads through obstore happen in DataLoader workers or `in_fork`, never in the pytest process
-    (see in_fork)."""
+    """Downloads through obstore happen in DataLoader workers or `in_child`, never in the pytest process
+    (see in_child)."""
     from litdata.streaming import downloader
 
     yield
@@ -252,7 +252,7 @@ def test_unreachable_endpoint_mid_epoch_is_one_paragraph(s3, s3_session, _packed
         StreamingDataModule(data_dir=url)
     # obstore's error (what a worker's download raises unless obstore was started before the fork) goes on
     # with a multi-line dump: the paragraph quotes its first line
-    paragraph = in_fork(_obstore_get_explained, "gone", "tiny/train/index.json", url)
+    paragraph = in_child(_obstore_get_explained, "gone", "tiny/train/index.json", url)
     assert re.search(r"refused the connection \(GenericError: [^\n]*GET http://127\.0\.0\.1:\d+/gone/tiny/train/index\.json",
                      paragraph), paragraph
     loader._iterator._shutdown_workers()  # whatever the workers print, they print by now
@@ -289,7 +289,7 @@ def test_a_truncated_chunk_is_named_and_is_all_the_user_reads(shared_s3, s3_pack
     assert "Chunk train/chunk-000003.bin of the pack s3://broken/tiny is corrupt or truncated (is " in err, err[-3000:]
     _only_a_paragraph(err)
     chunks = json.loads(client.get_object(Bucket="broken", Key="tiny/train/index.json")["Body"].read())["chunks"]
-    sync, concurrent, left = in_fork(_download_both_ways, url, chunks, str(tmp_path / "direct"), "chunk-000003.bin")
+    sync, concurrent, left = in_child(_download_both_ways, url, chunks, str(tmp_path / "direct"), "chunk-000003.bin")
     for raised in (sync, concurrent):
         assert re.fullmatch(r"ChunkSizeError: s3://broken/tiny/train/chunk-000003\.bin is \d+ bytes, its index\.json "
                             r"says \d+", raised), raised
@@ -486,7 +486,7 @@ def test_two_nodes_keep_later_epochs_on_the_chunks_each_node_holds(s3_pack, tmp_
             "--trainer.devices", "1", "--trainer.num_nodes", "2", "--data.num_workers", "1"]
     codes, outs = finish_all(start_nodes(args), timeout=280)
     assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    chunk_of = in_fork(_chunk_of_each_id, f"{s3_pack}/train", str(tmp_path / "pack-order"))
+    chunk_of = in_child(_chunk_of_each_id, f"{s3_pack}/train", str(tmp_path / "pack-order"))
     for rank in (0, 1):
         epochs = [[ids for epoch, _, ids in read_records(str(tmp_path / "ids"), rank) if epoch == e] for e in (0, 1)]
         assert len(epochs[0]) == len(epochs[1]) == 10  # 240 images, 12 per process and step

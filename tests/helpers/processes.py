@@ -1,7 +1,7 @@
 """Processes for multi-process tests, started one way: command lines (`main.py` nodes on 127.0.0.1 above all) with
 start_command / start_main / start_nodes, waited for with finish / finish_all, which kill what runs past its
-time; Python functions in processes of their own, all released at once, with in_processes (in_fork: one,
-forked). And a free port on 127.0.0.1."""
+time; Python functions in processes of their own, all released at once, with in_processes (in_child: one; in_fork:
+one, forked). And a free port on 127.0.0.1."""
 from __future__ import annotations
 
 import multiprocessing
@@ -181,7 +181,12 @@ def finish_all(procs: list[subprocess.Popen], timeout: float = 300) -> tuple[lis
 
 # -- Python functions ----------------------------------------------------------------------------------------
 
-def _run_one(fn, rank: int, args: tuple, start, results, timeout: float) -> None:
+def _run_one(fn, rank: int, args: tuple, start, results, timeout: float, spawned: bool) -> None:
+    if spawned:
+        # A spawned child takes "spawn" as its default start method (multiprocessing/spawn.py, `prepare`), so a
+        # DataLoader of fn's would start each worker as a fresh interpreter: back to the default of a process
+        # started as `python` is (fork up to 3.13), as a rank torchrun starts has.
+        multiprocessing.set_start_method(None, force=True)
     try:
         start.wait(timeout)  # every process released at the same instant
         outcome = (rank, True, fn(rank, *args))
@@ -195,14 +200,36 @@ def _run_one(fn, rank: int, args: tuple, start, results, timeout: float) -> None
     results.put(outcome)
 
 
-def in_processes(fn, n: int, *args, method: str = "fork", timeout: float = 120) -> list:
-    """[fn(0, *args), ..., fn(n - 1, *args)], each call in a process of its own, started by `method` (fork; spawn
-    for a fresh interpreter, where fn must be a module's top-level function), all released at once. An exception
-    raised in one is raised here (its traceback in a note); a process that dies, or runs past `timeout`
-    seconds, is an error too. Every process has ended when this returns."""
+def _the_others(procs: list, results, got: dict, failed: int, wait: float = 5) -> str:
+    """What the processes other than `failed` did, given `wait` seconds to say: which of them raised what first
+    is not always the cause (a rank whose peer crashed reports a closed connection)."""
+    said, until = {}, time.monotonic() + wait
+    while len(said) + len(got) + 1 < len(procs) and time.monotonic() < until:
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        said[rank] = "returned" if ok else f"raised {type(value).__name__}: {value}"
+    lines = []
+    for rank, proc in enumerate(procs):
+        if rank != failed and rank not in got:
+            state = "still running" if proc.exitcode is None else f"exit status {proc.exitcode}"
+            lines.append(f"process {rank}: {said.get(rank, 'said nothing')} ({state})")
+    return "the other processes: " + ("; ".join(lines) or "all had returned")
+
+
+def in_processes(fn, n: int, *args, method: str = "spawn", timeout: float = 120) -> list:
+    """[fn(0, *args), ..., fn(n - 1, *args)], each call in a process of its own, all released at once. An exception
+    raised in one is raised here (its traceback in a note); a process that dies, or runs past `timeout` seconds, is
+    an error too. Every process has ended when this returns.
+
+    method: spawn (a fresh interpreter; fn a module's top-level function, args picklable), or fork. Not fork from
+    pytest: its process holds the threads of every earlier test (moto's server, pools, tqdm's monitor), and a child
+    forked while one of them holds a lock waits on it for ever (a forked child hung that way in CI)."""
     ctx = multiprocessing.get_context(method)
     start, results = ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=_run_one, args=(fn, rank, args, start, results, timeout)) for rank in range(n)]
+    procs = [ctx.Process(target=_run_one, args=(fn, rank, args, start, results, timeout, method == "spawn"))
+             for rank in range(n)]
     for proc in procs:
         proc.start()
     got, deadline = {}, time.monotonic() + timeout
@@ -227,6 +254,7 @@ def in_processes(fn, n: int, *args, method: str = "fork", timeout: float = 120) 
                 else:
                     continue
             if not ok:
+                value.add_note(_the_others(procs, results, got, rank))
                 raise value
             got[rank] = value
     finally:
@@ -238,11 +266,21 @@ def in_processes(fn, n: int, *args, method: str = "fork", timeout: float = 120) 
     return [got[rank] for rank in range(n)]
 
 
-def in_fork(fn, *args):
-    """fn(*args) in a forked child, its result (or exception) brought back.
+def _call(_rank: int, fn, args: tuple):
+    return fn(*args)
+
+
+def in_child(fn, *args):
+    """fn(*args) in a fresh interpreter (fn a module's top-level function), its result (or exception) brought back.
 
     For what starts obstore's tokio runtime (an S3 GET through obstore): started in the pytest process, it
     has crashed that process (SIGSEGV in tokio's io driver) once DataLoader workers were forked after it.
     LitData itself keeps obstore out of a process that forks workers (downloader.py, obstore_usable).
     """
-    return in_processes(lambda _rank: fn(*args), 1)[0]
+    return in_processes(_call, 1, fn, args)[0]
+
+
+def in_fork(fn, *args):
+    """fn(*args) in a child forked from this process: for a script whose fork is the point (never pytest's
+    process: in_processes says why)."""
+    return in_processes(lambda _rank: fn(*args), 1, method="fork")[0]
