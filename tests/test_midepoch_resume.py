@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from datamodules.downscale.writer import ensure_downscaled
 from datamodules.lmdb.pack import pack
 from datamodules.resume import EpochSampler, ResumableLoader
 from tests.helpers.cli import quick_args, run_main
+from tests.helpers.gloo import gloo_group
 from tests.helpers.processes import in_processes
 
 STEPS = 7  # per epoch: 240 tiny training images, 32 a (global) batch, the last partial batch dropped
@@ -159,14 +159,11 @@ def test_loader_state_holds_the_epoch_and_another_worker_count_goes_on_from_the_
 
 
 def _resume_on_two_ranks(rank: int, store: str, state: dict) -> list[list[int]]:
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
-    try:
+    with gloo_group(store, rank, 2):
         loader = _loader(list(range(64)), 0, world=2, rank=rank, batch=4)  # the same global batch of 8
         with pytest.warns(UserWarning, match="saved by 1 process.*, this run has 2 with 0"):
             loader.load_state_dict(state)
         return [batch.tolist() for batch in loader]
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_state_of_one_process_goes_on_from_the_same_sample_on_two(tmp_path):

@@ -13,6 +13,7 @@ from datamodules.predict import PredictDataset
 from lightning_app.callbacks.predictions import PredictionsCSV, columns
 from lightning_app.cli import ClassifierCLI
 from tests.helpers.cli import quick_args, run_main, train_checkpoint
+from tests.helpers.gloo import gloo_group
 from tests.helpers.optional import needs_gpus
 from tests.helpers.processes import finish_all, free_port, in_processes, start_nodes
 
@@ -73,20 +74,15 @@ def test_merge_keeps_one_row_per_index(tmp_path):
 def _gather_rows(rank: int, store: str, batches: list[int]) -> list:
     """One of two gloo processes: `batches[rank]` batches of two rows each through a RowGather of every 2 batches;
     on rank 0, what its sink took, call by call."""
-    import torch.distributed as dist
-
     from lightning_app.callbacks.prediction_rows import RowGather
 
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
-    try:
+    with gloo_group(store, rank, 2):
         taken = []
         gather = RowGather(2, lambda source, rows: taken.append((source, [r[0] for r in rows])))
         for b in range(batches[rank]):
             gather.add([[100 * rank + 2 * b, "x"], [100 * rank + 2 * b + 1, "x"]])
         gather.finish()
         return taken
-    finally:
-        dist.destroy_process_group()
 
 
 def test_rows_reach_rank_0_every_few_batches_when_ranks_predict_unequal_shares(tmp_path):

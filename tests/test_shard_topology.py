@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from datamodules.shards.pack import pack
+from tests.helpers.gloo import gloo_group
 from tests.helpers.processes import in_processes
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,8 +39,7 @@ def _rank(rank: int, store: str, url: str) -> dict:
     from litdata import StreamingDataset
     from litdata.utilities.env import _DistributedEnv, _WorkerEnv
 
-    dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank, world_size=WORLD)
-    try:
+    with gloo_group(store, rank, WORLD):
         # the simulated input: 2 GPUs visible on this "node", as LitData's detection sees them
         litdata_env.torch = SimpleNamespace(
             distributed=torch.distributed, cuda=SimpleNamespace(is_available=lambda: True, device_count=lambda: 2))
@@ -63,8 +62,6 @@ def _rank(rank: int, store: str, url: str) -> dict:
         return {"litdata": litdatas, "env": (env.world_size, env.global_rank, env.num_nodes),
                 "reader": reader == _DistributedEnv(WORLD, rank, WORLD), "len": len(loader), "epoch": epoch,
                 "resumed": head + rest}
-    finally:
-        dist.destroy_process_group()
 
 
 def test_litdata_is_told_a_layout_its_own_detection_refuses(tiny_data, tmp_path):
