@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 
 from lightning_app.callbacks.memory_probe import (
     FREE_ENV,
@@ -25,6 +24,7 @@ from lightning_app.cli import ClassifierCLI
 from lightning_app.module import ImageClassifier
 from tests.helpers import REPO
 from tests.helpers.cli import quick_args, run_main
+from tests.helpers.gloo import gloo_group
 from tests.helpers.processes import finish_all, free_port, in_processes, start_main
 
 
@@ -140,8 +140,7 @@ def test_a_probe_that_fails_on_one_rank_lets_both_continue_and_says_so(tiny_data
 
 
 def _probe_with_sync_batchnorm(rank: int, store: str) -> float:
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
-    try:
+    with gloo_group(store, rank, 2):
         torch.manual_seed(0)
         model = ImageClassifier(arch="conv11", num_classes=10, image_size=32, arch_kwargs={"width": 8}, pictures=[])
         plain = probe(model, pl.Trainer(accelerator="cpu", logger=False), size=32, batch=8).per_image
@@ -151,13 +150,11 @@ def _probe_with_sync_batchnorm(rank: int, store: str) -> float:
             else plain
         assert all(type(m).forward is torch.nn.SyncBatchNorm.forward and "forward" not in vars(m)
                    for m in model.backbone.modules() if isinstance(m, torch.nn.SyncBatchNorm))
-        dist.barrier()
         return synced / plain
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_probe_runs_without_syncbatchnorm_collectives(tmp_path):
-    # spawn: forked from this process after the probes of the tests above ran in it, the two never finished
+    # fresh interpreters (in_processes' default): forked from this process after the probes of the tests above
+    # ran in it, the two never finished
     ratios = in_processes(_probe_with_sync_batchnorm, 2, str(tmp_path / "store"), timeout=180)
     assert ratios == [1.0, 1.0]  # the same activations as plain BatchNorm
