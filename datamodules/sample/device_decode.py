@@ -153,8 +153,9 @@ class DeviceDecode:
         decoded = time.perf_counter()
         with record_function(RESIZE_RANGE):
             table, spans = resize_plan(images, batch.plans, size) if slots else (batch.plans, [])
-            out, labels = build_on_device()(images, table, spans, size, list(shape), list(stride), batch.slots,
-                                            batch.pixels, batch.pixel_slots, batch.labels, self.device)
+            out = torch.empty_strided(shape, stride, dtype=torch.uint8, device=self.device)
+            labels = build_on_device()(images, table, spans, size, out, batch.slots, batch.pixels, batch.pixel_slots,
+                                       batch.labels, self.device)
         if slots:
             self.waits.jpeg += decoded - start
             self.waits.crop += time.perf_counter() - decoded

@@ -144,28 +144,29 @@ def crop_resize_flip(images: list[torch.Tensor], plans: torch.Tensor, size: int)
     n, device = len(images), images[0].device
     table, spans = resize_plan(images, plans, size)
     none = torch.zeros(0, dtype=torch.int64)
-    out, _ = build_on_device()(images, table, spans, size, [n, 3, size, size], [3 * size * size, 1, 3 * size, 3],
-                               torch.arange(n), torch.zeros(0, 3, size, size, dtype=torch.uint8), none, none, device)
+    out = torch.empty_strided([n, 3, size, size], [3 * size * size, 1, 3 * size, 3], dtype=torch.uint8, device=device)
+    no_pixels = torch.zeros(0, 3, size, size, dtype=torch.uint8)
+    build_on_device()(images, table, spans, size, out, torch.arange(n), no_pixels, none, none, device)
     return out
 
 
-def assemble(images: list[torch.Tensor], table: torch.Tensor, spans: list[list[int]], size: int, shape: list[int],
-             stride: list[int], slots: torch.Tensor, pixels: torch.Tensor, pixel_slots: torch.Tensor,
-             labels: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every device op of one batch after its JPEG decode, in one call (`build_on_device` scripts it): the host
-    tensors copied first (a copy from pageable memory waits for the stream's queued work: none yet), then the
-    resize of the decoded images into their slots, the workers' pixels into theirs, and the labels."""
+def assemble(images: list[torch.Tensor], table: torch.Tensor, spans: list[list[int]], size: int, out: torch.Tensor,
+             slots: torch.Tensor, pixels: torch.Tensor, pixel_slots: torch.Tensor, labels: torch.Tensor,
+             device: torch.device) -> torch.Tensor:
+    """Every device op of one batch after its JPEG decode, in one call (`build_on_device` scripts it), written into
+    `out`, a preallocated (n, 3, size, size) channels-last uint8 batch on `device`: the host tensors copied first (a
+    copy from pageable memory waits for the stream's queued work: none yet), then the resize of the decoded images
+    into their slots and the workers' pixels into theirs. Returns the labels on the device."""
     table = table.to(device, non_blocking=True)
     slots = slots.to(device, non_blocking=True)
     pixels = pixels.to(device, non_blocking=True)
     pixel_slots = pixel_slots.to(device, non_blocking=True)
     labels = labels.to(device, non_blocking=True)
-    out = torch.empty_strided(shape, stride, dtype=torch.uint8, device=device)
     if len(images) > 0:
         out[slots] = resize_groups(images, table, spans, size).permute(0, 2, 1, 3)
     if pixel_slots.numel() > 0:
         out[pixel_slots] = pixels
-    return out, labels
+    return labels
 
 
 def resize_groups(images: list[torch.Tensor], table: torch.Tensor, spans: list[list[int]], size: int) -> torch.Tensor:
