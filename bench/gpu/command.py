@@ -27,6 +27,7 @@ run for real, figures that are no GPU result.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -152,15 +153,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def skipped(group: str, names: list[str], why: str) -> None:
         checks.extend(Check(group, n, "skipped", why) for n in names)
 
+    partial = Path(args.out) / f"{args.machine or 'this-machine'}.gpu.partial.json"
+
     def guarded(group: str, name: str, fn) -> list[Check]:
-        """A path that raises (out of memory, a driver error) is a FAIL row with the error, not a crash."""
+        """A path that raises (out of memory, a driver error) is a FAIL row with the error, not a crash. The rows
+        so far are saved after each (PARTIAL_SUFFIX: a run stopped at its time limit keeps what it measured)."""
         try:
-            return fn()
+            rows = fn()
         except Exception as e:  # noqa: BLE001
-            return [Check(group, name, "FAIL", f"{type(e).__name__}: {str(e)[:300]}")]
+            rows = [Check(group, name, "FAIL", f"{type(e).__name__}: {str(e)[:300]}")]
         finally:
             if cuda:
                 torch.cuda.empty_cache()  # each group starts with the memory the last one held
+        save(rows)
+        return rows
+
+    def save(rows: list[Check]) -> None:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"checks": [c.as_dict() for c in checks + rows], "partial": True}))
 
     ceiling = None
     if "ceiling" in groups:
@@ -174,15 +184,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   + [max(w.warmup, DATA_WARMUP) + max(w.steps, 20)] * bool(groups & {"trace", "engines"}),
                   default=0)
     root = _root(args, w, batches) if batches else None
+    # the GPU decode's measures first: a run stopped at its time limit loses the trainer rows' tail, not these
+    jpeg_alone = None
+    if "engines" in groups:  # on a CPU too: the CPU decode's calls, and why there is no engine count
+        checks += guarded(ge.GROUP, ge.NAMES[0], lambda: ge.engine_rows(root, w))
+        jpeg_alone = next((c.extra["ms_per_batch"] for c in checks if c.group == ge.GROUP and c.name == ge.NAMES[1]
+                           and c.status == "ok"), None)
+    else:
+        skipped(ge.GROUP, ge.NAMES, "not selected (--groups)")
+    if "trace" in groups:  # on a CPU too: the same fit on the decode's CPU path, its ranges without CUDA calls
+        checks += guarded(gt.GROUP, gt.NAME, lambda: gt.trace_rows(w, root, args.num_workers, Path(args.out),
+                                                                   jpeg_alone))
+    else:
+        skipped(gt.GROUP, [gt.NAME], "not selected (--groups)")
+    if "ema" in groups:  # on a CPU too: both fits run, no sync to count
+        checks += guarded(gema.GROUP, gema.NAMES[1], lambda: gema.ema_rows(w))
+    else:
+        skipped(gema.GROUP, gema.NAMES, "not selected (--groups)")
     names = DECODE_NAMES if args.data_rows == "decode" else NAMES
     if "trainer" not in groups:
         skipped("trainer", names, "not selected (--groups)")
     elif not cuda:
         skipped("trainer", names, NO_CUDA)
     else:
+        so_far: list[Check] = []  # saved row by row: the group is the longest
+
+        def keep(row: Check) -> None:
+            so_far.append(row)
+            save(so_far)
+
         checks += guarded("trainer", "trainer", lambda: trainer_rows(w, root, args.num_workers,
                                                                      args.synthetic == "ceiling",
-                                                                     args.data_rows == "decode"))
+                                                                     args.data_rows == "decode", keep))
     if "backends" in groups:
         checks += guarded("backend", "backends", lambda: backend_rows(args, w, root, ceiling))
     else:
@@ -210,23 +243,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             skipped(label, names, NO_CUDA)
         else:
             checks += guarded(label, names[0], lambda fn=fn: fn(w))
-    jpeg_alone = None
-    if "engines" in groups:  # on a CPU too: the CPU decode's calls, and why there is no engine count
-        checks += guarded(ge.GROUP, ge.NAMES[0], lambda: ge.engine_rows(root, w))
-        jpeg_alone = next((c.extra["ms_per_batch"] for c in checks if c.group == ge.GROUP and c.name == ge.NAMES[1]
-                           and c.status == "ok"), None)
-    else:
-        skipped(ge.GROUP, ge.NAMES, "not selected (--groups)")
-    if "trace" in groups:  # on a CPU too: the same fit on the decode's CPU path, its ranges without CUDA calls
-        checks += guarded(gt.GROUP, gt.NAME, lambda: gt.trace_rows(w, root, args.num_workers, Path(args.out),
-                                                                   jpeg_alone))
-    else:
-        skipped(gt.GROUP, [gt.NAME], "not selected (--groups)")
-    if "ema" in groups:  # on a CPU too: both fits run, no sync to count
-        checks += guarded(gema.GROUP, gema.NAMES[1], lambda: gema.ema_rows(w))
-    else:
-        skipped(gema.GROUP, gema.NAMES, "not selected (--groups)")
     from bench.report import machine_info
 
+    partial.unlink(missing_ok=True)
     return {"checks": [c.as_dict() for c in checks], "gpu": gpu_info(), "machine": machine_info(),
             "settings": {**w.__dict__, "num_workers": args.num_workers, "data": str(root) if root else None}}

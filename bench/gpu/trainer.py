@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -151,7 +152,19 @@ def _check(name: str, w: Workload, clock: StepClock, verdict: str) -> Check:
 
 
 def trainer_rows(w: Workload, root: Path, num_workers: int, ceiling_only: bool = False,
-                 decode_rows: bool = False) -> list[Check]:
+                 decode_rows: bool = False, keep: Callable[[Check], None] | None = None) -> list[Check]:
+    """`_rows`, each row also handed to `keep` as it ends (bench/gpu/command.py saves the rows so far)."""
+    _keep[:] = [keep] if keep is not None else []
+    try:
+        return _rows(w, root, num_workers, ceiling_only, decode_rows)
+    finally:
+        _keep.clear()
+
+
+_keep: list[Callable[[Check], None]] = []
+
+
+def _rows(w: Workload, root: Path, num_workers: int, ceiling_only: bool, decode_rows: bool) -> list[Check]:
     """The synthetic rows (`ceiling_only`: the two the data rows are a share of, with and without compile), then
     ImageFolder (decoded by the workers, by the GPU, by both) and LMDB (each decode) as a share of the first, and
     ImageFolder with each decode and compile as a share of the second (`decode_rows`: DECODE_ROWS instead, the
@@ -187,6 +200,8 @@ def trainer_rows(w: Workload, root: Path, num_workers: int, ceiling_only: bool =
 
 
 def _said(row: Check) -> Check:
+    for keep in _keep:
+        keep(row)
     print(f"trainer: {row.name}: {row.figure}; {row.verdict}", flush=True)
     return row
 
