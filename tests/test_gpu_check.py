@@ -1,6 +1,6 @@
 """scripts/gpu_check.py's parts without a GPU: which parts a --parts word selects, an unknown word refused in one
 paragraph before anything runs, the GPU decode's part within its 5 minutes, and a bench part stopped at its time
-limit keeping the rows it saved."""
+limit keeping the rows it saved; EMA's row judged on its host syncs."""
 from __future__ import annotations
 
 import importlib.util
@@ -66,3 +66,12 @@ def test_a_bench_part_stopped_at_its_limit_keeps_the_rows_it_saved(tmp_path):
     (folder / "gpu-check.gpu.json").write_text(json.dumps({"checks": [final]}))  # the finished run's, when there
     assert check.bench_rows(folder) == [final]
     assert check.bench_rows(tmp_path / "bench" / "none") is None
+
+
+def test_emas_row_fails_when_the_callback_adds_a_host_sync():
+    from bench.gpu.ema import judge
+
+    assert judge(0.0, 0.0) == ("ok", "EMA adds no host sync")
+    assert judge(1 / 30, 1 / 30)[0] == "ok"  # the step's own sync, in both
+    assert judge(0.0, 2.0) == ("FAIL", "EMA adds 2 host syncs a step")
+    assert judge(1 / 30, 2 / 30)[0] == "FAIL"  # one sync in the 30 steps of the window is one too many
