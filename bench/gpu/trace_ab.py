@@ -128,7 +128,11 @@ def ab_rows(w: Workload, root: Path, num_workers: int) -> list[Check]:
     w = replace(w, steps=AB_STEPS if cuda else w.steps)
     rows, base = [], None
     for name, priority, blocking in ARMS:
-        arm = (run_arm_in_a_process if blocking else run_arm)(w, root, num_workers, priority)
+        try:
+            arm = (run_arm_in_a_process if blocking else run_arm)(w, root, num_workers, priority)
+        except Exception as e:  # noqa: BLE001 - one arm's failure is its row, the others stand
+            rows.append(Check("trace", name, "FAIL", f"{type(e).__name__}: {str(e)[:300]}"))
+            continue
         arm.update(steps=w.steps, warmup=w.warmup)
         base = base or arm
         rows.append(_row(name, arm, base, cuda, blocking))
