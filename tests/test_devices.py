@@ -115,6 +115,8 @@ def test_the_gpu_check_stops_without_a_usable_gpu_and_its_runner_reports_every_p
     result = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
     assert result["versions"]["torch"] == torch.__version__ and result["parts"] == []
     # the runner itself, every part on a CPU at a tiny size: each part reported, the rows merged, GPU rows skipped
+    from bench.gpu import ema, trace_ab
+
     rehearsal = subprocess.run([sys.executable, "scripts/gpu_check.py", "--out", str(tmp_path / "cpu"),
                                 "--rehearse-on-cpu"], cwd=REPO, capture_output=True, text=True, timeout=600,
                                check=False)
@@ -134,6 +136,9 @@ def test_the_gpu_check_stops_without_a_usable_gpu_and_its_runner_reports_every_p
     assert rows[("input", "VERDICT")]["status"] == "ok"
     assert rows[("trace", "decode gpu, where a batch's time goes")]["status"] == "ok"  # its CPU path's ranges
     assert rows[("trace", "VERDICT")]["status"] == "ok" and rows[("engines", "JPEG call alone")]["status"] == "ok"
+    # the decode part's A/B arms (the blocking one in a process of its own) and EMA's two fits ran on the CPU
+    assert all(rows[("trace", name)]["status"] == "ok" for name in trace_ab.NAMES)
+    assert all(rows[("ema", name)]["status"] == "ok" for name in ema.NAMES)
     assert (tmp_path / "cpu" / "gpu-check.md").read_text().startswith("# GPU check, ")
     assert report["verdict"].startswith("rehearsal on a CPU, not a check") and "passed" not in report["verdict"]
     assert rehearsal.returncode == 0, rehearsal.stdout[-3000:]
