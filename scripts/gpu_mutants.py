@@ -1,75 +1,105 @@
 """The GPU decode's CUDA tests, each seen failing with its defect put back (a part of scripts/gpu_check.py).
 
-First the tests as they are, which must pass; then, for each defect, a copy of the repository with one line of
-the template changed to the defect and its test run there, which must fail. A test that passes with its defect
-back could not have caught it. Without CUDA the tests skip, and so does every defect: said, exit status 0.
+The CUDA tests of CUDA_TESTS run as they are, and must pass; at the same time each entry of MUTANTS runs its test
+with FIC_MUTANT set to its name, under which that test puts its defect back itself (tests/helpers/mutants.py), and
+must fail: a test that passes with its defect back could not have caught it. Only a run whose tests fail counts as
+caught (pytest's exit status 1), never one that could not collect or start. All runs go at once, each its own
+pytest process (mostly start-up: torch, CUDA; the tests are small). Without CUDA the tests skip, and so does every
+defect: said, exit status 0.
+
+`python scripts/gpu_mutants.py [--tests FILE ...] [--mutant NODE=NAME ...]` runs other tests or mutants instead of
+the lists below (a rerun of one, or a new test tried before it joins MUTANTS).
 """
 from __future__ import annotations
 
-import shutil
+import argparse
+import os
 import subprocess
 import sys
-import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DECODE = "datamodules/sample/device_decode.py"
-RESIZE = "datamodules/sample/device_resize.py"
-TESTS = "tests/test_device_decode.py"
-# (the defect, the file, the line as it is, the line with the defect, the test that must catch it)
-DEFECTS = [
-    ("the training stream does not wait for the side stream's event", DECODE,
-     "training.wait_event(decoded.ready)", "pass",
-     f"{TESTS}::test_the_training_stream_waits_for_the_side_streams_batch"),
-    ("the batch decoded on the training stream, not a side stream (pytorch/vision PR 9606)", DECODE,
-     "torch.cuda.stream(self.stream), torch.no_grad()",
-     "torch.cuda.stream(torch.cuda.current_stream(self.device)), torch.no_grad()",
-     f"{TESTS}::test_training_stream_memory_is_never_written_by_a_decode_it_did_not_wait_for"),
-    ("the resize's weights in one part of 16 bits, which TF32 rounds", RESIZE,
-     "return _round(torch.baddbmm(torch.bmm(a, b_low), a, b))", "return _round(torch.bmm(a, b + b_low))",
-     f"{TESTS}::test_the_device_resizes_to_the_cpus_pixels_at_every_matmul_precision"),
+MUTANT_ENV = "FIC_MUTANT"  # tests/helpers/mutants.py
+CUDA_TESTS = ["tests/test_device_decode.py", "tests/test_device_resize.py"]
+DECODE = "tests/test_device_decode.py"
+# (the defect, the test that must catch it, the FIC_MUTANT name under which that test puts it back)
+MUTANTS = [
+    ("the training stream does not wait for the side stream's event",
+     f"{DECODE}::test_the_training_stream_waits_for_the_side_streams_batch", "event-not-waited"),
+    ("the batch decoded on the training stream, not a side stream (pytorch/vision PR 9606)",
+     f"{DECODE}::test_training_stream_memory_is_never_written_by_a_decode_it_did_not_wait_for",
+     "decode-on-training-stream"),
+    ("the resize's weights in one part of 16 bits, which TF32 and bf16 round",
+     f"{DECODE}::test_the_device_resizes_to_the_cpus_pixels_at_every_matmul_precision", "one-weight-part"),
 ]
-SKIP = shutil.ignore_patterns(".git", ".venv", ".wheelhouse", "gc", "out", "__pycache__", "*.egg-info",
-                              "lightning_logs")
+PYTEST = ["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-p", "no:randomly", "--timeout", "120",
+          "-rfEs", "--tb=line"]
 
 
-def pytest(where: Path, *args: str) -> tuple[str, str]:
-    """('passed' | 'failed' | 'skipped', pytest's last line)."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                           "-p", "no:randomly", "--timeout", "120", "-rfEs", "--tb=line", *args],
-                          cwd=where, capture_output=True, text=True, check=False)
-    last = ([line for line in proc.stdout.splitlines() if line.strip()] or [""])[-1]
+def start(args: list[str], mutant: str | None, cwd: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != MUTANT_ENV}
+    if mutant is not None:
+        env[MUTANT_ENV] = mutant
+    return subprocess.Popen([sys.executable, *PYTEST, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def outcome(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """('passed' | 'failed' | 'skipped' | 'error', pytest's last line): failed only when tests failed (exit 1)."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        return "error", f"timed out after {timeout:.0f} s"
+    last = ([line for line in out.splitlines() if line.strip()] or [""])[-1]
     if proc.returncode == 0:
-        return ("skipped" if " passed" not in last else "passed"), last
-    return "failed", last
+        return ("passed" if " passed" in last else "skipped"), last
+    return ("failed" if proc.returncode == 1 else "error"), last
 
 
-def main() -> int:
-    status, last = pytest(REPO, TESTS)
-    print(f"gpu_mutants: {TESTS} as it is: {last}", flush=True)
-    if status != "passed":
-        print(f"gpu_mutants: {'no CUDA: nothing to put back' if status == 'skipped' else 'the tests fail as they are'}")
-        return 0 if status == "skipped" else 1
+def run(tests: list[str], mutants: list[tuple[str, str, str]], cwd: Path = REPO, timeout: float = 240,
+        cuda: bool | None = None) -> int:
+    """The tests as they are and every mutant at once; 0 when the tests pass and every mutant fails (or without
+    CUDA, where all skip), else 1. Each outcome said on its own line."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    t0 = time.perf_counter()
+    as_is = start(tests, None, cwd)
+    runs = [(defect, node, name, start([node], name, cwd)) for defect, node, name in mutants] if cuda else []
+    print(f"gpu_mutants: {' '.join(tests)} as they are" + (f", and {len(runs)} defects put back, each in its own "
+          "pytest at once" if runs else " (no CUDA here: no defect to put back)"), flush=True)
+    status, last = outcome(as_is, timeout)
+    print(f"gpu_mutants: as they are: {status} ({last})", flush=True)
     missed = []
-    with tempfile.TemporaryDirectory(prefix="gpu-mutant-") as tmp:
-        for defect, path, good, bad, test in DEFECTS:
-            copy = Path(tmp) / "repo"
-            shutil.rmtree(copy, ignore_errors=True)
-            shutil.copytree(REPO, copy, ignore=SKIP)
-            text = (copy / path).read_text()
-            if text.count(good) != 1:
-                print(f"gpu_mutants: {path} no longer holds `{good}` once: update scripts/gpu_mutants.py")
-                return 1
-            (copy / path).write_text(text.replace(good, bad))
-            status, last = pytest(copy, test)
-            seen = status == "failed"
-            print(f"gpu_mutants: {defect}: {test.split('::')[1]} {'fails' if seen else 'PASSES'} ({last})",
-                  flush=True)
-            if not seen:
-                missed.append(defect)
-    print(f"gpu_mutants: {len(DEFECTS) - len(missed)} of {len(DEFECTS)} defects caught"
-          + (f"; missed: {'; '.join(missed)}" if missed else ""))
-    return 1 if missed else 0
+    for defect, node, name, proc in runs:
+        caught, line = outcome(proc, timeout)
+        seen = caught == "failed"
+        print(f"gpu_mutants: {defect} ({MUTANT_ENV}={name}): {node.split('::')[-1]} "
+              f"{'fails' if seen else 'PASSES' if caught == 'passed' else caught.upper()} ({line})", flush=True)
+        if not seen:
+            missed.append(defect)
+    if status == "skipped" and not runs:
+        print("gpu_mutants: no CUDA: nothing to put back", flush=True)
+        return 0
+    print(f"gpu_mutants: {len(runs) - len(missed)} of {len(runs)} defects caught in {time.perf_counter() - t0:.0f} s"
+          + (f"; missed: {'; '.join(missed)}" if missed else "")
+          + ("" if status == "passed" else f"; the tests as they are: {status}"), flush=True)
+    return 0 if status == "passed" and not missed else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tests", nargs="+", default=CUDA_TESTS, help="the test files run as they are")
+    ap.add_argument("--mutant", nargs="+", default=None, metavar="NODE=NAME",
+                    help="instead of MUTANTS: a test's node id and the FIC_MUTANT name it reads")
+    args = ap.parse_args(argv)
+    mutants = MUTANTS if args.mutant is None else [(f"{m.rsplit('=', 1)[1]} put back", *m.rsplit("=", 1))
+                                                    for m in args.mutant]
+    return run(args.tests, mutants)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from datamodules.sample.decode import jpeg_frame
 from datamodules.sample.device_decode import DeviceDecode
 from datamodules.sample.encoded import EncodedDataset, gpu_takes
 from tests.helpers.cli import quick_args, run_main
+from tests.helpers.mutants import mutant
 from tests.helpers.optional import needs_gpus
 from tests.helpers.trees import jpeg, make_tree, odd_images
 
@@ -185,11 +186,19 @@ def test_nvjpeg_pixels_against_the_cpu_path(photo_tree, split):
 
 @needs_gpus(1, "CUDA matmuls")
 @pytest.mark.parametrize("precision", ["highest", "high", "medium"])
-def test_the_device_resizes_to_the_cpus_pixels_at_every_matmul_precision(precision):
+def test_the_device_resizes_to_the_cpus_pixels_at_every_matmul_precision(precision, monkeypatch):
     """device_resize.py's exact arithmetic: the same decoded pixels give the same batch on the GPU as on the CPU,
     whether cuBLAS computes fp32 products in fp32, TF32 or bf16."""
+    from datamodules.sample import device_resize
     from datamodules.sample.device_resize import crop_resize_flip
     from tests.test_device_resize import SIZE, _images_and_plans
+
+    if mutant("one-weight-part"):  # the weights in one 16-bit part, which TF32 and bf16 round
+        def one_part(a, b, b_low=None, a_low=None):
+            return device_resize._round(torch.bmm(a, b + b_low) if b_low is not None else torch.bmm(a + a_low, b))
+
+        monkeypatch.setenv("FIC_DEVICE_RESIZE", "eager")  # the Python ops, which call the module's _product
+        monkeypatch.setattr(device_resize, "_product", one_part)
 
     images, plans = _images_and_plans(40, seed=5)
     want = crop_resize_flip(images, torch.tensor(plans), SIZE)
@@ -209,6 +218,8 @@ def test_training_stream_memory_is_never_written_by_a_decode_it_did_not_wait_for
     decode meanwhile; the kernel's result must be the buffer's own sum."""
     _, dev = _pair(photo_tree, "train", TrainCrop(0.25), 64)
     decoder = DeviceDecode("cuda", dev.source.describe)
+    if mutant("decode-on-training-stream"):  # the batch decoded on the training stream, not a side stream
+        decoder.stream = torch.cuda.current_stream()
     packed = dev.__getitems__(list(range(len(dev))))
     size = 3 * 150 * 200  # one decoded image: the block a decode on this stream would be handed next
     for _ in range(5):
@@ -222,9 +233,12 @@ def test_training_stream_memory_is_never_written_by_a_decode_it_did_not_wait_for
 
 
 @needs_gpus(1, "CUDA events")
-def test_the_training_stream_waits_for_the_side_streams_batch(photo_tree):
+def test_the_training_stream_waits_for_the_side_streams_batch(photo_tree, monkeypatch):
     """The side stream's writes land behind a 50 ms sleep; the training stream reads the batch at once: it must see
     the finished pixels (without the event wait it reads the allocation's old contents)."""
+    if mutant("event-not-waited"):  # no stream waits for an event (Stream.wait_event calls Event.wait)
+        monkeypatch.setattr(torch.cuda.Event, "wait", lambda self, stream=None: None)
+        monkeypatch.setattr(torch.cuda.Stream, "wait_event", lambda self, event: None)
     _, dev = _pair(photo_tree, "val", ValCrop(0.875), 64)
     packed = dev.__getitems__(list(range(len(dev))))
 

@@ -110,17 +110,22 @@ def test_the_gpu_check_stops_without_a_usable_gpu_and_its_runner_reports_every_p
                            timeout=300, check=False)
     assert check.returncode == 2, check.stdout[-3000:] + check.stderr[-3000:]
     assert "no usable CUDA device" in check.stdout
+    # a line as each step starts: the venv, the wheelhouse (minutes on a small machine), the check itself
+    assert check.stdout.index("gpu_check: installing the wheelhouse") < check.stdout.index("gpu_check: the check")
     result = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
     assert result["versions"]["torch"] == torch.__version__ and result["parts"] == []
     # the runner itself, every part on a CPU at a tiny size: each part reported, the rows merged, GPU rows skipped
+    from bench.gpu import ema, trace_ab
+
     rehearsal = subprocess.run([sys.executable, "scripts/gpu_check.py", "--out", str(tmp_path / "cpu"),
                                 "--rehearse-on-cpu"], cwd=REPO, capture_output=True, text=True, timeout=600,
                                check=False)
     report = json.loads((tmp_path / "cpu" / "gpu-check.json").read_text())
     parts = {p["part"]: p for p in report["parts"]}
     groups = ("backends", "precision", "flags", "dali", "dp,ddp", "powersgd")
-    assert list(parts) == ["pytest -m gpu", "gpu mutants", "bench gpu ceiling", "bench gpu trainer", "bench gpu trace",
-                           "pytest -m gpu clusters", "bench gpu input", *(f"bench gpu {g}" for g in groups)]
+    assert list(parts) == ["gpu mutants", "bench gpu engines,trace,ema,trainer", "pytest -m gpu", "bench gpu ceiling",
+                           "bench gpu trainer", "pytest -m gpu clusters", "bench gpu input",
+                           *(f"bench gpu {g}" for g in groups)]
     assert parts["pytest -m gpu clusters"]["status"] == "ok"  # its tests skip here
     assert all(p["status"] == "ok" for name, p in parts.items() if name.startswith("bench")), parts
     assert parts["pytest -m gpu"]["status"] == "ok", parts["pytest -m gpu"]  # every gpu test skips here
@@ -130,6 +135,10 @@ def test_the_gpu_check_stops_without_a_usable_gpu_and_its_runner_reports_every_p
     assert all(c["status"] == "skipped" for (group, _), c in rows.items() if group == "trainer")
     assert rows[("input", "VERDICT")]["status"] == "ok"
     assert rows[("trace", "decode gpu, where a batch's time goes")]["status"] == "ok"  # its CPU path's ranges
+    assert rows[("trace", "VERDICT")]["status"] == "ok" and rows[("engines", "JPEG call alone")]["status"] == "ok"
+    # the decode part's A/B arms (the blocking one in a process of its own) and EMA's two fits ran on the CPU
+    assert all(rows[("trace", name)]["status"] == "ok" for name in trace_ab.NAMES)
+    assert all(rows[("ema", name)]["status"] == "ok" for name in ema.NAMES)
     assert (tmp_path / "cpu" / "gpu-check.md").read_text().startswith("# GPU check, ")
     assert report["verdict"].startswith("rehearsal on a CPU, not a check") and "passed" not in report["verdict"]
     assert rehearsal.returncode == 0, rehearsal.stdout[-3000:]
@@ -141,6 +150,8 @@ def test_a_rerun_of_some_parts_without_a_gpu_exits_2_in_one_paragraph(tmp_path):
                             "--parts", "gpu,flags"], cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert rerun.returncode == 2, rerun.stdout[-2000:] + rerun.stderr[-2000:]
     assert "Traceback" not in rerun.stderr and "no usable CUDA device" in rerun.stdout
+    # said before the imports that take up to a minute on a small machine
+    assert rerun.stdout.startswith("gpu_check: reading the versions"), rerun.stdout[:500]
     assert json.loads((tmp_path / "new" / "rerun" / "gpu-check.json").read_text())["parts"] == []
 
 

@@ -85,7 +85,7 @@ def test_bench_gpu_on_cpu_skips_every_gpu_row_and_runs_the_ceiling_and_shares(ti
                "--batch-size", "8",
                "--steps", "2", "--warmup", "1", "--num-workers", "0",
                "--backends", "imagefolder,dali-cpu", "--out", str(out), "--machine", "test",
-               # input: test_bench_gpu_input.py; trace: test_bench_gpu_trace.py
+               # input: test_bench_gpu_input.py; engines, trace: test_bench_gpu_trace.py; ema: test_gpu_check.py
                "--groups", "ceiling,trainer,backends,dali,precision,flags,dp,ddp,powersgd"])
     assert rc == 0
     data = json.loads((out / "test.gpu.json").read_text())
@@ -103,8 +103,9 @@ def test_bench_gpu_on_cpu_skips_every_gpu_row_and_runs_the_ceiling_and_shares(ti
     assert decoded["status"] == "ok" and decoded["images_s"] > 0 and "--data.decode gpu" in decoded["verdict"]
     assert decoded["extra"]["decoded"]["train"]["device"] > 0
     assert {c["status"] for c in data["checks"] if c["group"] == "input"} == {"skipped"}
-    assert {c["verdict"] for c in data["checks"] if c["group"] in ("input", "trace")} == {"not selected (--groups)"}
-    gpu_rows = [c for c in data["checks"] if c["group"] not in ("compute ceiling", "backend", "input", "trace")]
+    not_asked = ("input", "engines", "trace", "ema")
+    assert {c["verdict"] for c in data["checks"] if c["group"] in not_asked} == {"not selected (--groups)"}
+    gpu_rows = [c for c in data["checks"] if c["group"] not in ("compute ceiling", "backend", *not_asked)]
     assert {c["group"] for c in gpu_rows} == {"trainer", "DALI mixed", "precision", "speed flag", "dp", "DDP",
                                              "PowerSGD"}
     if not torch.cuda.is_available():

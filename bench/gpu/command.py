@@ -14,8 +14,11 @@ workers (capped at the CPUs), the best count with pin_memory off, end-to-end tra
 count, one core's decode + crop rate (x the workers: the CPU decode ceiling), the training process's CPU, and a
 VERDICT naming the limit (decode CPU, the main process, contention, the H2D copy / pinning, or the GPU step) with
 its arithmetic (bench/gpu/input.py). The `trace` group profiles one `--data.decode gpu` fit and says where the
-decode thread's batch goes: waiting on the GPU, launching, copying, allocating or its own host work, with the
-trace for Perfetto (bench/gpu/trace.py).
+decode thread's batch goes: waiting on the GPU, launching, copying, allocating or its own host work, each kernel's
+queue delay, the allocation calls, the decode thread's CPU time, a VERDICT naming one limit, and A/B rows of the
+side stream's priority and of blocking sync, with the trace for Perfetto (bench/gpu/trace.py). The `engines` group
+counts the hardware JPEG engines and times the decode alone (bench/gpu/engines.py); `ema` counts the EMA callback's
+host syncs on CUDA (bench/gpu/ema.py).
 
 Without a usable CUDA device it says so in one paragraph and exits 2. `--allow-cpu` rehearses on a CPU
 instead: every GPU row skipped with its reason, the compute ceiling (at a small size) and the backend shares
@@ -24,6 +27,7 @@ run for real, figures that are no GPU result.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -32,13 +36,15 @@ import torch
 
 from bench.cli import AddCommon, BenchError, Subparsers
 from bench.gpu import checks as gc
+from bench.gpu import ema as gema
+from bench.gpu import engines as ge
 from bench.gpu import input as gi
 from bench.gpu import parallel as gp
 from bench.gpu import powersgd as gpsgd
 from bench.gpu import trace as gt
 from bench.gpu.checks import Check, Workload
 from bench.gpu.data import NO_CUDA, backend_rows, batches_needed, dali_rows
-from bench.gpu.trainer import DATA_WARMUP, NAMES, trainer_rows
+from bench.gpu.trainer import DATA_WARMUP, DECODE_NAMES, NAMES, trainer_rows
 
 NO_USABLE_CUDA = (
     "bench gpu: no usable CUDA device here (torch.cuda.is_available() is False), so there is no GPU path to check "
@@ -47,7 +53,8 @@ NO_USABLE_CUDA = (
     "or pass --allow-cpu to rehearse the rows that run on a CPU."
 )
 
-GROUPS = ("ceiling", "trainer", "backends", "input", "dali", "precision", "flags", "dp", "ddp", "powersgd", "trace")
+GROUPS = ("ceiling", "trainer", "backends", "input", "dali", "precision", "flags", "dp", "ddp", "powersgd", "engines",
+          "trace", "ema")
 # On a CPU the same code runs, small enough to finish in a minute or two.
 DEFAULTS = {"cuda": {"image_size": 224, "batch_size": 256, "steps": 30, "warmup": 10},
             "cpu": {"image_size": 64, "batch_size": 16, "steps": 3, "warmup": 1}}
@@ -76,6 +83,10 @@ def add_parser(subparsers: Subparsers, common: AddCommon) -> argparse.ArgumentPa
     g.add_argument("--synthetic", default="all", choices=["all", "ceiling"],
                    help="the trainer group's synthetic rows: all, or only the two its data rows are a share of "
                         "(16-mixed + channels_last, with and without compile)")
+    g.add_argument("--data-rows", default="all", choices=["all", "decode"],
+                   help="the trainer group's data rows: all, or the GPU decode's goal rows in one call (ImageFolder "
+                        "and LMDB, --data.decode cpu and gpu, without and with compile; the two synthetic rows they "
+                        "are a share of)")
     g.add_argument("--groups", default=",".join(GROUPS), help=f"comma list from {','.join(GROUPS)} (default: all)")
     g.add_argument("--allow-cpu", action="store_true", help="without a usable CUDA device, rehearse on the CPU "
                    "(GPU rows skipped) instead of stopping with exit status 2")
@@ -142,15 +153,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def skipped(group: str, names: list[str], why: str) -> None:
         checks.extend(Check(group, n, "skipped", why) for n in names)
 
+    partial = Path(args.out) / f"{args.machine or 'this-machine'}.gpu.partial.json"
+
     def guarded(group: str, name: str, fn) -> list[Check]:
-        """A path that raises (out of memory, a driver error) is a FAIL row with the error, not a crash."""
+        """A path that raises (out of memory, a driver error) is a FAIL row with the error, not a crash. The rows
+        so far are saved after each (PARTIAL_SUFFIX: a run stopped at its time limit keeps what it measured)."""
         try:
-            return fn()
+            rows = fn()
         except Exception as e:  # noqa: BLE001
-            return [Check(group, name, "FAIL", f"{type(e).__name__}: {str(e)[:300]}")]
+            rows = [Check(group, name, "FAIL", f"{type(e).__name__}: {str(e)[:300]}")]
         finally:
             if cuda:
                 torch.cuda.empty_cache()  # each group starts with the memory the last one held
+        save(rows)
+        return rows
+
+    def save(rows: list[Check]) -> None:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"checks": [c.as_dict() for c in checks + rows], "partial": True}))
 
     ceiling = None
     if "ceiling" in groups:
@@ -161,15 +181,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # one tree for every data group, large enough for the longest window (the input group's: whole rounds of workers)
     batches = max([batches_needed(w)] * bool(groups & {"backends", "dali", "trainer"})
                   + [gi.batches_needed(w, gi.worker_counts(cuda))] * ("input" in groups)
-                  + [max(w.warmup, DATA_WARMUP) + w.steps] * ("trace" in groups), default=0)
+                  + [max(w.warmup, DATA_WARMUP) + max(w.steps, 20)] * bool(groups & {"trace", "engines"}),
+                  default=0)
     root = _root(args, w, batches) if batches else None
-    if "trainer" not in groups:
-        skipped("trainer", NAMES, "not selected (--groups)")
-    elif not cuda:
-        skipped("trainer", NAMES, NO_CUDA)
+    # the GPU decode's measures first: a run stopped at its time limit loses the trainer rows' tail, not these
+    jpeg_alone = None
+    if "engines" in groups:  # on a CPU too: the CPU decode's calls, and why there is no engine count
+        checks += guarded(ge.GROUP, ge.NAMES[0], lambda: ge.engine_rows(root, w))
+        jpeg_alone = next((c.extra["ms_per_batch"] for c in checks if c.group == ge.GROUP and c.name == ge.NAMES[1]
+                           and c.status == "ok"), None)
     else:
+        skipped(ge.GROUP, ge.NAMES, "not selected (--groups)")
+    if "trace" in groups:  # on a CPU too: the same fit on the decode's CPU path, its ranges without CUDA calls
+        checks += guarded(gt.GROUP, gt.NAME, lambda: gt.trace_rows(w, root, args.num_workers, Path(args.out),
+                                                                   jpeg_alone))
+    else:
+        skipped(gt.GROUP, [gt.NAME], "not selected (--groups)")
+    if "ema" in groups:  # on a CPU too: both fits run, no sync to count
+        checks += guarded(gema.GROUP, gema.NAMES[1], lambda: gema.ema_rows(w))
+    else:
+        skipped(gema.GROUP, gema.NAMES, "not selected (--groups)")
+    names = DECODE_NAMES if args.data_rows == "decode" else NAMES
+    if "trainer" not in groups:
+        skipped("trainer", names, "not selected (--groups)")
+    elif not cuda:
+        skipped("trainer", names, NO_CUDA)
+    else:
+        so_far: list[Check] = []  # saved row by row: the group is the longest
+
+        def keep(row: Check) -> None:
+            so_far.append(row)
+            save(so_far)
+
         checks += guarded("trainer", "trainer", lambda: trainer_rows(w, root, args.num_workers,
-                                                                           args.synthetic == "ceiling"))
+                                                                     args.synthetic == "ceiling",
+                                                                     args.data_rows == "decode", keep))
     if "backends" in groups:
         checks += guarded("backend", "backends", lambda: backend_rows(args, w, root, ceiling))
     else:
@@ -197,11 +243,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             skipped(label, names, NO_CUDA)
         else:
             checks += guarded(label, names[0], lambda fn=fn: fn(w))
-    if "trace" in groups:  # on a CPU too: the same fit on the decode's CPU path, its ranges without CUDA calls
-        checks += guarded(gt.GROUP, gt.NAME, lambda: [gt.trace_row(w, root, args.num_workers, Path(args.out))])
-    else:
-        skipped(gt.GROUP, [gt.NAME], "not selected (--groups)")
     from bench.report import machine_info
 
+    partial.unlink(missing_ok=True)
     return {"checks": [c.as_dict() for c in checks], "gpu": gpu_info(), "machine": machine_info(),
             "settings": {**w.__dict__, "num_workers": args.num_workers, "data": str(root) if root else None}}

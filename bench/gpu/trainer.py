@@ -11,13 +11,16 @@ longer warm-up; then LMDB, packed from the same tree, with each decode; then Ima
 compile, against the synthetic compile row (fixed shares, 0.4 to 0.7, were no faster than cpu on an H200:
 bench/results/gpu-check-h200-decode.md, run 3). The balanced row starts from a share of 0 and the workers have
 2 batches each packed ahead, so its share lags the balance by about 2 x workers batches: a short row shows the
-start, not where it settles (datamodules/sample/balance.py).
+start, not where it settles (datamodules/sample/balance.py). `--data-rows decode` runs instead the rows the GPU
+decode's goal names, in one call: ImageFolder and LMDB, each with `cpu` and `gpu` (the product's default resize),
+without compile and then with it.
 """
 from __future__ import annotations
 
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -51,8 +54,16 @@ LMDB = (("LMDB data (packed from the same tree), decode cpu, 16-mixed + channels
          {**GPU, "resize": "script"}))
 COMPILED = (("ImageFolder data, decode cpu + compile", {"decode": "cpu"}),
             ("ImageFolder data, decode gpu, resize scripted + compile", {**GPU, "resize": "script"}))
+# --data-rows decode: (row, LMDB?, decode arguments, compile)
+DECODE_ROWS = tuple((f"{source}, decode {decode}" + (" + compile" if compile else ""), lmdb,
+                     {"decode": "cpu"} if decode == "cpu" else dict(GPU), compile)
+                    for compile in (False, True)
+                    for source, lmdb in (("ImageFolder data", False), ("LMDB data (packed from the same tree)", True))
+                    for decode in ("cpu", "gpu"))
 DATA_WARMUP = 25  # steps before the data rows' window: workers started, the balance settled
 NAMES = [row[0] for row in (*SYNTHETIC, *IMAGEFOLDER, *LMDB, *COMPILED)]
+DECODE_NAMES = [row[0] for row in SYNTHETIC if row[0].startswith("16-mixed + channels_last")] + \
+    [row[0] for row in DECODE_ROWS]
 NUM_CLASSES = 10
 
 
@@ -113,8 +124,8 @@ class StepClock(pl.Callback):
 
 
 def fit_rate(w: Workload, datamodule: pl.LightningDataModule, precision: str, channels_last: bool,
-             compile: bool) -> StepClock:
-    """A fit of warmup + steps steps of ImageClassifier on `datamodule`; its clock."""
+             compile: bool, callbacks: list[pl.Callback] | None = None) -> StepClock:
+    """A fit of warmup + steps steps of ImageClassifier on `datamodule` (with `callbacks` too); its clock."""
     from lightning_app.module import ImageClassifier
 
     pl.seed_everything(0, verbose=False)
@@ -126,7 +137,7 @@ def fit_rate(w: Workload, datamodule: pl.LightningDataModule, precision: str, ch
                          max_steps=w.warmup + w.steps,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                         log_every_n_steps=10**6, benchmark=True, callbacks=[clock])
+                         log_every_n_steps=10**6, benchmark=True, callbacks=[clock, *(callbacks or [])])
     trainer.fit(model, datamodule=datamodule)
     if clock.seconds is None:
         raise RuntimeError(f"the fit ended after {trainer.global_step} steps, before the timed window closed")
@@ -140,11 +151,25 @@ def _check(name: str, w: Workload, clock: StepClock, verdict: str) -> Check:
                   "batch_size": w.batch_size, "image_size": w.image_size, "steps": w.steps, "warmup": w.warmup})
 
 
-def trainer_rows(w: Workload, root: Path, num_workers: int, ceiling_only: bool = False) -> list[Check]:
+def trainer_rows(w: Workload, root: Path, num_workers: int, ceiling_only: bool = False,
+                 decode_rows: bool = False, keep: Callable[[Check], None] | None = None) -> list[Check]:
+    """`_rows`, each row also handed to `keep` as it ends (bench/gpu/command.py saves the rows so far)."""
+    _keep[:] = [keep] if keep is not None else []
+    try:
+        return _rows(w, root, num_workers, ceiling_only, decode_rows)
+    finally:
+        _keep.clear()
+
+
+_keep: list[Callable[[Check], None]] = []
+
+
+def _rows(w: Workload, root: Path, num_workers: int, ceiling_only: bool, decode_rows: bool) -> list[Check]:
     """The synthetic rows (`ceiling_only`: the two the data rows are a share of, with and without compile), then
     ImageFolder (decoded by the workers, by the GPU, by both) and LMDB (each decode) as a share of the first, and
-    ImageFolder with each decode and compile as a share of the second. Each row is printed as it ends (a part
-    stopped at its timeout keeps the rows it measured in its log)."""
+    ImageFolder with each decode and compile as a share of the second (`decode_rows`: DECODE_ROWS instead, the
+    synthetic rows as with `ceiling_only`). Each row is printed as it ends (a part stopped at its timeout keeps the
+    rows it measured in its log)."""
     synthetic, compiled = "16-mixed + channels_last", "16-mixed + channels_last + compile"
 
     def synthetic_row(name: str, precision: str, channels_last: bool, compile: bool) -> Check:
@@ -153,8 +178,17 @@ def trainer_rows(w: Workload, root: Path, num_workers: int, ceiling_only: bool =
             torch.cuda.empty_cache()
         return _said(_check(name, w, clock, "synthetic batch on the device: the step alone"))
 
+    ceiling_only = ceiling_only or decode_rows
     checks = [synthetic_row(*row) for row in SYNTHETIC if not ceiling_only or row[0] == synthetic]
     ceiling = next(c.images_s for c in checks if c.name == synthetic)
+    if decode_rows:
+        rows = [_data_row(w, root, num_workers, name, decode, False, ceiling, synthetic, lmdb=lmdb)
+                for name, lmdb, decode, compile in DECODE_ROWS if not compile]
+        checks += [synthetic_row(*row) for row in SYNTHETIC if row[0] == compiled]
+        ceiling = next(c.images_s for c in checks if c.name == compiled)
+        rows += [_data_row(w, root, num_workers, name, decode, True, ceiling, compiled, lmdb=lmdb)
+                 for name, lmdb, decode, compile in DECODE_ROWS if compile]
+        return checks + rows
     rows = [_data_row(w, root, num_workers, name, decode, False, ceiling, synthetic) for name, decode in IMAGEFOLDER]
     rows += [_data_row(w, root, num_workers, name, decode, False, ceiling, synthetic, lmdb=True)
              for name, decode in LMDB]
@@ -166,6 +200,8 @@ def trainer_rows(w: Workload, root: Path, num_workers: int, ceiling_only: bool =
 
 
 def _said(row: Check) -> Check:
+    for keep in _keep:
+        keep(row)
     print(f"trainer: {row.name}: {row.figure}; {row.verdict}", flush=True)
     return row
 
@@ -182,12 +218,13 @@ def _data_row(w: Workload, root: Path, num_workers: int, name: str, decode: dict
     data = module(data_dir=str(root), batch_size=w.batch_size, num_workers=num_workers, image_size=w.image_size,
                   pin_memory=True, persistent_workers=True, **decode)
     before = os.environ.get("FIC_DEVICE_RESIZE")
-    os.environ["FIC_DEVICE_RESIZE"] = resize or "eager"
+    if resize is not None:  # else the product's default
+        os.environ["FIC_DEVICE_RESIZE"] = resize
     try:
         clock = fit_rate(data_w, data, "16-mixed", True, compile)
     finally:
         if before is None:
-            del os.environ["FIC_DEVICE_RESIZE"]
+            os.environ.pop("FIC_DEVICE_RESIZE", None)
         else:
             os.environ["FIC_DEVICE_RESIZE"] = before
     flags = " ".join(f"--data.{k} {'null' if v is None else v}" for k, v in decode.items())
