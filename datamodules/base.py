@@ -25,7 +25,7 @@ from datamodules.processes.loader_workers import WorkerInit, end_stuck_workers_a
 from datamodules.processes.start import DEFAULT_START, WorkerStart, check_start, start_server_early, worker_context
 from datamodules.resume import EpochSampler, ResumableLoader
 from datamodules.sample.augment import make_train_augment
-from datamodules.sample.balance import CpuShare, shared_overflow
+from datamodules.sample.balance import WorkerDecodeShare, shared_overflow
 from datamodules.sample.batches import SampleLoader, built_batch
 from datamodules.sample.crop import Augment, TrainCrop, ValCrop
 from datamodules.sample.dataset import SampleDataset, Source
@@ -312,7 +312,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
             decoder = self.device_decoders.get(split)
             if decoder is None or decoder.device != self.device:
                 decoder = self.device_decoders[split] = DeviceDecode(self.device, dataset.source.describe)
-            decoder.share = CpuShare(dataset.overflow, workers, self.cpu_decode_share)
+            decoder.share = WorkerDecodeShare(dataset.overflow, workers, self.cpu_decode_share)
             made.device_stage = DecodeStage(decoder, made.loader_state if train else None)
         return made
 

@@ -40,7 +40,7 @@ from torch.profiler import record_function
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from datamodules.errors import DataError
-from datamodules.sample.balance import CANNOT, CpuShare
+from datamodules.sample.balance import CANNOT, WorkerDecodeShare
 from datamodules.sample.batches import batch_layout
 from datamodules.sample.decode import decode
 from datamodules.sample.device_resize import BYTES_PER_ELEMENT, GROUP_ELEMENTS, build_on_device, resize_plan
@@ -95,7 +95,7 @@ class DeviceDecode:
     """Decodes and crops `EncodedBatch`es on `device`; counts the samples each path took. `share` sets the
     workers' part of each batch (balance.py; None: the workers decode only what the device cannot)."""
 
-    def __init__(self, device: torch.device | str, describe: Describe, share: CpuShare | None = None) -> None:
+    def __init__(self, device: torch.device | str, describe: Describe, share: WorkerDecodeShare | None = None) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.describe = describe

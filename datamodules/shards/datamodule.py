@@ -20,7 +20,7 @@ from datamodules.errors import DataError
 from datamodules.index import SPLITS, find_classes
 from datamodules.processes.loader_workers import WorkerInit, end_stuck_workers_at_exit
 from datamodules.processes.locks import file_lock
-from datamodules.sample.balance import CpuShare, shared_overflow
+from datamodules.sample.balance import WorkerDecodeShare, shared_overflow
 from datamodules.sample.crop import TrainCrop, ValCrop
 from datamodules.sample.device_decode import DecodeStage, DeviceDecode
 from datamodules.shards.errors import as_data_error, corrupt_chunk
@@ -216,7 +216,7 @@ class StreamingDataModule(ImageDataModule):
             decoder = self.device_decoders.get(split)
             if decoder is None or decoder.device != self.device:
                 decoder = self.device_decoders[split] = DeviceDecode(self.device, batches.describe)
-            decoder.share = CpuShare(batches.overflow, workers, self.cpu_decode_share)
+            decoder.share = WorkerDecodeShare(batches.overflow, workers, self.cpu_decode_share)
             decoder.pass_ids = True  # the pack's sample ids go on as the batch's third element, as on the CPU path
             loader.device_stage = DecodeStage(decoder, loader.loader_state if split == "train" else None)
         return loader
