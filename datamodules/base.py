@@ -29,7 +29,8 @@ from datamodules.sample.balance import WorkerDecodeShare, shared_overflow
 from datamodules.sample.batches import SampleLoader, built_batch
 from datamodules.sample.crop import Augment, TrainCrop, ValCrop
 from datamodules.sample.dataset import SampleDataset, Source
-from datamodules.sample.device_decode import DecodeStage, DeviceDecode
+from datamodules.sample.decode_stage import DecodeStage
+from datamodules.sample.device_decode import DeviceDecode
 from datamodules.sample.encoded import EncodedDataset
 from datamodules.sample.transforms import normalize
 

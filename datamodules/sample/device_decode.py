@@ -29,11 +29,9 @@ Without CUDA (tests, a CPU run) the same code runs on the CPU: torchvision's bat
 from __future__ import annotations
 
 import itertools
-import queue
-import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch.profiler import record_function
@@ -43,6 +41,7 @@ from datamodules.errors import DataError
 from datamodules.sample.balance import CANNOT, WorkerDecodeShare
 from datamodules.sample.batches import batch_layout
 from datamodules.sample.decode import decode
+from datamodules.sample.decode_report import Waits
 from datamodules.sample.device_resize import BYTES_PER_ELEMENT, GROUP_ELEMENTS, build_on_device, resize_plan
 from datamodules.sample.encoded import EncodedBatch
 
@@ -69,26 +68,6 @@ class Decoded(NamedTuple):
     labels: torch.Tensor
     ready: torch.cuda.Event | None
     ids: torch.Tensor  # the batch's sample ids, on the host
-
-
-class Waits:
-    """Seconds the stage's thread spent waiting for the workers' next batch, building a batch on the device, and
-    waiting for the step to take the batch it built; and the batches. The device's part split three ways: the
-    batched JPEG decode (the call blocks until its private stream is done), the crops and resizes (launches), and
-    the wait for the side stream's previous batch before each decode."""
-
-    def __init__(self) -> None:
-        self.workers = self.device = self.step = 0.0
-        self.jpeg = self.crop = self.previous = 0.0
-        self.batches = 0
-
-    def device_shares(self) -> dict[str, float]:
-        total = self.jpeg + self.crop + self.previous
-        return {k: getattr(self, k) / total if total else 0.0 for k in ("jpeg", "crop", "previous")}
-
-    def shares(self) -> dict[str, float]:
-        total = self.workers + self.device + self.step
-        return {k: getattr(self, k) / total if total else 0.0 for k in ("workers", "device", "step")}
 
 
 class DeviceDecode:
@@ -184,114 +163,3 @@ class DeviceDecode:
                 raise DataError(self.describe(ids[slot], e)) from e
         raise DataError(f"the device JPEG decode failed on a batch whose files all decode on the CPU ({error}). "
                         "Train with --data.decode cpu, and report it with the GPU and driver named.") from error
-
-
-_DONE = object()
-
-
-class DecodeStage:
-    """The device decode on its own thread, one batch ahead: wraps a loader's batch iterator (see the module doc).
-
-    `state()` is the wrapped loader's state as of the batches handed out so far (`loader_state` taken on the
-    thread right after each batch left the loader), so a prefetched batch is never counted as used.
-    """
-
-    def __init__(self, decoder: DeviceDecode, loader_state: Callable[[], Any] | None = None) -> None:
-        self.decoder = decoder
-        self.loader_state = loader_state
-        self._state: Any = None
-
-    def state(self) -> Any:
-        return self._state
-
-    def __call__(self, batches: Iterator) -> Iterator[tuple[torch.Tensor, ...]]:
-        ready: queue.Queue = queue.Queue(maxsize=1)
-        stop = threading.Event()
-        self._state = self.loader_state() if self.loader_state is not None else None  # before any batch
-        # The first batch is taken on this thread: a loader that starts its workers lazily (LitData's) forks them
-        # here, and a worker's PR_SET_PDEATHSIG (processes/loader_workers.py) fires when the thread that forked
-        # it ends, which the decode thread does at every epoch's end.
-        batches = iter(batches)
-        try:
-            first = next(batches)
-        except StopIteration:
-            self._state = self.loader_state() if self.loader_state is not None else None
-            return
-        batches = itertools.chain([first], batches)
-        thread = threading.Thread(target=self._run, args=(batches, ready, stop), name="device-decode", daemon=True)
-        thread.start()
-        try:
-            while True:
-                item = ready.get()
-                if isinstance(item, tuple) and item[0] is _DONE:
-                    self._state = item[1]
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                decoded, self._state = item
-                yield self.decoder.hand_over(decoded)
-        finally:
-            stop.set()  # an abandoned iterator (a sanity check, limit_*_batches): the thread ends before the next
-            while thread.is_alive():
-                try:
-                    ready.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-            thread.join()
-
-    def _run(self, batches: Iterator, ready: queue.Queue, stop: threading.Event) -> None:
-        def put(item) -> bool:
-            while not stop.is_set():
-                try:
-                    ready.put(item, timeout=0.05)
-                    return True
-                except queue.Full:
-                    pass
-            return False
-
-        try:
-            if self.decoder.cuda:
-                torch.cuda.set_device(self.decoder.device)
-            waits = self.decoder.waits
-            asked = time.perf_counter()
-            for batch in batches:
-                got = time.perf_counter()
-                waits.workers += got - asked
-                state = self.loader_state() if self.loader_state is not None else None
-                decoded = self.decoder.build(batch)
-                built = time.perf_counter()
-                if not put((decoded, state)) or stop.is_set():
-                    return
-                asked = time.perf_counter()
-                waits.step += asked - built
-        except BaseException as e:  # noqa: BLE001 - re-raised on the consumer's thread
-            put(e)
-            return
-        put((_DONE, self.loader_state() if self.loader_state is not None else None))
-
-
-def decode_line(decoders: dict[str, DeviceDecode]) -> str | None:
-    """The end-of-run words on --data.decode gpu (the training loader's, else any): how much the workers decoded,
-    what an image cost each half, where the decode thread waited. None without device decode."""
-    decoder = decoders.get("train") or next(iter(decoders.values()), None)
-    if decoder is None or not decoder.waits.batches:
-        return None
-    counts = decoder.counts
-    total = counts["device"] + counts["cpu"]
-    words = [f"--data.decode gpu: {total:,} images, {counts['cpu'] / max(1, total):.0%} decoded by the workers"]
-    if counts["cannot"]:
-        words.append(f"{counts['cannot']:,} of them because the device cannot take them (progressive, grayscale, "
-                     "CMYK, EXIF-rotated or not JPEG: docs/data.md)")
-    costs = decoder.share.costs() if decoder.share is not None else None
-    if costs is not None:
-        decode = f", {costs['decode'] * 1e3:.2f} ms to decode there" if costs["decode"] is not None else ""
-        words.append(f"per image {costs['read'] * 1e3:.2f} ms to read in a worker{decode}, "
-                     f"{costs['device'] * 1e3:.2f} ms on the device ({decoder.share.workers} workers)")
-    waits = decoder.waits.shares()
-    words.append(f"the decode thread waited {waits['workers']:.0%} of its time for the workers and "
-                 f"{waits['step']:.0%} for the step")
-    parts = decoder.waits.device_shares()
-    if decoder.waits.jpeg:
-        words.append(f"its device time {parts['jpeg']:.0%} in the JPEG decode, {parts['crop']:.0%} cropping, "
-                     f"{parts['previous']:.0%} waiting for its previous batch")
-    return ", ".join(words)

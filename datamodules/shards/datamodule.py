@@ -22,7 +22,8 @@ from datamodules.processes.loader_workers import WorkerInit, end_stuck_workers_a
 from datamodules.processes.locks import file_lock
 from datamodules.sample.balance import WorkerDecodeShare, shared_overflow
 from datamodules.sample.crop import TrainCrop, ValCrop
-from datamodules.sample.device_decode import DecodeStage, DeviceDecode
+from datamodules.sample.decode_stage import DecodeStage
+from datamodules.sample.device_decode import DeviceDecode
 from datamodules.shards.errors import as_data_error, corrupt_chunk
 from datamodules.shards.layout import INDEX, MARKER, read_meta
 from datamodules.shards.loader import (
