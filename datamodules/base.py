@@ -14,6 +14,7 @@ from typing import Literal
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules import forksafe
@@ -262,7 +263,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         self.indexes = indexes
         self.datasets = {split: self.make_dataset(split, index) for split, index in indexes.items()}
 
-    def _loader(self, split: str, train: bool) -> DataLoader:
+    def _loader(self, split: str, train: bool) -> DataLoader | DecodeStage:
         plan = self.memory_plan(fit=True if train else None)
         self._show_plan(plan)
         sizing = plan.loader("train" if train else "val")
@@ -309,13 +310,31 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
             worker_init_fn=WorkerInit(),
             **self.loader_start(workers),
         )
-        if encoded:
-            decoder = self.device_decoders.get(split)
-            if decoder is None or decoder.device != self.device:
-                decoder = self.device_decoders[split] = DeviceDecode(self.device, dataset.source.describe)
-            decoder.share = WorkerDecodeShare(dataset.overflow, workers, self.cpu_decode_share)
-            made.device_stage = DecodeStage(decoder, made.loader_state if train else None)
-        return made
+        return self.on_device(made, split, train, dataset.source.describe, dataset.overflow) if encoded else made
+
+    def on_device(self, loader: DataLoader, split: str, train: bool, describe, overflow: torch.Tensor,
+                  ids: bool = False) -> DecodeStage:
+        """--data.decode gpu: `loader`'s EncodedBatches decoded on the training device, by a DecodeStage wrapping it
+        (datamodules/sample/decode_stage.py): the one place every backend's stage is made. `describe` names a
+        sample's file in an error; `overflow` is the workers' decode share (balance.py); `ids`: the sample ids go on
+        as the batch's third element (a streamed batch's, as on the CPU path).
+
+        Lightning adds its samplers only to a DataLoader, which the stage is not: the wrapped loader gets them here
+        from Lightning's own function (trainer/connectors/data_connector.py, `_prepare_dataloader`), as it would
+        without the stage: an evaluation loader's DistributedSampler under DDP, predict's index wrapper. A train
+        loader's EpochSampler (a DistributedSampler) and a LitData loader (an IterableDataset) keep their own.
+        """
+        trainer = self.trainer
+        if trainer is not None and isinstance(loader, DataLoader):
+            mode = (RunningStage.TRAINING if train else RunningStage.PREDICTING
+                    if trainer.state.fn == TrainerFn.PREDICTING else RunningStage.VALIDATING)
+            loader = trainer._data_connector._prepare_dataloader(loader, shuffle=train, mode=mode)
+        decoder = self.device_decoders.get(split)
+        if decoder is None or decoder.device != self.device:
+            decoder = self.device_decoders[split] = DeviceDecode(self.device, describe)
+        decoder.share = WorkerDecodeShare(overflow, getattr(loader, "num_workers", 0), self.cpu_decode_share)
+        decoder.pass_ids = ids
+        return DecodeStage(loader, decoder)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", train=True)

@@ -124,7 +124,7 @@ def test_the_stage_a_batch_ahead_saves_the_loader_state_of_the_batches_it_handed
     batches = iter(loader)
     first = [next(batches) for _ in range(3)]
     deadline = time.monotonic() + 60
-    while _yielded(StatefulDataLoader.state_dict(loader)) < 4:  # the stage's thread has taken batch 4
+    while _yielded(StatefulDataLoader.state_dict(loader.loader)) < 4:  # the stage's thread has taken batch 4
         assert time.monotonic() < deadline, "the stage never took a batch ahead"
         time.sleep(0.01)
     state = loader.state_dict()
