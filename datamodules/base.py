@@ -15,6 +15,7 @@ from typing import Literal
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
+from pytorch_lightning.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules import forksafe
@@ -155,6 +156,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         self.cpu_decode_share = cpu_decode_share
         self.worker_start = worker_start
         self.device_decoders: dict[str, DeviceDecode] = {}  # per split, when batches are decoded on the device
+        self._said_cpu_decode = False  # the start-up warning of --data.decode gpu without CUDA, once
         # per-sample hook after crop+flip (may be replaced before setup())
         self.train_augment: Augment | None = make_train_augment(auto_augment, random_erasing)
         # Read now (cheaply, and before any process group starts) so a bad layout fails
@@ -329,6 +331,11 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
             mode = (RunningStage.TRAINING if train else RunningStage.PREDICTING
                     if trainer.state.fn == TrainerFn.PREDICTING else RunningStage.VALIDATING)
             loader = trainer._data_connector._prepare_dataloader(loader, shuffle=train, mode=mode)
+        if self.device.type != "cuda" and not self._said_cpu_decode:
+            self._said_cpu_decode = True
+            rank_zero_warn(f"data.decode gpu: the training device is {self.device.type}, not CUDA, so the device "
+                           "decode runs on the CPU here, on one thread beside the step: slower than --data.decode cpu, "
+                           "whose loader workers decode in parallel. Use --data.decode cpu on this machine.")
         decoder = self.device_decoders.get(split)
         if decoder is None or decoder.device != self.device:
             decoder = self.device_decoders[split] = DeviceDecode(self.device, describe)

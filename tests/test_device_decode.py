@@ -155,11 +155,15 @@ def test_the_end_of_run_line_counts_the_files_the_device_could_not_take(tmp_path
         (root / "train" / "a" / f"progressive{i}.jpg").write_bytes(jpeg(rgb, progressive=True))
     run = run_main(["fit", *quick_args(root, tmp_path, epochs=1, batch=8), "--data.decode", "gpu",
                     "--data.image_size", "32", "--trainer.num_sanity_val_steps", "0", "--model.pictures", "[]"])
-    done = next(line for line in (run.stdout + run.stderr).splitlines() if line.startswith("Done:"))
+    said = (run.stdout + run.stderr).splitlines()
+    done = next(line for line in said if line.startswith("Done:"))
     assert "; 1 epoch;" in done, done  # one epoch, said so
+    where = "device" if torch.cuda.is_available() else "CPU"  # without CUDA: said at start-up, named at the end
+    cpu_here = [line for line in said if "so the device decode runs on the CPU here" in line]
+    assert len(cpu_here) == (0 if torch.cuda.is_available() else 1), cpu_here
     found = re.search(r"--data.decode gpu: (\d+) images, \d+% decoded by the workers, (\d+) of them because the "
-                      r"device cannot take them .*per image [\d.]+ ms to read in a worker.* ms on the device "
-                      r"\(\d+ workers\), the decode thread waited \d+% of its time for the workers.*, its device "
+                      rf"device cannot take them .*per image [\d.]+ ms to read in a worker.* ms on the {where} "
+                      rf"\(\d+ workers\), the decode thread waited \d+% of its time for the workers.*, its {where} "
                       r"time (\d+)% in the JPEG decode, (\d+)% cropping, (\d+)% waiting for its previous batch", done)
     assert found, done
     assert int(found[1]) == 24 and 0 < int(found[2]) <= 6  # the training loader's: 3 batches of 8

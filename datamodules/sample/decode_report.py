@@ -33,6 +33,7 @@ def decode_line(decoders: dict[str, DeviceDecode]) -> str | None:
     decoder = decoders.get("train") or next(iter(decoders.values()), None)
     if decoder is None or not decoder.waits.batches:
         return None
+    where = "device" if decoder.cuda else "CPU"  # without CUDA the device decode runs on the CPU
     counts = decoder.counts
     total = counts["device"] + counts["cpu"]
     words = [f"--data.decode gpu: {total:,} images, {counts['cpu'] / max(1, total):.0%} decoded by the workers"]
@@ -43,12 +44,12 @@ def decode_line(decoders: dict[str, DeviceDecode]) -> str | None:
     if costs is not None:
         decode = f", {costs['decode'] * 1e3:.2f} ms to decode there" if costs["decode"] is not None else ""
         words.append(f"per image {costs['read'] * 1e3:.2f} ms to read in a worker{decode}, "
-                     f"{costs['device'] * 1e3:.2f} ms on the device ({decoder.share.workers} workers)")
+                     f"{costs['device'] * 1e3:.2f} ms on the {where} ({decoder.share.workers} workers)")
     waits = decoder.waits.shares()
     words.append(f"the decode thread waited {waits['workers']:.0%} of its time for the workers and "
                  f"{waits['step']:.0%} for the step")
     parts = decoder.waits.device_shares()
     if decoder.waits.jpeg:
-        words.append(f"its device time {parts['jpeg']:.0%} in the JPEG decode, {parts['crop']:.0%} cropping, "
+        words.append(f"its {where} time {parts['jpeg']:.0%} in the JPEG decode, {parts['crop']:.0%} cropping, "
                      f"{parts['previous']:.0%} waiting for its previous batch")
     return ", ".join(words)
