@@ -64,7 +64,7 @@ class _Indices(BasePredictionWriter):
         self.seen.append(list(batch_indices or []))
 
 
-def test_predict_through_the_stage_gets_lightnings_batch_indices(tiny_data):
+def test_predict_through_the_stage_gets_lightnings_batch_indices(tiny_data, tmp_path):
     """Lightning gives predict's loader an index-recording batch sampler only when it is a DataLoader
     (trainer/connectors/data_connector.py, `_prepare_dataloader`): the wrapped loader gets it from that same
     function, and the stage passes `batch_sampler` through, so predictions.csv keys its rows by dataset index."""
@@ -73,6 +73,6 @@ def test_predict_through_the_stage_gets_lightnings_batch_indices(tiny_data):
                             arch_kwargs={"width": 8}, pictures=[])
     indices = _Indices()
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[indices], enable_progress_bar=False,
-                         enable_model_summary=False)
+                         enable_model_summary=False, default_root_dir=tmp_path)  # the model's predictions.csv there
     trainer.predict(model, datamodule=dm, return_predictions=False)
     assert sorted(i for batch in indices.seen for i in batch) == list(range(len(dm.indexes["val"])))
