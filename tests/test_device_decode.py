@@ -234,7 +234,8 @@ def test_the_training_stream_waits_for_the_side_streams_batch(photo_tree):
 
     class Slow(DeviceDecode):
         def _build(self, batch):
-            torch.cuda._sleep(50_000_000)
+            with torch.cuda.stream(self.resize_stream):  # the batch's writes queue behind it
+                torch.cuda._sleep(50_000_000)
             return super()._build(batch)
 
     reference = DeviceDecode("cuda", dev.source.describe)(packed)[0].clone()
@@ -251,6 +252,7 @@ def test_the_memory_probes_figure_covers_what_a_decoded_batch_holds(photo_tree):
     """memory_probe.py adds `device_bytes_per_image` per image with --data.decode gpu: it must not undercount."""
     from datamodules.sample.device_decode import device_bytes_per_image
     from datamodules.sample.device_resize import working_bytes
+    from datamodules.sample.ring import RING_SLOTS
 
     _, dev = _pair(photo_tree, "train", TrainCrop(0.25), 64)
     packed = dev.__getitems__(list(range(len(dev))))
@@ -259,9 +261,9 @@ def test_the_memory_probes_figure_covers_what_a_decoded_batch_holds(photo_tree):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    kept = [decoder(packed) for _ in range(2)]  # the batch trained on and the one decoded ahead
+    kept = [decoder(packed) for _ in range(RING_SLOTS)]  # kept: each in a ring slot of its own
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     crops = [(h, w) for h, w in packed.plans[:, 2:4].tolist()]
     allowed = len(dev) * device_bytes_per_image(64, decoded=3 * 200 * 150) + working_bytes(crops, 64)
-    assert len(kept) == 2 and 0 < peak <= allowed, (peak, allowed)
+    assert len(kept) == RING_SLOTS == decoder.ring.made and 0 < peak <= allowed, (peak, allowed)

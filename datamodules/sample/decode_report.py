@@ -11,7 +11,8 @@ class Waits:
     """Seconds the stage's thread spent waiting for the workers' next batch, building a batch on the device, and
     waiting for the step to take the batch it built; and the batches. The device's part split three ways: the
     batched JPEG decode (the call blocks until its private stream is done), the crops and resizes (launches), and
-    the wait for the side stream's previous batch before each decode."""
+    the host's wait, before each decode, for the resize of the batch before last (device_decode.py: its decoded
+    images go back to the allocator only then)."""
 
     def __init__(self) -> None:
         self.workers = self.device = self.step = 0.0

@@ -32,9 +32,13 @@ from typing import Any
 
 import torch
 
-from datamodules.sample.device_decode import DeviceDecode
+from datamodules.sample.device_decode import Decoded, DeviceDecode
 
 _DONE = object()
+
+
+class _Done(Exception):
+    """The wrapped loader's epoch ended."""
 
 
 class DecodeStage:
@@ -109,22 +113,37 @@ class DecodeStage:
         thread.start()
         try:
             while True:
-                item = ready.get()
-                if isinstance(item, tuple) and item[0] is _DONE:
-                    self._state = item[1]
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                decoded, self._state = item
-                yield self.decoder.hand_over(decoded)
+                # no local keeps the batch while the consumer has it: a slot it let go of is free (ring.py)
+                yield self.decoder.hand_over(self._next(ready))
+                self.decoder.moved_on()  # the consumer asks for the next batch: done queueing work on this one
+        except _Done:
+            return
         finally:
+            self.decoder.moved_on()
             stop.set()  # an abandoned iterator (a sanity check, limit_*_batches): the thread ends before the next
             while thread.is_alive():
                 try:
-                    ready.get(timeout=0.05)
+                    self._discard(ready.get(timeout=0.05))
                 except queue.Empty:
                     pass
             thread.join()
+            while not ready.empty():
+                self._discard(ready.get())
+
+    def _next(self, ready: queue.Queue) -> Decoded:
+        item = ready.get()
+        if isinstance(item, tuple) and item[0] is _DONE:
+            self._state = item[1]
+            raise _Done
+        if isinstance(item, BaseException):
+            raise item
+        self._state = item[1]
+        return item[0]
+
+    def _discard(self, item: Any) -> None:
+        """A batch built and never handed out (the iterator was abandoned): its ring slot is free again."""
+        if isinstance(item, tuple) and isinstance(item[0], Decoded):
+            self.decoder.ring.release(item[0].slot, None)
 
     def _run(self, batches: Iterator, ready: queue.Queue, stop: threading.Event) -> None:
         def put(item) -> bool:
@@ -147,7 +166,11 @@ class DecodeStage:
                 state = self._loader_state()
                 decoded = self.decoder.build(batch)
                 built = time.perf_counter()
-                if not put((decoded, state)) or stop.is_set():
+                if not put((decoded, state)):
+                    self._discard((decoded, state))
+                    return
+                del decoded
+                if stop.is_set():
                     return
                 asked = time.perf_counter()
                 waits.step += asked - built
