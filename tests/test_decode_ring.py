@@ -57,6 +57,26 @@ def test_the_decode_keeps_a_gpus_order_and_the_ring_never_grows(photo_tree):
     assert not decoder.in_flight or len(decoder.in_flight) <= 1  # decoded images of one batch at most, kept
 
 
+def test_a_consumer_that_fetches_ahead_has_its_batch_kept_until_its_work_is_queued(photo_tree):
+    """Lightning's fetcher without a loader length asks for batch k+1 before it queues the step on k
+    (loops/fetchers.py, `_PrefetchDataFetcher`): k's slot is written again only after work queued on k then."""
+    _, stage = _stage(photo_tree)
+    streams = stage.decoder.streams
+
+    def slot_key(images: torch.Tensor):
+        return next(s.key for s in stage.decoder.ring._ring if s.images.data_ptr() == images.data_ptr())
+
+    for _ in range(3):
+        ahead = None
+        for batch in stage:
+            if ahead is not None:  # the step on the batch before, queued now on the consumer's stream
+                streams.reads(streams.current(), slot_key(ahead[0]))
+                normalize(ahead[0]).mean()
+            ahead = batch
+        ahead = None
+    assert streams.violations == []
+
+
 def test_the_side_streams_run_at_high_priority_and_the_env_var_sets_it(photo_tree, monkeypatch):
     _, dev = _encoded(photo_tree)
     decoder = DeviceDecode("cpu", dev.source.describe)

@@ -130,12 +130,12 @@ class DeviceDecode:
         return (decoded.images, decoded.labels, decoded.ids) if self.pass_ids else (decoded.images, decoded.labels)
 
     def moved_on(self) -> None:
-        """The consumer is done queueing work on the batch it was handed: its slot may be written again once the
-        consumer's stream has passed this point (an event, waited for on the device by the next writer)."""
+        """The consumer asks for the next batch: the one it was handed may be written again once the consumer's
+        stream has passed its last use (an event, waited for on the device by the next writer: ring.py)."""
         if self.handed is not None:
             slot, consumer = self.handed
             self.handed = None
-            self.ring.release(slot, self.streams.record(consumer))
+            self.ring.release(slot, consumer)
 
     def _release_decoded(self, keep: int) -> None:
         """Decoded images back to the allocator once the host has seen their resize finish: those found done, then

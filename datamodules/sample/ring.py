@@ -8,7 +8,11 @@ the last of an evaluation epoch, is a view of its first images). A slot goes rou
    which holds one batch, so the consumer has taken k and moved on from k-1 (decode_stage.py);
 2. the batch is written on that stream and handed to the consumer (device_decode.py);
 3. `release` (the consumer's thread, when it asks for the next batch): an event recorded on the consumer's
-   stream, after everything it queued on the batch so far.
+   stream, after everything it queued on the batch so far. That holds only if nothing there still uses the
+   batch: a consumer that fetches ahead (Lightning's fetcher without a loader length, loops/fetchers.py) asks for
+   batch k+1 before it queues its step on k. So a batch still held when released gets its event later, at
+   `acquire`, once nothing holds it any more: then all work on it is queued, and an event recorded on the
+   consumer's stream from any thread comes after it (torch/cuda/streams.py, `Event.record`).
 
 No allocation in steady state, and no host wait for the consumer: its stream's event is waited for on the device.
 A consumer that keeps a batch past the next one (a list of batches, a test) holds a view of the slot, which
@@ -35,7 +39,8 @@ class Slot:
     size: int
     key: tuple[str, int]  # its name for the streams' checks (device_streams.py)
     busy: bool = True  # being built, or handed to the consumer and not released
-    released: Any = None  # the consumer's event when it moved on (None: never used)
+    released: Any = None  # the consumer's event when it moved on, if nothing held the batch then
+    consumer: Any = None  # the consumer's stream, when no event could be recorded at release
 
     def held_elsewhere(self) -> bool:
         """Whether a tensor outside the ring still uses this slot's memory (a batch the consumer kept)."""
@@ -73,14 +78,20 @@ class BatchRing:
                 self.made += 1
                 self._ring.append(chosen)
             chosen.busy = True
+            if chosen.released is None and chosen.consumer is not None:  # nothing holds it now: all work is queued
+                chosen.released = self.streams.record(chosen.consumer)
             if chosen.released is not None:
                 self.streams.wait(stream, chosen.released)  # on the device: the consumer's use comes first
+            chosen.released = chosen.consumer = None
             return chosen, chosen.images[:n]
 
-    def release(self, slot: Slot, event: Any) -> None:
-        """The consumer moved on from `slot`'s batch; `event` was recorded on its stream after its last use."""
+    def release(self, slot: Slot, consumer: Any) -> None:
+        """The consumer moved on from `slot`'s batch; `consumer`: its stream (None: the batch never reached it)."""
         with self._lock:
-            slot.released = event
+            if consumer is not None and not slot.held_elsewhere():
+                slot.released = self.streams.record(consumer)  # after everything queued on the batch: see above
+            else:
+                slot.consumer = consumer
             slot.busy = False
 
     def held(self) -> int:
