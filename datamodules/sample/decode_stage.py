@@ -115,7 +115,7 @@ class DecodeStage:
             while True:
                 # no local keeps the batch while the consumer has it: a slot it let go of is free (ring.py)
                 yield self.decoder.hand_over(self._next(ready))
-                self.decoder.moved_on()  # the consumer asks for the next batch: done queueing work on this one
+                self.decoder.moved_on()  # the consumer asks for the next batch (ring.py: what that proves)
         except _Done:
             return
         finally:
