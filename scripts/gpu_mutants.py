@@ -14,17 +14,28 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DECODE = "datamodules/sample/device_decode.py"
+RING = "datamodules/sample/ring.py"
+STREAMS = "datamodules/sample/device_streams.py"
 RESIZE = "datamodules/sample/device_resize.py"
 TESTS = "tests/test_device_decode.py"
+RING_TESTS = "tests/test_decode_ring.py"
 # (the defect, the file, the line as it is, the line with the defect, the test that must catch it)
 DEFECTS = [
-    ("the training stream does not wait for the side stream's event", DECODE,
-     "training.wait_event(decoded.ready)", "pass",
+    ("the training stream does not wait for the resize stream's event", DECODE,
+     "        self.streams.wait(consumer, decoded.ready)", "        pass",
      f"{TESTS}::test_the_training_stream_waits_for_the_side_streams_batch"),
-    ("the batch decoded on the training stream, not a side stream (pytorch/vision PR 9606)", DECODE,
-     "torch.cuda.stream(self.stream), torch.no_grad()",
-     "torch.cuda.stream(torch.cuda.current_stream(self.device)), torch.no_grad()",
+    ("the batch decoded with the training stream current, not a side stream (pytorch/vision PR 9606)", DECODE,
+     "self.streams.using(self.decode_stream):", "self.streams.using(self.streams.current()):",
      f"{TESTS}::test_training_stream_memory_is_never_written_by_a_decode_it_did_not_wait_for"),
+    ("a ring slot written again before the training stream's event", RING,
+     "                self.streams.wait(stream, chosen.released)", "                pass",
+     f"{RING_TESTS}::test_a_ring_slot_is_written_again_only_after_the_training_stream_is_done_with_it"),
+    ("decoded images released on the decode's event, before the host saw their resize finish", DECODE,
+     "        self.in_flight.append((ready, images, key))", "        self.in_flight.append((decoded_at, images, key))",
+     f"{RING_TESTS}::test_decoded_images_live_until_the_host_saw_their_resize_finish"),
+    ("the side streams at the step's priority", STREAMS,
+     "DEFAULT_PRIORITY = -1", "DEFAULT_PRIORITY = 0",
+     f"{RING_TESTS}::test_the_resize_stream_has_a_higher_priority_than_the_step"),
     ("the resize's weights in one part of 16 bits, which TF32 rounds", RESIZE,
      "return _round(torch.baddbmm(torch.bmm(a, b_low), a, b))", "return _round(torch.bmm(a, b + b_low))",
      f"{TESTS}::test_the_device_resizes_to_the_cpus_pixels_at_every_matmul_precision"),
@@ -45,8 +56,8 @@ def pytest(where: Path, *args: str) -> tuple[str, str]:
 
 
 def main() -> int:
-    status, last = pytest(REPO, TESTS)
-    print(f"gpu_mutants: {TESTS} as it is: {last}", flush=True)
+    status, last = pytest(REPO, TESTS, RING_TESTS)
+    print(f"gpu_mutants: {TESTS} and {RING_TESTS} as they are: {last}", flush=True)
     if status != "passed":
         print(f"gpu_mutants: {'no CUDA: nothing to put back' if status == 'skipped' else 'the tests fail as they are'}")
         return 0 if status == "skipped" else 1
