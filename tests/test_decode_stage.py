@@ -2,6 +2,8 @@
 (`ImageDataModule.on_device`), gives every backend's loader the device decode under --data.decode gpu."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -16,6 +18,7 @@ from datamodules.sample.decode_stage import DecodeStage
 from datamodules.shards.loader import ShardLoader
 from datamodules.shards.pack import pack as pack_shards
 from lightning_app.module import ImageClassifier
+from tests.helpers.cli import quick_args, run_main
 
 COMMON = {"batch_size": 8, "num_workers": 0, "image_size": 16, "decode": "gpu", "persistent_workers": False}
 
@@ -76,3 +79,16 @@ def test_predict_through_the_stage_gets_lightnings_batch_indices(tiny_data, tmp_
                          enable_model_summary=False, default_root_dir=tmp_path)  # the model's predictions.csv there
     trainer.predict(model, datamodule=dm, return_predictions=False)
     assert sorted(i for batch in indices.seen for i in batch) == list(range(len(dm.indexes["val"])))
+
+
+@pytest.mark.slow
+def test_under_ddp_each_rank_validates_its_own_share_through_the_stage(tiny_data, tmp_path):
+    """2 gloo processes: Lightning's DistributedSampler reaches the wrapped val loader (the stage is no DataLoader,
+    which Lightning would give it to), so the ranks share the 80 val images instead of each validating all."""
+    out = tmp_path / "val"
+    run_main(["fit", *quick_args(tiny_data, tmp_path, epochs=1, batch=16), "--trainer.strategy", "ddp",
+              "--trainer.devices", "2", "--data.decode", "gpu", "--data.num_workers", "0",
+              "--data.image_size", "16", "--trainer.num_sanity_val_steps", "0", "--model.pictures", "[]",
+              "--trainer.callbacks+=tests.helpers.callbacks.ValCounter", f"--trainer.callbacks.out_dir={out}"])
+    seen = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert seen == [[40], [40]], seen
