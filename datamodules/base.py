@@ -14,6 +14,8 @@ from typing import Literal
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.trainer.states import RunningStage, TrainerFn
+from pytorch_lightning.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules import forksafe
@@ -25,11 +27,12 @@ from datamodules.processes.loader_workers import WorkerInit, end_stuck_workers_a
 from datamodules.processes.start import DEFAULT_START, WorkerStart, check_start, start_server_early, worker_context
 from datamodules.resume import EpochSampler, ResumableLoader
 from datamodules.sample.augment import make_train_augment
-from datamodules.sample.balance import CpuShare, shared_overflow
+from datamodules.sample.balance import WorkerDecodeShare, shared_overflow
 from datamodules.sample.batches import SampleLoader, built_batch
 from datamodules.sample.crop import Augment, TrainCrop, ValCrop
 from datamodules.sample.dataset import SampleDataset, Source
-from datamodules.sample.device_decode import DecodeStage, DeviceDecode
+from datamodules.sample.decode_stage import DecodeStage
+from datamodules.sample.device_decode import DeviceDecode
 from datamodules.sample.encoded import EncodedDataset
 from datamodules.sample.transforms import normalize
 
@@ -153,6 +156,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         self.cpu_decode_share = cpu_decode_share
         self.worker_start = worker_start
         self.device_decoders: dict[str, DeviceDecode] = {}  # per split, when batches are decoded on the device
+        self._said_cpu_decode = False  # the start-up warning of --data.decode gpu without CUDA, once
         # per-sample hook after crop+flip (may be replaced before setup())
         self.train_augment: Augment | None = make_train_augment(auto_augment, random_erasing)
         # Read now (cheaply, and before any process group starts) so a bad layout fails
@@ -261,7 +265,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         self.indexes = indexes
         self.datasets = {split: self.make_dataset(split, index) for split, index in indexes.items()}
 
-    def _loader(self, split: str, train: bool) -> DataLoader:
+    def _loader(self, split: str, train: bool) -> DataLoader | DecodeStage:
         plan = self.memory_plan(fit=True if train else None)
         self._show_plan(plan)
         sizing = plan.loader("train" if train else "val")
@@ -308,13 +312,36 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
             worker_init_fn=WorkerInit(),
             **self.loader_start(workers),
         )
-        if encoded:
-            decoder = self.device_decoders.get(split)
-            if decoder is None or decoder.device != self.device:
-                decoder = self.device_decoders[split] = DeviceDecode(self.device, dataset.source.describe)
-            decoder.share = CpuShare(dataset.overflow, workers, self.cpu_decode_share)
-            made.device_stage = DecodeStage(decoder, made.loader_state if train else None)
-        return made
+        return self.on_device(made, split, train, dataset.source.describe, dataset.overflow) if encoded else made
+
+    def on_device(self, loader: DataLoader, split: str, train: bool, describe, overflow: torch.Tensor,
+                  ids: bool = False) -> DecodeStage:
+        """--data.decode gpu: `loader`'s EncodedBatches decoded on the training device, by a DecodeStage wrapping it
+        (datamodules/sample/decode_stage.py): the one place every backend's stage is made. `describe` names a
+        sample's file in an error; `overflow` is the workers' decode share (balance.py); `ids`: the sample ids go on
+        as the batch's third element (a streamed batch's, as on the CPU path).
+
+        Lightning adds its samplers only to a DataLoader, which the stage is not: the wrapped loader gets them here
+        from Lightning's own function (trainer/connectors/data_connector.py, `_prepare_dataloader`), as it would
+        without the stage: an evaluation loader's DistributedSampler under DDP, predict's index wrapper. A train
+        loader's EpochSampler (a DistributedSampler) and a LitData loader (an IterableDataset) keep their own.
+        """
+        trainer = self.trainer
+        if trainer is not None and isinstance(loader, DataLoader):
+            mode = (RunningStage.TRAINING if train else RunningStage.PREDICTING
+                    if trainer.state.fn == TrainerFn.PREDICTING else RunningStage.VALIDATING)
+            loader = trainer._data_connector._prepare_dataloader(loader, shuffle=train, mode=mode)
+        if self.device.type != "cuda" and not self._said_cpu_decode:
+            self._said_cpu_decode = True
+            rank_zero_warn(f"data.decode gpu: the training device is {self.device.type}, not CUDA, so the device "
+                           "decode runs on the CPU here, on one thread beside the step: slower than --data.decode cpu, "
+                           "whose loader workers decode in parallel. Use --data.decode cpu on this machine.")
+        decoder = self.device_decoders.get(split)
+        if decoder is None or decoder.device != self.device:
+            decoder = self.device_decoders[split] = DeviceDecode(self.device, describe)
+        decoder.share = WorkerDecodeShare(overflow, getattr(loader, "num_workers", 0), self.cpu_decode_share)
+        decoder.pass_ids = ids
+        return DecodeStage(loader, decoder)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", train=True)

@@ -111,20 +111,19 @@ class ResumableLoader(StatefulDataLoader):
             warnings.filterwarnings("ignore", message=".*set_vital.* is deprecated")
             super().__init__(*args, **kwargs)
 
-    device_stage = None  # a DecodeStage (datamodules/sample/device_decode.py) with --data.decode gpu
-
     def __iter__(self):
-        batches = given_back(super().__iter__())
-        return batches if self.device_stage is None else self.device_stage(batches)
+        return given_back(super().__iter__())
 
     def loader_state(self) -> dict[str, Any]:
         """This rank's state as of the batches the loader itself has yielded (a copy: torchdata updates its own)."""
         return copy.deepcopy(super().state_dict())
 
     def state_dict(self) -> dict[str, Any]:
-        # the device stage runs a batch ahead: its state is the loader's as of the batches it handed on
-        staged = self.device_stage.state() if self.device_stage is not None else None
-        mine = staged if staged is not None else super().state_dict()
+        return self.state_dict_from(super().state_dict())
+
+    def state_dict_from(self, mine: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint's state from this rank's (`loader_state`: a reader ahead of the consumer, such as the
+        device decode's stage, keeps the one as of the batches it handed on): every rank's."""
         world = _ranks()[1]
         states = [mine]
         if world > 1:  # every rank is in Trainer.save_checkpoint (fit_loop.on_save_checkpoint runs on each)

@@ -280,7 +280,7 @@ class ClassifierCLI(LightningCLI):
             f"{img_s:,.0f} images/s ({trainer.world_size} process{'es' if trainer.world_size > 1 else ''})"
             if img_s else "images/s n/a",
         ]
-        from datamodules.sample.device_decode import decode_line
+        from datamodules.sample.decode_report import decode_line
 
         decoding = decode_line(getattr(trainer.datamodule, "device_decoders", None) or {})
         if decoding:

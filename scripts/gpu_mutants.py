@@ -21,8 +21,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MUTANT_ENV = "FIC_MUTANT"  # tests/helpers/mutants.py
-CUDA_TESTS = ["tests/test_device_decode.py", "tests/test_device_resize.py"]
+CUDA_TESTS = ["tests/test_device_decode.py", "tests/test_device_resize.py", "tests/test_decode_ring.py"]
 DECODE = "tests/test_device_decode.py"
+RING = "tests/test_decode_ring.py"
 # (the defect, the test that must catch it, the FIC_MUTANT name under which that test puts it back)
 MUTANTS = [
     ("the training stream does not wait for the side stream's event",
@@ -32,6 +33,13 @@ MUTANTS = [
      "decode-on-training-stream"),
     ("the resize's weights in one part of 16 bits, which TF32 and bf16 round",
      f"{DECODE}::test_the_device_resizes_to_the_cpus_pixels_at_every_matmul_precision", "one-weight-part"),
+    ("a ring slot written again before the training stream's event",
+     f"{RING}::test_a_ring_slot_is_written_again_only_after_the_training_stream_is_done_with_it",
+     "ring-slot-reused-early"),
+    ("decoded images released before the host saw their resize finish",
+     f"{RING}::test_decoded_images_live_until_the_host_saw_their_resize_finish", "images-released-early"),
+    ("the side streams at the step's priority",
+     f"{RING}::test_the_resize_stream_has_a_higher_priority_than_the_step", "step-priority"),
 ]
 PYTEST = ["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-p", "no:randomly", "--timeout", "120",
           "-rfEs", "--tb=line"]

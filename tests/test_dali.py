@@ -118,6 +118,15 @@ def test_missing_dali_says_how_to_install(tiny_data):
     assert "pip install -r requirements-dali-cu13.txt" in proc.stdout and "requirements-dali-cu12.txt" in proc.stdout
 
 
+def test_decode_gpu_is_refused_in_one_paragraph_naming_dali_device(tiny_data, tmp_path):
+    """DALI decodes where --data.dali_device says: --data.decode gpu, which it would ignore, ends the run (exit 2)."""
+    run = run_main(["fit", *quick_args(tiny_data, tmp_path), "--data", "datamodules.DALIDataModule",
+                    "--data.decode", "gpu"], check=False)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "data.decode gpu" in run.stderr and "--data.dali_device gpu" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
 def test_settings_are_checked(tiny_data):
     with pytest.raises(DataError, match="dali_device"):
         DALIDataModule(data_dir=str(tiny_data), dali_device="tpu")

@@ -8,12 +8,13 @@ import torch
 
 from datamodules.errors import DataError
 from datamodules.imagefolder import ImageFolderDataModule
-from datamodules.sample.balance import WARMUP_BATCHES, CpuShare, shared_overflow
+from datamodules.sample.balance import WARMUP_BATCHES, WorkerDecodeShare, shared_overflow
 from datamodules.sample.crop import TrainCrop
 from tests.test_device_decode import _both, _pair
 
 
-def _fed(share: CpuShare, batches: int, n: int, read: float, decode: float, device: float, cannot: int = 0) -> float:
+def _fed(share: WorkerDecodeShare, batches: int, n: int, read: float, decode: float, device: float,
+         cannot: int = 0) -> float:
     """Feed `batches` batches of n whose worker spent `read` s per image reading and `decode` s per image it
     decoded, and whose device images took the stage `device` s each; the overflow the workers are told."""
     for _ in range(batches):
@@ -26,7 +27,7 @@ def _fed(share: CpuShare, batches: int, n: int, read: float, decode: float, devi
 
 def test_the_share_makes_both_halves_take_as_long():
     # 4 workers, 1 ms to read an image, 4 ms to decode one; the device 1 ms an image: s = (4 - 1) / (4 + 4)
-    share = CpuShare(shared_overflow(), workers=4)
+    share = WorkerDecodeShare(shared_overflow(), workers=4)
     overflow = _fed(share, 60, 64, read=1e-3, decode=4e-3, device=1e-3)
     assert overflow == pytest.approx(3 / 8, abs=1e-6)
     s = overflow
@@ -34,25 +35,25 @@ def test_the_share_makes_both_halves_take_as_long():
 
 
 def test_files_the_device_cannot_take_count_towards_the_share():
-    share = CpuShare(shared_overflow(), workers=4)
+    share = WorkerDecodeShare(shared_overflow(), workers=4)
     overflow = _fed(share, 60, 64, read=1e-3, decode=4e-3, device=1e-3, cannot=8)  # an eighth must go to the CPU
     assert overflow == pytest.approx((3 / 8 - 1 / 8) / (1 - 1 / 8), abs=1e-6)
 
 
 def test_workers_slower_than_the_device_get_nothing_more_to_decode():
-    share = CpuShare(shared_overflow(), workers=2)
+    share = WorkerDecodeShare(shared_overflow(), workers=2)
     assert _fed(share, 60, 64, read=2e-3, decode=4e-3, device=0.5e-3) == 0.0  # 2 x 0.5 ms < 2 ms to read
 
 
 def test_a_fixed_share_and_no_workers_stay_put():
-    fixed = CpuShare(shared_overflow(), workers=4, fixed=0.25)
+    fixed = WorkerDecodeShare(shared_overflow(), workers=4, fixed=0.25)
     assert _fed(fixed, 20, 64, read=1e-3, decode=4e-3, device=1e-3) == 0.25
-    alone = CpuShare(shared_overflow(), workers=0)  # batches packed on the stage's own thread
+    alone = WorkerDecodeShare(shared_overflow(), workers=0)  # batches packed on the stage's own thread
     assert _fed(alone, 20, 64, read=1e-3, decode=4e-3, device=1e-3) == 0.0
 
 
 def test_a_cpu_decode_is_tried_before_any_was_timed_and_warm_up_is_not_counted():
-    share = CpuShare(shared_overflow(), workers=4)
+    share = WorkerDecodeShare(shared_overflow(), workers=4)
     assert _fed(share, WARMUP_BATCHES, 64, read=1e-3, decode=4e-3, device=1.0) == 0.0  # not counted
     costs = [64, 64e-3, 0, 0, 0]
     share.update(costs, 64e-3, 64)

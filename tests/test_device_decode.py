@@ -125,7 +125,7 @@ def test_the_stage_a_batch_ahead_saves_the_loader_state_of_the_batches_it_handed
     batches = iter(loader)
     first = [next(batches) for _ in range(3)]
     deadline = time.monotonic() + 60
-    while _yielded(StatefulDataLoader.state_dict(loader)) < 4:  # the stage's thread has taken batch 4
+    while _yielded(StatefulDataLoader.state_dict(loader.loader)) < 4:  # the stage's thread has taken batch 4
         assert time.monotonic() < deadline, "the stage never took a batch ahead"
         time.sleep(0.01)
     state = loader.state_dict()
@@ -156,11 +156,15 @@ def test_the_end_of_run_line_counts_the_files_the_device_could_not_take(tmp_path
         (root / "train" / "a" / f"progressive{i}.jpg").write_bytes(jpeg(rgb, progressive=True))
     run = run_main(["fit", *quick_args(root, tmp_path, epochs=1, batch=8), "--data.decode", "gpu",
                     "--data.image_size", "32", "--trainer.num_sanity_val_steps", "0", "--model.pictures", "[]"])
-    done = next(line for line in (run.stdout + run.stderr).splitlines() if line.startswith("Done:"))
+    said = (run.stdout + run.stderr).splitlines()
+    done = next(line for line in said if line.startswith("Done:"))
     assert "; 1 epoch;" in done, done  # one epoch, said so
+    where = "device" if torch.cuda.is_available() else "CPU"  # without CUDA: said at start-up, named at the end
+    cpu_here = [line for line in said if "so the device decode runs on the CPU here" in line]
+    assert len(cpu_here) == (0 if torch.cuda.is_available() else 1), cpu_here
     found = re.search(r"--data.decode gpu: (\d+) images, \d+% decoded by the workers, (\d+) of them because the "
-                      r"device cannot take them .*per image [\d.]+ ms to read in a worker.* ms on the device "
-                      r"\(\d+ workers\), the decode thread waited \d+% of its time for the workers.*, its device "
+                      rf"device cannot take them .*per image [\d.]+ ms to read in a worker.* ms on the {where} "
+                      rf"\(\d+ workers\), the decode thread waited \d+% of its time for the workers.*, its {where} "
                       r"time (\d+)% in the JPEG decode, (\d+)% cropping, (\d+)% waiting for its previous batch", done)
     assert found, done
     assert int(found[1]) == 24 and 0 < int(found[2]) <= 6  # the training loader's: 3 batches of 8
@@ -219,7 +223,7 @@ def test_training_stream_memory_is_never_written_by_a_decode_it_did_not_wait_for
     _, dev = _pair(photo_tree, "train", TrainCrop(0.25), 64)
     decoder = DeviceDecode("cuda", dev.source.describe)
     if mutant("decode-on-training-stream"):  # the batch decoded on the training stream, not a side stream
-        decoder.stream = torch.cuda.current_stream()
+        decoder.decode_stream = torch.cuda.current_stream()  # its outputs from the step's pool
     packed = dev.__getitems__(list(range(len(dev))))
     size = 3 * 150 * 200  # one decoded image: the block a decode on this stream would be handed next
     for _ in range(5):
@@ -244,7 +248,8 @@ def test_the_training_stream_waits_for_the_side_streams_batch(photo_tree, monkey
 
     class Slow(DeviceDecode):
         def _build(self, batch):
-            torch.cuda._sleep(50_000_000)
+            with torch.cuda.stream(self.resize_stream):  # the batch's writes queue behind it
+                torch.cuda._sleep(50_000_000)
             return super()._build(batch)
 
     reference = DeviceDecode("cuda", dev.source.describe)(packed)[0].clone()
@@ -261,6 +266,7 @@ def test_the_memory_probes_figure_covers_what_a_decoded_batch_holds(photo_tree):
     """memory_probe.py adds `device_bytes_per_image` per image with --data.decode gpu: it must not undercount."""
     from datamodules.sample.device_decode import device_bytes_per_image
     from datamodules.sample.device_resize import working_bytes
+    from datamodules.sample.ring import RING_SLOTS
 
     _, dev = _pair(photo_tree, "train", TrainCrop(0.25), 64)
     packed = dev.__getitems__(list(range(len(dev))))
@@ -269,9 +275,9 @@ def test_the_memory_probes_figure_covers_what_a_decoded_batch_holds(photo_tree):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    kept = [decoder(packed) for _ in range(2)]  # the batch trained on and the one decoded ahead
+    kept = [decoder(packed) for _ in range(RING_SLOTS)]  # kept: each in a ring slot of its own
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     crops = [(h, w) for h, w in packed.plans[:, 2:4].tolist()]
     allowed = len(dev) * device_bytes_per_image(64, decoded=3 * 200 * 150) + working_bytes(crops, 64)
-    assert len(kept) == 2 and 0 < peak <= allowed, (peak, allowed)
+    assert len(kept) == RING_SLOTS == decoder.ring.made and 0 < peak <= allowed, (peak, allowed)

@@ -62,8 +62,10 @@ def _assert_same(whole: dict, resumed: dict) -> None:
     assert resumed["batches"] == whole["batches"] and resumed["digests"] == whole["digests"]
 
 
-@pytest.mark.parametrize(("backend", "decode"), [("imagefolder", "cpu"), ("lmdb", "cpu"), ("downscaled", "cpu"),
-                                                 ("lmdb", "gpu")])
+@pytest.mark.parametrize(("backend", "decode"), [
+    ("imagefolder", "cpu"), ("lmdb", "cpu"), ("downscaled", "cpu"), ("lmdb", "gpu"),
+    pytest.param("imagefolder", "gpu", marks=pytest.mark.slow),
+    pytest.param("downscaled", "gpu", marks=pytest.mark.slow)])
 def test_resumed_epoch_delivers_the_uninterrupted_runs_batches(backend, decode, sources, tmp_path):
     """The uninterrupted run saves last.ckpt mid-epoch (a step save) and goes on; that checkpoint, put back as
     last.ckpt (what a run killed right after the save leaves), resumed with --ckpt_path last, delivers the rest of

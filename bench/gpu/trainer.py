@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from bench.gpu.checks import Check, Workload
-from datamodules.sample.device_decode import decode_line
+from datamodules.sample.decode_report import decode_line
 from datamodules.sample.transforms import normalize
 
 GROUP = "trainer"

@@ -96,6 +96,10 @@ class DALIDataModule(ImageDataModule):
         from datamodules.dali.augment import check_dali_augment
 
         check_dali_augment(kwargs.get("auto_augment"), kwargs.get("random_erasing", 0.0))
+        if kwargs.get("decode", "cpu") == "gpu":
+            raise DataError("data.decode gpu is the other backends' GPU decode; DALIDataModule decodes with DALI and "
+                            "takes its device from --data.dali_device: gpu (nvJPEG, 'mixed'), cpu, or auto (the GPU "
+                            "when the trainer runs on CUDA). Drop --data.decode gpu and set --data.dali_device gpu.")
         if dali_device not in DEVICES:
             raise DataError(f"data.dali_device must be one of {DEVICES}, got {dali_device!r}.")
         if source not in SOURCES:

@@ -14,7 +14,7 @@ long when
 
     s = (W g - r) / (W g + c).
 
-Each batch carries what its worker spent (`EncodedBatch.costs`), the stage times itself, and `CpuShare` keeps
+Each batch carries what its worker spent (`EncodedBatch.costs`), the stage times itself, and `WorkerDecodeShare` keeps
 the three costs as running averages and solves for s after every batch. Files the device cannot decode
 (progressive, grayscale, ...) count towards s; the workers are told the rest as `overflow`, the chance that a
 file the device could decode is decoded on the CPU (a value in shared memory, read once per batch, like the
@@ -39,7 +39,7 @@ def shared_overflow() -> torch.Tensor:
     return torch.zeros(1, dtype=torch.float64).share_memory_()
 
 
-class CpuShare:
+class WorkerDecodeShare:
     """The CPU's share of each batch under --data.decode gpu: fixed (`fixed` in [0, 1]: 0, the default, leaves
     every file the device can take to it) or balanced (`fixed` None, see the module doc). `overflow` is the
     workers' shared value; `workers` the loader's worker count (0: the batches are packed on the stage's own

@@ -217,8 +217,5 @@ def given_back(batches: Iterator) -> Iterator:
 class SampleLoader(DataLoader):
     """A DataLoader that gives every ring buffer back as soon as a batch arrives (see the module doc)."""
 
-    device_stage = None  # a DecodeStage (datamodules/sample/device_decode.py) with --data.decode gpu
-
     def __iter__(self):
-        batches = given_back(super().__iter__())
-        yield from batches if self.device_stage is None else self.device_stage(batches)
+        yield from given_back(super().__iter__())

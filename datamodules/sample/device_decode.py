@@ -3,36 +3,38 @@
 `DeviceDecode` decodes a batch's JPEGs in one batched call (`torchvision.io.decode_jpeg(list, device=...)`:
 nvJPEG's hardware engine for baseline JPEGs on A100/H100/H200), then crops the planned boxes, resizes them
 (antialiased bilinear) to the planned windows and flips the flipped ones in a few batched calls
-(device_resize.py), and writes the CPU-decoded samples into their places.
-`on_after_batch_transfer` then only normalises (base.py).
+(device_resize.py), and writes the CPU-decoded samples into their places, in a batch of a preallocated ring
+(ring.py). `on_after_batch_transfer` then only normalises (base.py).
 
-Streams (torchvision/csrc/io/image/cuda/decode_jpegs_cuda.cpp): the decode allocates its outputs on the
-caller's current stream, writes them on a private stream of its own and blocks the calling thread until it is
-done (`cudaStreamSynchronize`). Nothing orders that private stream after work queued earlier on the caller's
-stream, so memory freed there with kernels still reading it can be overwritten (pytorch/vision PR 9606: memory
-corrupted in 199 of 200 runs on an H100 from the training stream, none from a side stream). So the batch is
-decoded and cropped on a side stream of this stage's own, and:
-- before each decode the host waits for the side stream's previous batch (its resizes read the last decoded
-  images, whose memory the next decode may reuse), never for the training stream;
-- the training stream waits on an event recorded after the batch is written (`wait_event`: no host sync),
-  and `record_stream` tells the allocator that the training stream uses the batch.
+Two batches in flight: batch k+2 is decoded while k+1 is resized and k trains. torchvision's decode blocks its
+thread (`cudaStreamSynchronize` before and after, torchvision/csrc/io/image/cuda/decode_jpegs_cuda.cpp) and
+allocates its outputs on the caller's current stream but writes them on a private stream that waits for nothing
+queued on the caller's (pytorch/vision PR 9606; meta-pytorch/torchcodec PR 1634: the hardware engine ignores the
+stream's earlier work). Memory freed on that stream while kernels still read it can be handed to the decode and
+overwritten. So (the operations: device_streams.py):
+- the decode runs with a stream of its own current (`decode`), on which nothing is ever queued: only its
+  outputs, the decoded images, are allocated there;
+- the crop and resize run on another (`resize`, high priority: FIC_DECODE_STREAM_PRIORITY, default -1), which
+  waits on the device for the decode's event, and writes a ring slot after waiting, on the device, for the
+  event the consumer's stream recorded when it moved on from that slot's last batch;
+- a batch's decoded images are kept until the host has seen its resize finish (an event observed before the
+  decode two batches on, or found done earlier): only then do they go back to the decode stream's pool, where
+  no queued kernel can read them any more. Two batches' images at most are alive;
+- the consumer's stream waits for the batch on the device (`wait_event`), never on the host, and the allocator
+  learns that it uses the batch and its labels (`record_stream`).
 
-`DecodeStage` runs this on one thread, one batch ahead of the consumer (the decode blocks its thread; the
-training thread keeps launching the step meanwhile). It keeps the loader state as of the batches it has
-handed out, so a mid-epoch checkpoint resumes exactly (datamodules/resume.py), and times where its thread
-waits: for the workers, on the device, for the step (`Waits`, said at the end of a run: decode_line).
-After each batch it tells the workers how much of the next to decode themselves (balance.py).
+`DecodeStage` (decode_stage.py) runs this on a thread of its own, ahead of the consumer, and tells the decode
+when the consumer moves on (`moved_on`); a caller of `DeviceDecode(...)(batch)` moves on at its next call.
 
 Without CUDA (tests, a CPU run) the same code runs on the CPU: torchvision's batched CPU decode
-(libjpeg-turbo), streams and events skipped.
+(libjpeg-turbo), and streams and events that only check the order (device_streams.CpuStreams).
 """
 from __future__ import annotations
 
 import itertools
-import queue
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -40,91 +42,74 @@ from torch.profiler import record_function
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from datamodules.errors import DataError
-from datamodules.sample.balance import CANNOT, CpuShare
-from datamodules.sample.batches import batch_layout
+from datamodules.sample.balance import CANNOT, WorkerDecodeShare
 from datamodules.sample.decode import decode
+from datamodules.sample.decode_report import Waits
 from datamodules.sample.device_resize import BYTES_PER_ELEMENT, GROUP_ELEMENTS, build_on_device, resize_plan
+from datamodules.sample.device_streams import stream_priority, streams_for
 from datamodules.sample.encoded import EncodedBatch
+from datamodules.sample.ring import RING_SLOTS, BatchRing, Slot
 
 Describe = Callable[[int, Exception], str]  # (sample id, error) -> the message naming the file
 DECODED_BYTES = 3 * 500 * 400  # a decoded ImageNet-sized JPEG (about 500 x 400 px), uint8 RGB
 JPEG_RANGE, RESIZE_RANGE = "fic.decode.jpeg", "fic.decode.resize"  # a batch's two parts, named in a profiler's trace
-BATCHES_ON_DEVICE = 2  # the batch the step trains on, and the one decoded ahead
+BATCHES_ON_DEVICE = RING_SLOTS  # output batches: the one the step trains on, the one waiting, the one being built
+DECODED_IN_FLIGHT = 2  # batches whose decoded images are alive: the one resizing and the one decoding
 
 
 def device_bytes_per_image(size: int, decoded: int = DECODED_BYTES) -> int:
-    """GPU memory one image of a batch holds while the device decodes (for the memory probe): the output, for
-    each batch on the device; while one is built, its decoded pixels twice (the images and their flat copy) and
-    the resized pixels (before they take their places). A group's resize holds DEVICE_GROUP_BYTES besides."""
-    return BATCHES_ON_DEVICE * 3 * size * size + 2 * decoded + 3 * size * size
+    """GPU memory one image of a batch holds while the device decodes (for the memory probe): the ring's output
+    batches; the decoded pixels of the batches in flight, and while one is resized their flat copy and its
+    resized pixels (before they take their places). A group's resize holds DEVICE_GROUP_BYTES besides."""
+    return BATCHES_ON_DEVICE * 3 * size * size + (DECODED_IN_FLIGHT + 1) * decoded + 3 * size * size
 
 
 DEVICE_GROUP_BYTES = BYTES_PER_ELEMENT * GROUP_ELEMENTS  # device_resize.py: one group at a time
 
 
 class Decoded(NamedTuple):
-    """A batch built on the side stream: `ready` is recorded after its last write (None on a CPU)."""
+    """A batch built on the resize stream: `ready` is recorded after its last write; `slot` is its ring slot."""
 
     images: torch.Tensor
     labels: torch.Tensor
-    ready: torch.cuda.Event | None
+    ready: Any
     ids: torch.Tensor  # the batch's sample ids, on the host
-
-
-class Waits:
-    """Seconds the stage's thread spent waiting for the workers' next batch, building a batch on the device, and
-    waiting for the step to take the batch it built; and the batches. The device's part split three ways: the
-    batched JPEG decode (the call blocks until its private stream is done), the crops and resizes (launches), and
-    the wait for the side stream's previous batch before each decode."""
-
-    def __init__(self) -> None:
-        self.workers = self.device = self.step = 0.0
-        self.jpeg = self.crop = self.previous = 0.0
-        self.batches = 0
-
-    def device_shares(self) -> dict[str, float]:
-        total = self.jpeg + self.crop + self.previous
-        return {k: getattr(self, k) / total if total else 0.0 for k in ("jpeg", "crop", "previous")}
-
-    def shares(self) -> dict[str, float]:
-        total = self.workers + self.device + self.step
-        return {k: getattr(self, k) / total if total else 0.0 for k in ("workers", "device", "step")}
+    slot: Slot
 
 
 class DeviceDecode:
     """Decodes and crops `EncodedBatch`es on `device`; counts the samples each path took. `share` sets the
     workers' part of each batch (balance.py; None: the workers decode only what the device cannot)."""
 
-    def __init__(self, device: torch.device | str, describe: Describe, share: CpuShare | None = None) -> None:
+    def __init__(self, device: torch.device | str, describe: Describe, share: WorkerDecodeShare | None = None) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.describe = describe
         self.share = share
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.last: torch.cuda.Event | None = None
+        self.streams = streams_for(self.device)
+        priority = stream_priority()
+        self.decode_stream = self.streams.new_stream(priority)  # only allocations: see the module doc
+        self.resize_stream = self.streams.new_stream(priority)
+        self.ring = BatchRing(self.device, self.streams)
+        self.in_flight: deque[tuple[Any, list[torch.Tensor], tuple]] = deque()  # (resize event, images, key)
+        self.handed: tuple[Slot, Any] | None = None  # the slot the consumer has, and its stream
+        self.batches = 0
         self.counts = {"device": 0, "cpu": 0, "cannot": 0}  # decoded on the device, by the workers; cannot: of theirs
         self.waits = Waits()
         self.pass_ids = False  # hand the sample ids on as a third element (a streamed batch's, shards/loader.py)
 
     def __call__(self, batch: EncodedBatch) -> tuple[torch.Tensor, ...]:
-        """Build and hand over on this thread."""
+        """Build and hand over on this thread (which moves on from the batch it was handed before)."""
+        self.moved_on()
         return self.hand_over(self.build(batch))
 
     def build(self, batch: EncodedBatch) -> Decoded:
-        """The batch on the device, written on the side stream (any thread)."""
+        """The batch on the device, written on the resize stream (any one thread)."""
         start = time.perf_counter()
-        if not self.cuda:
-            decoded = Decoded(*self._build(batch), None, batch.ids)
-        else:
-            with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.no_grad():
-                if self.last is not None:
-                    self.last.synchronize()  # the side stream's previous batch: see the module doc
-                self.waits.previous += time.perf_counter() - start
-                images, labels = self._build(batch)
-                ready = torch.cuda.Event()
-                ready.record(self.stream)
-            self.last = ready
-            decoded = Decoded(images, labels, ready, batch.ids)
+        with torch.no_grad():
+            self._release_decoded(keep=DECODED_IN_FLIGHT - 1)
+            self.waits.previous += time.perf_counter() - start
+            decoded = self._build(batch)
         seconds = time.perf_counter() - start
         self.waits.device += seconds
         self.waits.batches += 1
@@ -135,33 +120,60 @@ class DeviceDecode:
         return decoded
 
     def hand_over(self, decoded: Decoded) -> tuple[torch.Tensor, ...]:
-        """On the consumer's thread: its current stream waits for the batch (on the device, not the host)."""
-        if decoded.ready is not None:
-            training = torch.cuda.current_stream(self.device)
-            training.wait_event(decoded.ready)
-            decoded.images.record_stream(training)
-            decoded.labels.record_stream(training)
+        """On the consumer's thread: its current stream waits for the batch on the device, never on the host."""
+        consumer = self.streams.current()
+        self.streams.wait(consumer, decoded.ready)
+        self.streams.reads(consumer, decoded.slot.key)
+        self.streams.hand_to(decoded.images, consumer)
+        self.streams.hand_to(decoded.labels, consumer)
+        self.handed = (decoded.slot, consumer)
         return (decoded.images, decoded.labels, decoded.ids) if self.pass_ids else (decoded.images, decoded.labels)
 
-    def _build(self, batch: EncodedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def moved_on(self) -> None:
+        """The consumer asks for the next batch: the one it was handed may be written again once the consumer's
+        stream has passed its last use (an event, waited for on the device by the next writer: ring.py)."""
+        if self.handed is not None:
+            slot, consumer = self.handed
+            self.handed = None
+            self.ring.release(slot, consumer)
+
+    def _release_decoded(self, keep: int) -> None:
+        """Decoded images back to the allocator once the host has seen their resize finish: those found done, then
+        the oldest, waited for, until at most `keep` batches' are alive (see the module doc)."""
+        while self.in_flight and (len(self.in_flight) > keep or self.streams.done(self.in_flight[0][0])):
+            ready, images, key = self.in_flight.popleft()
+            if len(self.in_flight) >= keep:
+                self.streams.observe(ready)
+            self.streams.releases(key)
+            images.clear()  # the last references: the memory returns to the decode stream's pool
+
+    def _build(self, batch: EncodedBatch) -> Decoded:
         n, size = len(batch.labels), int(batch.size)
-        shape, stride, _ = batch_layout(n, size)
         slots = batch.slots.tolist()
+        key = ("images", self.batches)
+        self.batches += 1
         start = time.perf_counter()
-        with record_function(JPEG_RANGE):  # named ranges for a profiler's trace (bench/gpu/trace.py)
+        with record_function(JPEG_RANGE), self.streams.using(self.decode_stream):  # a profiler's named ranges
             images = self._decode(batch, batch.offsets.tolist()) if slots else []
+            self.streams.writes(self.decode_stream, key)
+            decoded_at = self.streams.record(self.decode_stream)
         decoded = time.perf_counter()
-        with record_function(RESIZE_RANGE):
+        with record_function(RESIZE_RANGE), self.streams.using(self.resize_stream):
             table, spans = resize_plan(images, batch.plans, size) if slots else (batch.plans, [])
-            out = torch.empty_strided(shape, stride, dtype=torch.uint8, device=self.device)
+            slot, out = self.ring.acquire(n, size, self.resize_stream)
+            self.streams.wait(self.resize_stream, decoded_at)
+            self.streams.reads(self.resize_stream, key)
+            self.streams.writes(self.resize_stream, slot.key)
             labels = build_on_device()(images, table, spans, size, out, batch.slots, batch.pixels, batch.pixel_slots,
                                        batch.labels, self.device)
+            ready = self.streams.record(self.resize_stream)
+        self.in_flight.append((ready, images, key))
         if slots:
             self.waits.jpeg += decoded - start
             self.waits.crop += time.perf_counter() - decoded
         self.counts["device"] += len(slots)
         self.counts["cpu"] += len(batch.pixel_slots)
-        return out, labels
+        return Decoded(out, labels, ready, batch.ids, slot)
 
     def _decode(self, batch: EncodedBatch, offsets: list[int]) -> list[torch.Tensor]:
         """The batch's JPEGs as (3, H, W) uint8 on the device, in one call; a file it refuses is named."""
@@ -184,114 +196,3 @@ class DeviceDecode:
                 raise DataError(self.describe(ids[slot], e)) from e
         raise DataError(f"the device JPEG decode failed on a batch whose files all decode on the CPU ({error}). "
                         "Train with --data.decode cpu, and report it with the GPU and driver named.") from error
-
-
-_DONE = object()
-
-
-class DecodeStage:
-    """The device decode on its own thread, one batch ahead: wraps a loader's batch iterator (see the module doc).
-
-    `state()` is the wrapped loader's state as of the batches handed out so far (`loader_state` taken on the
-    thread right after each batch left the loader), so a prefetched batch is never counted as used.
-    """
-
-    def __init__(self, decoder: DeviceDecode, loader_state: Callable[[], Any] | None = None) -> None:
-        self.decoder = decoder
-        self.loader_state = loader_state
-        self._state: Any = None
-
-    def state(self) -> Any:
-        return self._state
-
-    def __call__(self, batches: Iterator) -> Iterator[tuple[torch.Tensor, ...]]:
-        ready: queue.Queue = queue.Queue(maxsize=1)
-        stop = threading.Event()
-        self._state = self.loader_state() if self.loader_state is not None else None  # before any batch
-        # The first batch is taken on this thread: a loader that starts its workers lazily (LitData's) forks them
-        # here, and a worker's PR_SET_PDEATHSIG (processes/loader_workers.py) fires when the thread that forked
-        # it ends, which the decode thread does at every epoch's end.
-        batches = iter(batches)
-        try:
-            first = next(batches)
-        except StopIteration:
-            self._state = self.loader_state() if self.loader_state is not None else None
-            return
-        batches = itertools.chain([first], batches)
-        thread = threading.Thread(target=self._run, args=(batches, ready, stop), name="device-decode", daemon=True)
-        thread.start()
-        try:
-            while True:
-                item = ready.get()
-                if isinstance(item, tuple) and item[0] is _DONE:
-                    self._state = item[1]
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                decoded, self._state = item
-                yield self.decoder.hand_over(decoded)
-        finally:
-            stop.set()  # an abandoned iterator (a sanity check, limit_*_batches): the thread ends before the next
-            while thread.is_alive():
-                try:
-                    ready.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-            thread.join()
-
-    def _run(self, batches: Iterator, ready: queue.Queue, stop: threading.Event) -> None:
-        def put(item) -> bool:
-            while not stop.is_set():
-                try:
-                    ready.put(item, timeout=0.05)
-                    return True
-                except queue.Full:
-                    pass
-            return False
-
-        try:
-            if self.decoder.cuda:
-                torch.cuda.set_device(self.decoder.device)
-            waits = self.decoder.waits
-            asked = time.perf_counter()
-            for batch in batches:
-                got = time.perf_counter()
-                waits.workers += got - asked
-                state = self.loader_state() if self.loader_state is not None else None
-                decoded = self.decoder.build(batch)
-                built = time.perf_counter()
-                if not put((decoded, state)) or stop.is_set():
-                    return
-                asked = time.perf_counter()
-                waits.step += asked - built
-        except BaseException as e:  # noqa: BLE001 - re-raised on the consumer's thread
-            put(e)
-            return
-        put((_DONE, self.loader_state() if self.loader_state is not None else None))
-
-
-def decode_line(decoders: dict[str, DeviceDecode]) -> str | None:
-    """The end-of-run words on --data.decode gpu (the training loader's, else any): how much the workers decoded,
-    what an image cost each half, where the decode thread waited. None without device decode."""
-    decoder = decoders.get("train") or next(iter(decoders.values()), None)
-    if decoder is None or not decoder.waits.batches:
-        return None
-    counts = decoder.counts
-    total = counts["device"] + counts["cpu"]
-    words = [f"--data.decode gpu: {total:,} images, {counts['cpu'] / max(1, total):.0%} decoded by the workers"]
-    if counts["cannot"]:
-        words.append(f"{counts['cannot']:,} of them because the device cannot take them (progressive, grayscale, "
-                     "CMYK, EXIF-rotated or not JPEG: docs/data.md)")
-    costs = decoder.share.costs() if decoder.share is not None else None
-    if costs is not None:
-        decode = f", {costs['decode'] * 1e3:.2f} ms to decode there" if costs["decode"] is not None else ""
-        words.append(f"per image {costs['read'] * 1e3:.2f} ms to read in a worker{decode}, "
-                     f"{costs['device'] * 1e3:.2f} ms on the device ({decoder.share.workers} workers)")
-    waits = decoder.waits.shares()
-    words.append(f"the decode thread waited {waits['workers']:.0%} of its time for the workers and "
-                 f"{waits['step']:.0%} for the step")
-    parts = decoder.waits.device_shares()
-    if decoder.waits.jpeg:
-        words.append(f"its device time {parts['jpeg']:.0%} in the JPEG decode, {parts['crop']:.0%} cropping, "
-                     f"{parts['previous']:.0%} waiting for its previous batch")
-    return ", ".join(words)

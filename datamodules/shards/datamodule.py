@@ -14,15 +14,15 @@ import json
 import os
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from datamodules.base import BUILTIN_ROOT, REPO_ROOT, ImageDataModule
 from datamodules.errors import DataError
 from datamodules.index import SPLITS, find_classes
 from datamodules.processes.loader_workers import WorkerInit, end_stuck_workers_at_exit
 from datamodules.processes.locks import file_lock
-from datamodules.sample.balance import CpuShare, shared_overflow
+from datamodules.sample.balance import shared_overflow
 from datamodules.sample.crop import TrainCrop, ValCrop
-from datamodules.sample.device_decode import DecodeStage, DeviceDecode
 from datamodules.shards.errors import as_data_error, corrupt_chunk
 from datamodules.shards.layout import INDEX, MARKER, read_meta
 from datamodules.shards.loader import (
@@ -34,6 +34,9 @@ from datamodules.shards.loader import (
 )
 from datamodules.shards.pack_store import open_store
 from datamodules.shards.s3_clients import endpoint_of, is_remote, redact
+
+if TYPE_CHECKING:
+    from datamodules.sample.decode_stage import DecodeStage
 
 
 class StreamingDataModule(ImageDataModule):
@@ -194,7 +197,7 @@ class StreamingDataModule(ImageDataModule):
         return {"train": int(train), "val": int(val)}
 
     # -- loaders ----------------------------------------------------------------------------
-    def _stream(self, split: str, crop, size, dataset: ShardDataset | None = None) -> ShardLoader:
+    def _stream(self, split: str, crop, size, dataset: ShardDataset | None = None) -> ShardLoader | DecodeStage:
         plan = self.memory_plan(fit=True if split == "train" else None)  # workers and batches in flight: the budget's
         self._show_plan(plan)
         end_stuck_workers_at_exit()
@@ -212,22 +215,17 @@ class StreamingDataModule(ImageDataModule):
             persistent_workers=self.persistent_workers and workers > 0,
             prefetch_factor=sizing.prefetch if workers > 0 else None, worker_init_fn=WorkerInit(),
             **self.loader_start(workers))
-        if encoded:
-            decoder = self.device_decoders.get(split)
-            if decoder is None or decoder.device != self.device:
-                decoder = self.device_decoders[split] = DeviceDecode(self.device, batches.describe)
-            decoder.share = CpuShare(batches.overflow, workers, self.cpu_decode_share)
-            decoder.pass_ids = True  # the pack's sample ids go on as the batch's third element, as on the CPU path
-            loader.device_stage = DecodeStage(decoder, loader.loader_state if split == "train" else None)
+        if encoded:  # the pack's sample ids go on as the batch's third element, as on the CPU path
+            return self.on_device(loader, split, split == "train", batches.describe, batches.overflow, ids=True)
         return loader
 
-    def train_dataloader(self) -> ShardLoader:
+    def train_dataloader(self) -> ShardLoader | DecodeStage:
         return self._stream("train", TrainCrop(self.min_scale, self.train_augment), self._train_size)
 
-    def val_dataloader(self) -> ShardLoader:
+    def val_dataloader(self) -> ShardLoader | DecodeStage:
         return self._stream("val", ValCrop(self.val_crop_ratio), self.val_image_size)
 
-    def test_dataloader(self) -> ShardLoader:
+    def test_dataloader(self) -> ShardLoader | DecodeStage:
         return self.val_dataloader()
 
     def predict_dataloader(self):

@@ -165,11 +165,8 @@ class ShardBatches:
 class ShardLoader(StreamingDataLoader):
     """LitData's stateful loader: ring buffers given back as batches arrive, failures as one paragraph."""
 
-    device_stage = None  # a DecodeStage (datamodules/sample/device_decode.py) with --data.decode gpu
-
     def __iter__(self):
-        batches = self._batches()
-        yield from batches if self.device_stage is None else self.device_stage(batches)
+        yield from self._batches()
 
     def _get_iterator(self):
         with told(self.dataset.distributed_env):  # a worker iterator detects (litdata/streaming/dataloader.py)
@@ -183,10 +180,10 @@ class ShardLoader(StreamingDataLoader):
         """LitData's state as of the batches this loader has yielded (a copy: LitData updates its own)."""
         return copy.deepcopy(super().state_dict())
 
-    def state_dict(self) -> dict:
-        # the device stage runs a batch ahead: its state is the loader's as of the batches it handed on
-        staged = self.device_stage.state() if self.device_stage is not None else None
-        return staged if staged is not None else super().state_dict()
+    def state_dict_from(self, state: dict) -> dict:
+        """The checkpoint's state from a `loader_state` (a reader ahead of the consumer keeps the one as of the
+        batches it handed on): itself."""
+        return state
 
     def _batches(self):
         try:

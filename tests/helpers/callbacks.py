@@ -201,6 +201,23 @@ class LoaderProbe(pl.Callback):
                        "decode_threads": loader.dataset.decode_threads, "world": trainer.world_size}, f)
 
 
+class ValCounter(pl.Callback):
+    """Writes, per rank, how many validation samples it saw in each validation run (rank<r>.json: a list)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir, self.runs, self.seen = out_dir, [], 0
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self.seen += len(batch[1])
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        self.runs.append(self.seen)
+        self.seen = 0
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(self.runs, f)
+
+
 class FlushLogs(pl.Callback):
     """Flushes the TensorBoard event file after every training batch: what its 120 s timer does in a long
     epoch, so events logged after the last checkpoint are on disk when the process is killed."""
