@@ -14,7 +14,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DECODE = "datamodules/sample/device_decode.py"
-RESIZE = "datamodules/sample/device_resize.py"
+RESIZE = "datamodules/sample/dense_resize.py"
 TESTS = "tests/test_device_decode.py"
 # (the defect, the file, the line as it is, the line with the defect, the test that must catch it)
 DEFECTS = [

@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from datamodules.sample.crop import TrainCrop, ValCrop, resize
+from datamodules.sample.dense_resize import resize_weights
 from datamodules.sample.device_resize import (
     GROUP_ELEMENTS,
     PAD_WASTE,
     crop_resize_flip,
     largest_elements,
     plan_groups,
-    resize_weights,
 )
 
 SIZE = 48
