@@ -35,7 +35,8 @@ def resize_weights(length: torch.Tensor, target: torch.Tensor, window: torch.Ten
     pixel window + i of a `length` -> `target` antialiased bilinear resize, over input pixels 0..n-1 (0 past
     `length`), in steps of 2^-16; rows reversed where `flip`. Pillow's `precompute_coeffs` (and torch's):
     center (i + 0.5) * scale, support max(scale, 1), taps from trunc(center - support + 0.5) to
-    trunc(center + support + 0.5), triangle filter, normalised."""
+    trunc(center + support + 0.5), triangle filter, normalised by a sum in float64, which is exact (each weight is
+    a multiple of 2^-24 at most 1), so that the weights do not hang on the order a device sums in."""
     device = length.device
     scale = length.double() / target.double()  # (G,)
     support = scale.clamp(min=1.0)[:, None]
@@ -49,7 +50,7 @@ def resize_weights(length: torch.Tensor, target: torch.Tensor, window: torch.Ten
     offset = (j - whole[..., None]).float() + (0.5 - (center - whole)).float()[..., None]
     weights = (1 - (offset / support.float()[..., None]).abs()).clamp_(min=0)
     weights *= (j >= first[..., None]) & (j < last[..., None])
-    weights /= weights.sum(-1, keepdim=True)
+    weights /= weights.double().sum(-1, keepdim=True).float()
     steps = weights.mul_(resolution).add_(0.5).floor_()  # integers up to 2^16
     if flip is not None:
         steps = torch.where(flip[:, None, None] != 0, steps.flip(1), steps)
