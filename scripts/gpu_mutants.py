@@ -15,6 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DECODE = "datamodules/sample/device_decode.py"
 RESIZE = "datamodules/sample/dense_resize.py"
+KERNEL = "datamodules/sample/resize_kernel.py"
 TESTS = "tests/test_device_decode.py"
 # (the defect, the file, the line as it is, the line with the defect, the test that must catch it)
 DEFECTS = [
@@ -25,9 +26,12 @@ DEFECTS = [
      "torch.cuda.stream(self.stream), torch.no_grad()",
      "torch.cuda.stream(torch.cuda.current_stream(self.device)), torch.no_grad()",
      f"{TESTS}::test_training_stream_memory_is_never_written_by_a_decode_it_did_not_wait_for"),
-    ("the resize's weights in one part of 16 bits, which TF32 rounds", RESIZE,
+    ("the dense resize's weights in one part of 16 bits, which bf16 rounds", RESIZE,
      "return _round(torch.baddbmm(torch.bmm(a, b_low), a, b))", "return _round(torch.bmm(a, b + b_low))",
-     f"{TESTS}::test_the_device_resizes_to_the_cpus_pixels_at_every_matmul_precision"),
+     "tests/test_banded_resize.py::test_every_mode_on_the_gpu_gives_the_cpus_dense_pixels"),
+    ("the resize kernels' horizontal pass one tap short", KERNEL,
+     "for k in range(tl.load(sample + _TAPS_X)):", "for k in range(tl.load(sample + _TAPS_X) - 1):",
+     "tests/test_banded_resize.py::test_every_mode_on_the_gpu_gives_the_cpus_dense_pixels"),
 ]
 SKIP = shutil.ignore_patterns(".git", ".venv", ".wheelhouse", "gc", "out", "__pycache__", "*.egg-info",
                               "lightning_logs")

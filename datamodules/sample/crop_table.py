@@ -6,14 +6,16 @@ group order, and the groups' spans. Every device form of the resize (device_resi
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
 GROUP_ELEMENTS = 1 << 25  # the most elements one group's largest tensor holds
 PAD_WASTE = 1.5  # a group's padded area is at most this times its crops' own
-# the plan's columns (datamodules/sample/crop.py CropPlan), the image's place in the flat buffer, its size, and
-# the sample's index in the batch
+# the plan's columns (datamodules/sample/crop.py CropPlan), the image's place in the flat buffer, its size, the
+# sample's index in the batch, and the most taps an output pixel of each pass reads (`taps`)
 TOP, LEFT, HEIGHT, WIDTH, RESIZE_H, RESIZE_W, WINDOW_TOP, WINDOW_LEFT, FLIP, BASE, IMAGE_H, IMAGE_W, PLACE = range(13)
+TAPS_X, TAPS_Y = 13, 14
 
 
 def plan_groups(crops: list[tuple[int, int]], size: int) -> list[list[int]]:
@@ -43,20 +45,32 @@ def largest_elements(n: int, height: int, width: int, size: int) -> int:
     return n * max(3 * height * width, 3 * height * size, size * max(height, width), 3 * size * size)
 
 
+def taps(length: int, target: int) -> int:
+    """The most input pixels an output pixel of a `length` -> `target` pass of the antialiased bilinear reads:
+    ceil(2 * support) lie within support of a centre, and one more for the rounding of the bounds
+    (floor(b) - floor(a) <= floor(b - a) + 1 for any a, b)."""
+    return math.ceil(2 * max(length / target, 1.0)) + 1
+
+
 def resize_plan(images: list[torch.Tensor], plans: torch.Tensor, size: int) -> tuple[torch.Tensor, list[list[int]]]:
     """On the host, no device work: the groups (`plan_groups`) as the device resize takes them. The table, per
     sample in group order: its plan, its place in the flat buffer, the image's height and width, and its index in
-    the batch; the spans, per group: its first row in the table, its count, its padded height and width."""
+    the batch, and its two passes' `taps`; the spans, per group: its first row in the table, its count, its padded
+    height and width, its most taps of each pass, and its crops' rows."""
     bases = [0, *itertools.accumulate(image.numel() for image in images)][:len(images)]
     shapes = [(int(image.shape[1]), int(image.shape[2])) for image in images]
     rows = plans.tolist()
     groups = plan_groups([(r[HEIGHT], r[WIDTH]) for r in rows], size)
     spans, start = [], 0
+    counts = [(taps(r[WIDTH], r[RESIZE_W]), taps(r[HEIGHT], r[RESIZE_H])) for r in rows]
     for group in groups:
-        spans.append([start, len(group), max(rows[i][HEIGHT] for i in group), max(rows[i][WIDTH] for i in group)])
+        spans.append([start, len(group), max(rows[i][HEIGHT] for i in group), max(rows[i][WIDTH] for i in group),
+                      max(counts[i][0] for i in group), max(counts[i][1] for i in group),
+                      sum(rows[i][HEIGHT] for i in group)])
         start += len(group)
-    table = torch.tensor([[*rows[i], bases[i], *shapes[i], i] for group in groups for i in group], dtype=torch.int64)
-    return table.view(-1, PLACE + 1), spans
+    table = torch.tensor([[*rows[i], bases[i], *shapes[i], i, *counts[i]] for group in groups for i in group],
+                         dtype=torch.int64)
+    return table.view(-1, TAPS_Y + 1), spans
 
 
 def gather_crops(flat: torch.Tensor, base: torch.Tensor, image_h: torch.Tensor, image_w: torch.Tensor,

@@ -83,7 +83,7 @@ def resize_groups(images: list[torch.Tensor], table: torch.Tensor, spans: list[l
         start, g, hp, wp = span[0], span[1], span[2], span[3]
         # the table's columns (TOP ... PLACE above), each (g,)
         top, left, height, width, resize_h, resize_w, window_top, window_left, flip, base, image_h, image_w, place = \
-            table[start:start + g].unbind(1)
+            table[start:start + g, :13].unbind(1)
         crops = gather_crops(flat, base, image_h, image_w, top, left, height, width, hp, wp).float().view(g, 3 * hp, wp)
         high, low = resize_weights(width, resize_w, window_left, size, wp, flip)
         wide = _product(crops, high.transpose(1, 2), b_low=low.transpose(1, 2))  # (g, 3 * hp, size)

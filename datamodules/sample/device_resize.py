@@ -1,43 +1,63 @@
-"""Crop, resize and flip a batch of decoded images on the device: every op of a batch in one call.
+"""Crop, resize and flip a batch of decoded images on the device, into the channels-last batch, in a few calls.
 
-The steps, per batch (`assemble`, after the JPEG decode):
+The steps, per batch (`build_on_device()`'s call, after the JPEG decode):
 1. the host tensors go to the device before any kernel is queued (a copy from pageable memory waits for the
    stream's queued work);
 2. the decoded images go into one flat buffer (one `cat`);
-3. the crops are gathered, in groups of similar size (`plan_groups`, planned on the host by `resize_plan`:
-   crop_table.py), and resized: Pillow's antialiased bilinear, two exact matrix products per group
-   (dense_resize.py); the flip is the horizontal weights' rows reversed;
-4. the resized samples and the workers' decoded ones take their slots in the channels-last batch.
+3. each crop is resized, Pillow's antialiased bilinear in exact integer arithmetic (weights in 2^-16 steps,
+   rounded to uint8 between the passes), and flipped, in the banded form: each output pixel from its own taps
+   (banded_resize.py), work that grows with output pixels x taps. Where it runs:
+   - on CUDA, two Triton kernels (resize_kernel.py) read the crops in place and write the batch's slots;
+   - elsewhere (a CPU: tests, a CPU run of --data.decode gpu; a torch without triton) the same arithmetic in
+     torch ops (`banded_groups`), per group of crops of similar size padded together (crop_table.py),
+     scripted by TorchScript;
+4. the workers' decoded samples take their slots in the batch.
 
-The call is scripted by TorchScript (`build_on_device`), which runs it without the GIL: op by op, each of its
-100 or so ops a group gives the GIL up and waits to take it back behind the training thread's Python.
+`FIC_DEVICE_RESIZE` chooses (MODES): `auto` (the default; `script`, its old name), `triton` (the kernels, said
+once where they cannot run), `banded` (the torch ops, scripted, on any device), `eager` (the same, op by op
+from Python), `dense` (dense_resize.py: the matrix products this replaced, 99% of them by zero, kept as the
+reference the tests compare with; scripted). Every mode gives the same pixels (tests/test_device_resize.py).
+
+Why scripted: a TorchScript call runs all its ops without the GIL (torch/csrc/jit/python/pybind_utils.h,
+runAndInsertCall), where each eager op gives the GIL up and waits to take it back behind the training thread's
+Python: the torch form is about 15 ops a group and a tap. The kernel path is about 12 calls a batch from
+Python (the copies, two launches and one scripted call making the weights, per chunk).
 """
 from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 
+from datamodules.sample import resize_kernel
+from datamodules.sample.banded_resize import banded_groups
 from datamodules.sample.crop_table import (  # noqa: F401 - importable from here as before
     GROUP_ELEMENTS,
     PAD_WASTE,
+    PLACE,
     largest_elements,
     plan_groups,
     resize_plan,
 )
 from datamodules.sample.dense_resize import resize_groups
 
-# bytes a group holds per element of its largest tensor, at most: the fp32 crops (4), the weights being built
-# (3 fp32 temporaries, 12) and the horizontal pass's fp32 output (4); the int32 gather index is freed before
+# bytes a group holds per element of its largest tensor, at most. The banded torch form: the uint8 crops (1),
+# the int32 sums of a pass (4) and of the pass before it (4), a tap's gathered and multiplied values (4 + 4), the
+# rounding's temporaries (4 + 1), the weights (under 2). The dense form: the fp32 crops (4), the weights being
+# built (3 fp32 temporaries, 12) and the horizontal pass's fp32 output (4). The kernels hold less (resize_kernel.py)
 BYTES_PER_ELEMENT = 20
+MODES = ("auto", "triton", "banded", "eager", "dense")
 
 
 def working_bytes(crops: list[tuple[int, int]], size: int) -> int:
-    """The most device memory one group of these crops holds while it is resized (for the memory probe)."""
-    return BYTES_PER_ELEMENT * max(
+    """The most device memory the resize of these crops holds at once besides the batch and the decoded images
+    (for the memory probe): one group's in the torch forms, one chunk's in the kernels."""
+    groups = BYTES_PER_ELEMENT * max(
         largest_elements(len(group), max(crops[i][0] for i in group), max(crops[i][1] for i in group), size)
         for group in plan_groups(crops, size))
+    return max(groups, resize_kernel.kernel_bytes(crops, size))
 
 
 def crop_resize_flip(images: list[torch.Tensor], plans: torch.Tensor, size: int) -> torch.Tensor:
@@ -55,10 +75,26 @@ def crop_resize_flip(images: list[torch.Tensor], plans: torch.Tensor, size: int)
 def assemble(images: list[torch.Tensor], table: torch.Tensor, spans: list[list[int]], size: int, out: torch.Tensor,
              slots: torch.Tensor, pixels: torch.Tensor, pixel_slots: torch.Tensor, labels: torch.Tensor,
              device: torch.device) -> torch.Tensor:
-    """Every device op of one batch after its JPEG decode, in one call (`build_on_device` scripts it), written into
+    """Every device op of one batch after its JPEG decode, in torch ops (`build_on_device` scripts it), written into
     `out`, a preallocated (n, 3, size, size) channels-last uint8 batch on `device`: the host tensors copied first (a
-    copy from pageable memory waits for the stream's queued work: none yet), then the resize of the decoded images
-    into their slots and the workers' pixels into theirs. Returns the labels on the device."""
+    copy from pageable memory waits for the stream's queued work: none yet), then the banded resize of the decoded
+    images into their slots and the workers' pixels into theirs. Returns the labels on the device."""
+    table = table.to(device, non_blocking=True)
+    slots = slots.to(device, non_blocking=True)
+    pixels = pixels.to(device, non_blocking=True)
+    pixel_slots = pixel_slots.to(device, non_blocking=True)
+    labels = labels.to(device, non_blocking=True)
+    if len(images) > 0:
+        out[slots] = banded_groups(images, table, spans, size)
+    if pixel_slots.numel() > 0:
+        out[pixel_slots] = pixels
+    return labels
+
+
+def assemble_dense(images: list[torch.Tensor], table: torch.Tensor, spans: list[list[int]], size: int,
+                   out: torch.Tensor, slots: torch.Tensor, pixels: torch.Tensor, pixel_slots: torch.Tensor,
+                   labels: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`assemble` with the dense form's resize (dense_resize.py), the reference."""
     table = table.to(device, non_blocking=True)
     slots = slots.to(device, non_blocking=True)
     pixels = pixels.to(device, non_blocking=True)
@@ -71,23 +107,74 @@ def assemble(images: list[torch.Tensor], table: torch.Tensor, spans: list[list[i
     return labels
 
 
-_SCRIPTED: list = []
+def assemble_kernel(images: list[torch.Tensor], table: torch.Tensor, spans: list[list[int]], size: int,
+                    out: torch.Tensor, slots: torch.Tensor, pixels: torch.Tensor, pixel_slots: torch.Tensor,
+                    labels: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`assemble` through the Triton kernels (resize_kernel.py) where they run on `device`, else `assemble`
+    scripted."""
+    if not resize_kernel.runs_on(torch.device(device)):
+        return _scripted(assemble)(images, table, spans, size, out, slots, pixels, pixel_slots, labels, device)
+    table = table.to(device, non_blocking=True)
+    slots = slots.to(device, non_blocking=True)
+    pixels = pixels.to(device, non_blocking=True)
+    pixel_slots = pixel_slots.to(device, non_blocking=True)
+    labels = labels.to(device, non_blocking=True)
+    if images:
+        flat = torch.cat([image.reshape(-1) for image in images])
+        resize_kernel.resize_into(flat, table, spans, size, out, slots[table[:, PLACE]],
+                                  _scripted(resize_kernel.weights))
+    if pixel_slots.numel() > 0:
+        out[pixel_slots] = pixels
+    return labels
 
 
-def build_on_device():
-    """`assemble`, scripted by TorchScript once (FIC_DEVICE_RESIZE=eager: as it is, op by op): a scripted call runs
-    all its ops without the GIL (torch/csrc/jit/python/pybind_utils.h, runAndInsertCall), where each eager op gives
-    the GIL up and waits to take it back, behind the training thread's Python. A torch without TorchScript (it is
-    deprecated from torch 2.10) gets the eager path, said once."""
-    if os.environ.get("FIC_DEVICE_RESIZE", "script") != "script":
+def resize_mode() -> str:
+    """FIC_DEVICE_RESIZE, checked (module doc)."""
+    mode = os.environ.get("FIC_DEVICE_RESIZE", "auto") or "auto"
+    mode = "auto" if mode == "script" else mode
+    if mode not in MODES:
+        raise ValueError(f"FIC_DEVICE_RESIZE={mode!r} is not a device resize: set it to one of {', '.join(MODES)} "
+                         "(datamodules/sample/device_resize.py says what each does), or unset it for auto.")
+    return mode
+
+
+_SCRIPTED: dict[Callable, Callable] = {}
+_SAID: set[str] = set()
+
+
+def build_on_device() -> Callable[..., torch.Tensor]:
+    """The call that crops, resizes and flips a batch, `assemble`'s signature, as FIC_DEVICE_RESIZE says (module
+    doc). A torch without TorchScript (deprecated from torch 2.10) runs the torch forms op by op, said once."""
+    mode = resize_mode()
+    if mode == "eager":
         return assemble
-    if not _SCRIPTED:
+    if mode == "dense":
+        return _scripted(assemble_dense)
+    kernels = resize_kernel.triton is not None and (
+        torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+    if mode == "triton" and not kernels:
+        _say_once("triton", "FIC_DEVICE_RESIZE=triton: the kernels need triton and a CUDA device (or "
+                  "TRITON_INTERPRET=1); the device resize runs in torch ops here (the same pixels)")
+    if mode == "banded" or not kernels:
+        return _scripted(assemble)
+    return assemble_kernel
+
+
+def _scripted(fn: Callable) -> Callable:
+    """`fn` scripted by TorchScript, once; as it is where TorchScript fails (said once)."""
+    if fn not in _SCRIPTED:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
-                _SCRIPTED.append(torch.jit.script(assemble))
+                _SCRIPTED[fn] = torch.jit.script(fn)
         except Exception as e:  # noqa: BLE001 - any failure to script leaves the same ops, run eagerly
-            warnings.warn(f"--data.decode gpu: TorchScript could not compile the device resize ({e}); it runs op by "
-                          "op, each taking the GIL", stacklevel=2)
-            _SCRIPTED.append(assemble)
-    return _SCRIPTED[0]
+            _say_once("script", f"--data.decode gpu: TorchScript could not compile the device resize ({e}); it runs "
+                      "op by op, each taking the GIL")
+            _SCRIPTED[fn] = fn
+    return _SCRIPTED[fn]
+
+
+def _say_once(key: str, message: str) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        warnings.warn(message, stacklevel=3)
