@@ -3,6 +3,7 @@
 counted from the plan."""
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -149,3 +150,23 @@ def test_every_mode_on_the_gpu_gives_the_cpus_dense_pixels(mode, precision):
     finally:
         torch.set_float32_matmul_precision(before)
     assert int((got != want).sum()) == 0, (got.float() - want.float()).abs().mean()
+
+
+def test_the_kernels_take_the_batch_in_chunks_the_memory_probe_counts():
+    """The kernels' buffers (a crop row's 3 x size bytes, the weights being made) for a run of groups stay within
+    what the memory probe counts for the resize (device_decode.py: BYTES_PER_ELEMENT x GROUP_ELEMENTS), however
+    large the batch; the chunks cover it in order."""
+    from datamodules.sample.device_resize import BYTES_PER_ELEMENT, GROUP_ELEMENTS, resize_plan, working_bytes
+    from datamodules.sample.resize_kernel import CHUNK_BYTES, chunk_bytes, chunks
+
+    assert CHUNK_BYTES == BYTES_PER_ELEMENT * GROUP_ELEMENTS
+    rng = random.Random(4)
+    images = [torch.empty((3, rng.randint(300, 2000), rng.randint(300, 2000)), dtype=torch.uint8)
+              for _ in range(2048)]
+    plans = torch.tensor([tuple(TrainCrop(0.08).plan(im.shape[1], im.shape[2], 224, rng)) for im in images])
+    _, spans = resize_plan(images, plans, 224)
+    runs = chunks(spans, 224)
+    assert len(runs) > 1 and [r[0] for r in runs] == list(itertools.accumulate([0] + [r[1] for r in runs[:-1]]))
+    assert sum(r[1] for r in runs) == len(images) and sum(r[2] for r in runs) == int(plans[:, 2].sum())
+    largest = max(chunk_bytes(rows, g, kx, ky, 224) for _, g, rows, kx, ky, _ in runs)
+    assert largest <= CHUNK_BYTES and largest <= working_bytes([tuple(p[2:4]) for p in plans.tolist()], 224)
