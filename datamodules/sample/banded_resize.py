@@ -52,35 +52,40 @@ def band_weights(length: torch.Tensor, target: torch.Tensor, window: torch.Tenso
 
 
 def round_steps(total: torch.Tensor) -> torch.Tensor:
-    """A pass's int32 sums of pixel x step -> pixel values: Pillow's clip8 of its fixed-point sum."""
-    return torch.bitwise_right_shift(total + 32768, 16).clamp_(0, 255)  # (total + 2^15) // 2^16
+    """A pass's int32 sums of pixel x step -> pixel values, in place: Pillow's clip8 of its fixed-point sum."""
+    return total.add_(32768).bitwise_right_shift_(16).clamp_(0, 255)  # (total + 2^15) // 2^16
+
+
+def banded_pass(pixels: torch.Tensor, dim: int, first: torch.Tensor, steps: torch.Tensor,
+                last: torch.Tensor) -> torch.Tensor:
+    """One pass over (g, 3, rows, columns) int32 pixels along `dim` (3: along a row, 2: along a column): output
+    pixel i of sample s sums pixels first[s, i] + k (clamped to last[s]: its weight there is 0) x steps[s, i, k]
+    over the taps k, a gather and an in-place multiply-add a tap; rounded."""
+    g, i = first.shape[0], first.shape[1]
+    shape = [g, 3, pixels.shape[2], i] if dim == 3 else [g, 3, i, pixels.shape[3]]
+    view = [g, 1, 1, i] if dim == 3 else [g, 1, i, 1]
+    total = torch.zeros(shape, dtype=torch.int32, device=pixels.device)
+    for k in range(steps.shape[2]):
+        index = torch.minimum(first + k, last[:, None]).view(view).expand(shape)
+        total.addcmul_(pixels.gather(dim, index), steps[:, :, k].reshape(view))
+    return round_steps(total)
 
 
 def banded_groups(images: list[torch.Tensor], table: torch.Tensor, spans: list[list[int]],
                   size: int) -> torch.Tensor:
     """The banded resize in torch ops: (n, 3, size, size) uint8, a sample per table row's PLACE. Per group: the
-    crops gathered padded (crop_table.py), then each pass as one gather, multiply and add per tap."""
+    crops gathered padded (crop_table.py) in int32, then each pass (`banded_pass`)."""
     flat = torch.cat([image.reshape(-1) for image in images])
     result = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=flat.device)
     for span in spans:
         start, g, hp, wp, kx, ky = span[0], span[1], span[2], span[3], span[4], span[5]
         top, left, height, width, resize_h, resize_w, window_top, window_left, flip, base, image_h, image_w, place = \
             table[start:start + g, :13].unbind(1)
-        crops = gather_crops(flat, base, image_h, image_w, top, left, height, width, hp, wp)  # (g, 3, hp, wp)
         first, steps = band_weights(width, resize_w, window_left, size, kx, flip)
-        last = width[:, None] - 1
-        wide = torch.zeros((g, 3, hp, size), dtype=torch.int32, device=flat.device)
-        for k in range(kx):  # a tap at a time: uint8 pixels x int32 steps, added in place
-            column = torch.minimum(first + k, last)[:, None, None, :].expand(g, 3, hp, size)
-            wide.addcmul_(crops.gather(3, column), steps[:, None, None, :, k])
-        wide = round_steps(wide).to(torch.uint8)
+        wide = banded_pass(gather_crops(flat, base, image_h, image_w, top, left, height, width, hp, wp).int(), 3,
+                           first, steps, width - 1)  # (g, 3, hp, size); the crops freed on return
         first, steps = band_weights(height, resize_h, window_top, size, ky, None)
-        last = height[:, None] - 1
-        tall = torch.zeros((g, 3, size, size), dtype=torch.int32, device=flat.device)
-        for k in range(ky):
-            row = torch.minimum(first + k, last)[:, None, :, None].expand(g, 3, size, size)
-            tall.addcmul_(wide.gather(2, row), steps[:, None, :, None, k])
-        result.index_copy_(0, place, round_steps(tall).to(torch.uint8))
+        result.index_copy_(0, place, banded_pass(wide, 2, first, steps, height - 1).to(torch.uint8))
     return result
 
 

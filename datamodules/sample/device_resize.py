@@ -43,10 +43,10 @@ from datamodules.sample.crop_table import (  # noqa: F401 - importable from here
 )
 from datamodules.sample.dense_resize import resize_groups
 
-# bytes a group holds per element of its largest tensor, at most. The banded torch form, 17: the uint8 crops (1),
-# the other pass's uint8 rows (1), a pass's int32 sums (4) and their rounding's temporaries (4 + 4 + 1), the
-# weights (under 2); a tap's gathered values (1, and 4 promoted) only before the rounding. The dense form, 20:
-# the fp32 crops (4), the weights being built (3 fp32 temporaries, 12) and the horizontal pass's fp32 output (4).
+# bytes a group holds per element of its largest tensor, at most. The banded torch form, 16: the crops' gather
+# (its int32 index and temporaries, 12, then the uint8 crops, 1, made int32, 4), then a pass's int32 input (4),
+# sums (4) and a tap's gathered values (4), rounded in place; the weights (under 2). The dense form, 20: the
+# fp32 crops (4), the weights being built (3 fp32 temporaries, 12) and the horizontal pass's fp32 output (4).
 # The kernels hold less (resize_kernel.py, CHUNK_BYTES)
 BYTES_PER_ELEMENT = 20
 MODES = ("auto", "triton", "banded", "eager", "dense")
