@@ -109,13 +109,13 @@ def test_groups_bound_padding_and_memory():
 
 
 def test_the_scripted_call_gives_the_eager_ops_pixels(monkeypatch):
-    """The batch's device ops run as one TorchScript call on a CPU (no GIL taken op by op); FIC_DEVICE_RESIZE=eager
-    runs the same function op by op: the same pixels."""
+    """The torch form runs as one TorchScript call (no GIL taken op by op: on a CPU by default, anywhere with
+    FIC_DEVICE_RESIZE=banded); FIC_DEVICE_RESIZE=eager runs the same function op by op: the same pixels."""
     from datamodules.sample import device_resize
 
     images, plans = _images_and_plans(20, seed=2)
     monkeypatch.setattr(device_resize, "_SCRIPTED", {})
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("FIC_DEVICE_RESIZE", "banded")
     assert isinstance(device_resize.build_on_device(), torch.jit.ScriptFunction)
     scripted = crop_resize_flip(images, torch.tensor(plans), SIZE)
     monkeypatch.setenv("FIC_DEVICE_RESIZE", "eager")
