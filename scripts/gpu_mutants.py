@@ -7,6 +7,9 @@ caught (pytest's exit status 1), never one that could not collect or start. All 
 pytest process (mostly start-up: torch, CUDA; the tests are small). Without CUDA the tests skip, and so does every
 defect: said, exit status 0.
 
+A defect no monkeypatch can put back (a line of a Triton kernel, which triton compiles from its source) is a
+SOURCE_EDITS entry instead: its run goes in a copy of the repository with that one line changed.
+
 `python scripts/gpu_mutants.py [--tests FILE ...] [--mutant NODE=NAME ...]` runs other tests or mutants instead of
 the lists below (a rerun of one, or a new test tried before it joins MUTANTS).
 """
@@ -14,16 +17,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MUTANT_ENV = "FIC_MUTANT"  # tests/helpers/mutants.py
-CUDA_TESTS = ["tests/test_device_decode.py", "tests/test_device_resize.py", "tests/test_decode_ring.py"]
+CUDA_TESTS = ["tests/test_device_decode.py", "tests/test_device_resize.py", "tests/test_decode_ring.py",
+              "tests/test_banded_resize.py"]
 DECODE = "tests/test_device_decode.py"
 RING = "tests/test_decode_ring.py"
+BANDED = "tests/test_banded_resize.py"
 # (the defect, the test that must catch it, the FIC_MUTANT name under which that test puts it back)
 MUTANTS = [
     ("the training stream does not wait for the side stream's event",
@@ -32,7 +39,7 @@ MUTANTS = [
      f"{DECODE}::test_training_stream_memory_is_never_written_by_a_decode_it_did_not_wait_for",
      "decode-on-training-stream"),
     ("the resize's weights in one part of 16 bits, which TF32 and bf16 round",
-     f"{DECODE}::test_the_device_resizes_to_the_cpus_pixels_at_every_matmul_precision", "one-weight-part"),
+     f"{BANDED}::test_every_mode_on_the_gpu_gives_the_cpus_dense_pixels", "one-weight-part"),
     ("a ring slot written again before the training stream's event",
      f"{RING}::test_a_ring_slot_is_written_again_only_after_the_training_stream_is_done_with_it",
      "ring-slot-reused-early"),
@@ -40,17 +47,40 @@ MUTANTS = [
      f"{RING}::test_decoded_images_live_until_the_host_saw_their_resize_finish", "images-released-early"),
     ("the side streams at the step's priority",
      f"{RING}::test_the_resize_stream_has_a_higher_priority_than_the_step", "step-priority"),
+    ("the resize kernels' horizontal taps one column off",
+     f"{BANDED}::test_every_mode_on_the_gpu_gives_the_cpus_dense_pixels", "kernel-column-off"),
 ]
+# name -> (the file, the line as it is, the line with the defect): defects put back in a copy of the repository
+SOURCE_EDITS = {
+    "one-weight-part": ("datamodules/sample/dense_resize.py", "return _round(torch.baddbmm(torch.bmm(a, b_low), a, b))",
+                        "return _round(torch.bmm(a, b + b_low))"),
+    "kernel-column-off": ("datamodules/sample/resize_kernel.py", "column = tl.minimum(start + k, width - 1)",
+                          "column = tl.minimum(start + k + 1, width - 1)"),
+}
+COPY_SKIP = shutil.ignore_patterns(".git", ".venv*", ".wheelhouse", "out", "__pycache__", "*.egg-info", "logs",
+                                   "lightning_logs", "data", ".gpu-check*")
 PYTEST = ["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-p", "no:randomly", "--timeout", "120",
           "-rfEs", "--tb=line"]
 
 
-def start(args: list[str], mutant: str | None, cwd: Path) -> subprocess.Popen:
+def start(args: list[str], mutant: str | None, cwd: Path, scratch: Path | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != MUTANT_ENV}
     if mutant is not None:
         env[MUTANT_ENV] = mutant
+    if mutant in SOURCE_EDITS and scratch is not None:
+        cwd = edited_copy(cwd, scratch / mutant, *SOURCE_EDITS[mutant])
     return subprocess.Popen([sys.executable, *PYTEST, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+
+
+def edited_copy(repo: Path, copy: Path, path: str, good: str, bad: str) -> Path:
+    """`repo` copied to `copy` with the one line `good` of `path` made `bad`."""
+    shutil.copytree(repo, copy, ignore=COPY_SKIP)
+    text = (copy / path).read_text()
+    if text.count(good) != 1:
+        raise SystemExit(f"gpu_mutants: {path} no longer holds `{good}` once: update SOURCE_EDITS")
+    (copy / path).write_text(text.replace(good, bad))
+    return copy
 
 
 def outcome(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
@@ -76,8 +106,17 @@ def run(tests: list[str], mutants: list[tuple[str, str, str]], cwd: Path = REPO,
 
         cuda = torch.cuda.is_available()
     t0 = time.perf_counter()
+    scratch = Path(tempfile.mkdtemp(prefix="gpu-mutants-"))
+    try:
+        return _run(tests, mutants, cwd, timeout, cuda, scratch, t0)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(tests: list[str], mutants: list[tuple[str, str, str]], cwd: Path, timeout: float, cuda: bool,
+         scratch: Path, t0: float) -> int:
     as_is = start(tests, None, cwd)
-    runs = [(defect, node, name, start([node], name, cwd)) for defect, node, name in mutants] if cuda else []
+    runs = [(defect, node, name, start([node], name, cwd, scratch)) for defect, node, name in mutants] if cuda else []
     print(f"gpu_mutants: {' '.join(tests)} as they are" + (f", and {len(runs)} defects put back, each in its own "
           "pytest at once" if runs else " (no CUDA here: no defect to put back)"), flush=True)
     status, last = outcome(as_is, timeout)

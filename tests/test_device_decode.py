@@ -188,33 +188,6 @@ def test_nvjpeg_pixels_against_the_cpu_path(photo_tree, split):
     assert diff.mean() <= 1.5 and torch.equal(got_labels, want_labels)
 
 
-@needs_gpus(1, "CUDA matmuls")
-@pytest.mark.parametrize("precision", ["highest", "high", "medium"])
-def test_the_device_resizes_to_the_cpus_pixels_at_every_matmul_precision(precision, monkeypatch):
-    """device_resize.py's exact arithmetic: the same decoded pixels give the same batch on the GPU as on the CPU,
-    whether cuBLAS computes fp32 products in fp32, TF32 or bf16."""
-    from datamodules.sample import device_resize
-    from datamodules.sample.device_resize import crop_resize_flip
-    from tests.test_device_resize import SIZE, _images_and_plans
-
-    if mutant("one-weight-part"):  # the weights in one 16-bit part, which TF32 and bf16 round
-        def one_part(a, b, b_low=None, a_low=None):
-            return device_resize._round(torch.bmm(a, b + b_low) if b_low is not None else torch.bmm(a + a_low, b))
-
-        monkeypatch.setenv("FIC_DEVICE_RESIZE", "eager")  # the Python ops, which call the module's _product
-        monkeypatch.setattr(device_resize, "_product", one_part)
-
-    images, plans = _images_and_plans(40, seed=5)
-    want = crop_resize_flip(images, torch.tensor(plans), SIZE)
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:
-        got = crop_resize_flip([image.cuda() for image in images], torch.tensor(plans), SIZE).cpu()
-    finally:
-        torch.set_float32_matmul_precision(before)
-    assert torch.equal(got, want), (got.float() - want.float()).abs().mean()
-
-
 @needs_gpus(1, "nvJPEG's private stream")
 def test_training_stream_memory_is_never_written_by_a_decode_it_did_not_wait_for(photo_tree):
     """pytorch/vision PR 9606: memory freed on the training stream while queued kernels still read it must not

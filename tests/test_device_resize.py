@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from datamodules.sample.crop import TrainCrop, ValCrop, resize
+from datamodules.sample.dense_resize import resize_weights
 from datamodules.sample.device_resize import (
     GROUP_ELEMENTS,
     PAD_WASTE,
     crop_resize_flip,
     largest_elements,
     plan_groups,
-    resize_weights,
 )
 
 SIZE = 48
@@ -109,12 +109,13 @@ def test_groups_bound_padding_and_memory():
 
 
 def test_the_scripted_call_gives_the_eager_ops_pixels(monkeypatch):
-    """The batch's device ops run as one TorchScript call by default (no GIL taken op by op); FIC_DEVICE_RESIZE=eager
-    runs the same function op by op: the same pixels."""
+    """The torch form runs as one TorchScript call (no GIL taken op by op: on a CPU by default, anywhere with
+    FIC_DEVICE_RESIZE=banded); FIC_DEVICE_RESIZE=eager runs the same function op by op: the same pixels."""
     from datamodules.sample import device_resize
 
     images, plans = _images_and_plans(20, seed=2)
-    monkeypatch.setattr(device_resize, "_SCRIPTED", [])
+    monkeypatch.setattr(device_resize, "_SCRIPTED", {})
+    monkeypatch.setenv("FIC_DEVICE_RESIZE", "banded")
     assert isinstance(device_resize.build_on_device(), torch.jit.ScriptFunction)
     scripted = crop_resize_flip(images, torch.tensor(plans), SIZE)
     monkeypatch.setenv("FIC_DEVICE_RESIZE", "eager")
@@ -128,8 +129,18 @@ def test_a_torch_that_cannot_script_gets_the_eager_ops_said_once(monkeypatch):
     def refuse(fn):
         raise RuntimeError("TorchScript was removed")
 
-    monkeypatch.setattr(device_resize, "_SCRIPTED", [])
+    monkeypatch.setattr(device_resize, "_SCRIPTED", {})
+    monkeypatch.setattr(device_resize, "_SAID", set())
+    monkeypatch.setenv("FIC_DEVICE_RESIZE", "banded")
     monkeypatch.setattr(torch.jit, "script", refuse)
     with pytest.warns(UserWarning, match="TorchScript could not compile the device resize"):
         assert device_resize.build_on_device() is device_resize.assemble
     assert device_resize.build_on_device() is device_resize.assemble  # decided once: no second warning
+
+
+def test_a_mode_that_does_not_exist_is_named_with_the_ones_that_do(monkeypatch):
+    monkeypatch.setenv("FIC_DEVICE_RESIZE", "fast")
+    from datamodules.sample import device_resize
+
+    with pytest.raises(ValueError, match=r"FIC_DEVICE_RESIZE='fast'.*auto, triton, banded, eager, dense"):
+        device_resize.build_on_device()

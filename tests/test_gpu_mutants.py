@@ -25,6 +25,10 @@ def test_each_mutant_names_a_gpu_test_that_exists_and_reads_its_name():
         assert test in tests, node
         marks = [ast.unparse(d) for d in tests[test].decorator_list]
         assert any(m.startswith("needs_gpus(") for m in marks), (node, marks)  # it runs only where CUDA is
+        if name in mutants.SOURCE_EDITS:  # put back in a copy of the repository: its line must be there once
+            path, good, _ = mutants.SOURCE_EDITS[name]
+            assert (REPO / path).read_text().count(good) == 1, (defect, path, good)
+            continue
         asked = {c.args[0].value for c in ast.walk(tests[test]) if isinstance(c, ast.Call)
                  and getattr(c.func, "id", None) == "mutant" and c.args and isinstance(c.args[0], ast.Constant)}
         assert name in asked, (defect, node, asked)

@@ -270,14 +270,15 @@ def _call(_rank: int, fn, args: tuple):
     return fn(*args)
 
 
-def in_child(fn, *args):
-    """fn(*args) in a fresh interpreter (fn a module's top-level function), its result (or exception) brought back.
+def in_child(fn, *args, timeout: float = 120):
+    """fn(*args) in a fresh interpreter (fn a module's top-level function), its result (or exception) brought back;
+    past `timeout` seconds, an error.
 
     For what starts obstore's tokio runtime (an S3 GET through obstore): started in the pytest process, it
     has crashed that process (SIGSEGV in tokio's io driver) once DataLoader workers were forked after it.
     LitData itself keeps obstore out of a process that forks workers (downloader.py, obstore_usable).
     """
-    return in_processes(_call, 1, fn, args)[0]
+    return in_processes(_call, 1, fn, args, timeout=timeout)[0]
 
 
 def in_fork(fn, *args):
