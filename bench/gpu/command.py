@@ -42,6 +42,7 @@ from bench.gpu import input as gi
 from bench.gpu import parallel as gp
 from bench.gpu import powersgd as gpsgd
 from bench.gpu import trace as gt
+from bench.gpu import trace_ab as gtab
 from bench.gpu.checks import Check, Workload
 from bench.gpu.data import NO_CUDA, backend_rows, batches_needed, dali_rows
 from bench.gpu.trainer import DATA_WARMUP, DECODE_NAMES, NAMES, trainer_rows
@@ -195,6 +196,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "trace" in groups:  # on a CPU too: the same fit on the decode's CPU path, its ranges without CUDA calls
         checks += guarded(gt.GROUP, gt.NAME, lambda: gt.trace_rows(w, root, args.num_workers, Path(args.out),
                                                                    jpeg_alone))
+        checks += guarded(gt.GROUP, "A/B", lambda: gtab.ab_rows(gt.trace_window(w), root, args.num_workers))
     else:
         skipped(gt.GROUP, [gt.NAME], "not selected (--groups)")
     if "ema" in groups:  # on a CPU too: both fits run, no sync to count

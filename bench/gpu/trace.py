@@ -164,13 +164,11 @@ def trace_window(w: Workload) -> Workload:
     return replace(w, warmup=max(w.warmup, DATA_WARMUP), steps=min(w.steps, TRACE_STEPS))
 
 
-def trace_rows(w: Workload, root: Path, num_workers: int, out: Path, jpeg_alone_ms: float | None = None,
-               ab: bool = True) -> list[Check]:
-    """The profiled fit and its summary (see the module doc), the VERDICT, and the A/B rows; the trace at
+def trace_rows(w: Workload, root: Path, num_workers: int, out: Path, jpeg_alone_ms: float | None = None
+               ) -> list[Check]:
+    """The profiled fit and its summary (see the module doc) and the VERDICT; the trace at
     OUT/trace-decode-gpu.json.gz. `jpeg_alone_ms`: the engines group's JPEG call alone, ms a batch (measured here
-    when None)."""
-    from bench.gpu import trace_ab
-
+    when None). The A/B rows are trace_ab.py's, run after these by the caller (bench/gpu/command.py)."""
     w = trace_window(w)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "trace-decode-gpu.json.gz"
@@ -203,6 +201,4 @@ def trace_rows(w: Workload, root: Path, num_workers: int, out: Path, jpeg_alone_
         rows.append(Check(GROUP, VERDICT, "ok", why, figure=limit,
                           extra={"limit": limit, "figures": figures.__dict__, "jpeg_alone_ms": jpeg_alone_ms}))
         print(f"trace: VERDICT: {limit}; {why}", flush=True)
-    if ab:
-        rows += trace_ab.ab_rows(w, root, num_workers)
     return rows

@@ -1,10 +1,7 @@
 """What the device decode says at the end of a run: where its thread waited (`Waits`) and the line (`decode_line`)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from datamodules.sample.device_decode import DeviceDecode
+from typing import Any
 
 
 class Waits:
@@ -28,9 +25,10 @@ class Waits:
         return {k: getattr(self, k) / total if total else 0.0 for k in ("workers", "device", "step")}
 
 
-def decode_line(decoders: dict[str, DeviceDecode]) -> str | None:
-    """The end-of-run words on --data.decode gpu (the training loader's, else any): how much the workers decoded,
-    what an image cost each half, where the decode thread waited. None without device decode."""
+def decode_line(decoders: dict[str, Any]) -> str | None:
+    """The end-of-run words on --data.decode gpu, from the `DeviceDecode`s by split (the training loader's, else
+    any): how much the workers decoded, what an image cost each half, where the decode thread waited. None without
+    device decode."""
     decoder = decoders.get("train") or next(iter(decoders.values()), None)
     if decoder is None or not decoder.waits.batches:
         return None
