@@ -85,9 +85,6 @@ KNOWN_NOISE_WARNINGS = (
     # pytorch_lightning/loops/prediction_loop.py (_get_batch_indices): a stream has no batch sampler; the
     # prediction writer takes each row's index from the batch (datamodules/shards/loader.py, PredictShardDataset)
     (r"Couldn't infer the batch indices fetched from your dataloader: `PredictShardLoader`", UserWarning),
-    # torch.frombuffer on an LMDB value's read-only memory map (datamodules/sample/decode.py): decode_jpeg only
-    # reads its input
-    (r"The given buffer is not writable", UserWarning),
 )
 
 # Log lines (python logging, not warnings), by the logger that writes them.
