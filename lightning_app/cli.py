@@ -22,7 +22,7 @@ from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from lightning_app import runs, trackers
+from lightning_app import parse_errors, runs, trackers
 from lightning_app.callbacks import stop_signals
 from lightning_app.callbacks.checkpoints import CheckpointOnSigterm, ResumableCheckpoint
 from lightning_app.callbacks.memory_probe import MemoryProbe
@@ -165,6 +165,8 @@ class ClassifierCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         config = self._get(self.config, "trainer")
+        # for the recipe line: which config file, or the command line, set the optimiser's values
+        self.model.setting_sources = parse_errors.model_sources(getattr(self.parser, "args", None), DEFAULT_CONFIG)
         self._warn_about_workers()
         root = Path(config.get("default_root_dir") or "logs")
         plan = self.plan = self._plan_run(root)

@@ -22,6 +22,8 @@ from lightning_app.settings import arch_problems
 from models import create_model, own_kwargs
 from models.recipes import Recipe, batch_scale, recipe
 
+OPTIMIZER_NAMES = {"sgd": "SGD", "adamw": "AdamW"}  # as their papers and torch.optim spell them
+
 
 class ImageClassifier(pl.LightningModule):
     """Image classification with any registered backbone.
@@ -106,6 +108,8 @@ class ImageClassifier(pl.LightningModule):
             raise UserError("model.freeze_backbone_epochs must be >= 0 and model.backbone_lr_scale > 0.")
         self.save_hyperparameters()
         self.class_names: list[str] = []  # set from the data (fit) or the checkpoint (predict)
+        # where optimizer, lr and weight_decay came from when set ('the command line', a config file): the CLI's
+        self.setting_sources: dict[str, str] = {}
         self.inference_settings: dict = {}  # val size and normalisation: for export, kept in checkpoints
         # num_classes 0: predicting from a folder without the training tree; the checkpoint's count wins.
         self._build_backbone(num_classes if num_classes > 1 else 2)  # placeholder until the checkpoint loads
@@ -198,6 +202,23 @@ class ImageClassifier(pl.LightningModule):
         return (h.get("optimizer") or family.optimizer, family.lr if h.lr is None else h.lr,
                 family.weight_decay if h.weight_decay is None else h.weight_decay, family if unset else None)
 
+    def recipe_line(self) -> str:
+        """`--model.arch A: SGD, lr ... from the recipe (its source); weight decay ... from best.yaml`: each value with
+        where it came from (the recipe where the config leaves it null, else `setting_sources`, which the CLI fills
+        with the config file or the command line that set it)."""
+        h = self.hparams
+        name, lr, weight_decay, family = self.optim
+        rate = family.said if h.lr is None and name == family.optimizer else f"lr {lr:g} per 256 images"
+        by_source: dict[str, list[str]] = {}
+        for key, words in (("optimizer", OPTIMIZER_NAMES.get(name, name)), ("lr", rate),
+                           ("weight_decay", f"weight decay {weight_decay:g}")):
+            where = (f"the recipe ({family.source}: models/recipes.py)" if h.get(key) is None
+                     else self.setting_sources.get(key, "the config"))
+            by_source.setdefault(where, []).append(words)
+        said = "; ".join(f"{', '.join(words)} from {where}" for where, words in by_source.items())
+        return (f"--model.arch {h.arch}: {said}. --model.optimizer, --model.lr and --model.weight_decay set "
+                "what the recipe gives.")
+
     @property
     def scaled_lr(self) -> float:
         """lr per 256 images scaled to the global batch: linearly for SGD, by the square root for AdamW
@@ -227,12 +248,9 @@ class ImageClassifier(pl.LightningModule):
         return groups
 
     def configure_optimizers(self):
-        name, lr, weight_decay, family = self.optim
+        name, _, _, family = self.optim
         if family is not None:
-            rate = family.said if self.hparams.lr is None and name == family.optimizer else f"lr {lr:g} per 256 images"
-            rank_zero_info(f"--model.arch {self.hparams.arch}: {name.upper()}, {rate}, weight decay "
-                           f"{weight_decay:g} ({family.source}: models/recipes.py) for what the config leaves unset; "
-                           "--model.optimizer, --model.lr and --model.weight_decay set them.")
+            rank_zero_info(self.recipe_line())
         if name == "adamw":
             optimizer = torch.optim.AdamW(self.param_groups(), lr=self.scaled_lr, fused=self.fused_step())
         else:
