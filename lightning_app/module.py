@@ -19,7 +19,7 @@ from lightning_app.errors import UserError
 from lightning_app.log_steps import logs_this_step
 from lightning_app.lr_schedule import total_steps, warmup_cosine
 from lightning_app.settings import arch_problems
-from models import create_model, own_kwargs
+from models import create_model, own_kwargs, torchvision_zoo
 from models.recipes import Recipe, batch_scale, recipe
 
 OPTIMIZER_NAMES = {"sgd": "SGD", "adamw": "AdamW"}  # as their papers and torch.optim spell them
@@ -116,8 +116,10 @@ class ImageClassifier(pl.LightningModule):
 
     def _build_backbone(self, num_classes: int) -> None:
         h = self.hparams
-        self.backbone = create_model(h.arch, num_classes=num_classes, image_size=h.image_size,
-                                     **own_kwargs(h.arch, h.arch_kwargs))
+        kwargs = own_kwargs(h.arch, h.arch_kwargs)
+        if h.get("weights") and torchvision_zoo.takes_small_input_stem(h.arch):
+            kwargs.setdefault("small_input_stem", False)  # starting weights need the stem they were trained with
+        self.backbone = create_model(h.arch, num_classes=num_classes, image_size=h.image_size, **kwargs)
         if h.channels_last:
             self.backbone = self.backbone.to(memory_format=torch.channels_last)
         top5 = min(5, num_classes)
