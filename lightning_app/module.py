@@ -22,6 +22,7 @@ from lightning_app.settings import arch_problems
 from models import create_model, own_kwargs, torchvision_zoo
 from models.recipes import Recipe, batch_scale, recipe
 
+MIN_PATCH_GRID = 4  # patches a side below which a ViT is said to see too few tokens (a 224-px ViT sees 14x14)
 OPTIMIZER_NAMES = {"sgd": "SGD", "adamw": "AdamW"}  # as their papers and torch.optim spell them
 
 
@@ -120,6 +121,13 @@ class ImageClassifier(pl.LightningModule):
         if h.get("weights") and torchvision_zoo.takes_small_input_stem(h.arch):
             kwargs.setdefault("small_input_stem", False)  # starting weights need the stem they were trained with
         self.backbone = create_model(h.arch, num_classes=num_classes, image_size=h.image_size, **kwargs)
+        grid = getattr(getattr(self.backbone, "patch_embed", None), "grid_size", None)  # timm's ViTs and kin
+        if grid and min(grid) < MIN_PATCH_GRID:
+            patch = h.image_size // grid[0]
+            rank_zero_warn(f"--model.arch {h.arch} at --data.image_size {h.image_size} cuts each image into "
+                           f"{grid[0]}x{grid[1]} patches of {patch} px: {grid[0] * grid[1]} tokens, too few for its "
+                           "attention to learn from. Pass --model.arch_kwargs '{patch_size: 4}' (for this arch: "
+                           f"{{{h.arch}: {{patch_size: 4}}}}) or a larger --data.image_size.")
         if h.channels_last:
             self.backbone = self.backbone.to(memory_format=torch.channels_last)
         top5 = min(5, num_classes)
@@ -276,6 +284,17 @@ class ImageClassifier(pl.LightningModule):
         trainer = self._trainer
         clipping = trainer is not None and bool(trainer.gradient_clip_val)
         return self.device.type == "cuda" and not clipping
+
+    def on_train_start(self) -> None:
+        """An epoch shorter than --trainer.log_every_n_steps would log train/loss once in many epochs (Lightning
+        only warns: loops/fit_loop.py, setup_data; silenced in lightning_app/errors.py): log every epoch's last step
+        instead, and say so."""
+        trainer = self.trainer
+        steps, every = trainer.num_training_batches, trainer.log_every_n_steps
+        if trainer.loggers and isinstance(steps, int) and 0 < steps < every:
+            trainer.log_every_n_steps = steps
+            rank_zero_info(f"An epoch has {steps} training step{'s' if steps > 1 else ''}, fewer than "
+                           f"--trainer.log_every_n_steps {every}: train/loss is logged every {steps} instead.")
 
     # -- starting weights, fine-tuning, class names in the checkpoint -----------------------
     def setup(self, stage: str) -> None:
