@@ -17,7 +17,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     reporter = _reporter()
     line = f"FAILED {report.nodeid}{phase}" + (f": {why}" if why else "")
     if reporter is not None:
-        reporter.ensure_newline()
+        reporter.write("\n")  # after -q's row of dots and Fs
         reporter.write_line(line, red=True, bold=True)
         reporter.flush()
 
