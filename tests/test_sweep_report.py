@@ -24,3 +24,14 @@ def test_a_sweep_whose_trials_all_tie_says_so():
     assert "every trial tied at 0.1000" in best_line(_study([0.1, 0.1, 0.1]), space)
     assert "2 trials tied at 0.5000; trial 1 is the first" in best_line(_study([0.2, 0.5, 0.5]), space)
     assert "tied" not in best_line(_study([0.2, 0.5, 0.3]), space)
+
+
+@pytest.mark.parametrize(("trials", "fails", "stops"), [(1, 1, True), (2, 1, False), (2, 2, True), (10, 2, False),
+                                                         (10, 3, True)])
+def test_a_sweep_stops_after_as_many_failed_trials_in_a_row_as_it_was_asked_for_at_most_3(trials, fails, stops,
+                                                                                          tmp_path):
+    from lightning_app.sweep.runner import Sweep
+
+    sweep = Sweep(tmp_path, read_space(REPO / "configs" / "sweeps" / "lr_wd.yaml"), [], trials, 60.0)
+    sweep.fails_in_a_row = fails
+    assert sweep.gave_up is stops
