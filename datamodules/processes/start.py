@@ -76,7 +76,7 @@ def worker_context(name: str) -> BaseContext:
     before its first fork (only the first call of a process counts: the server starts once)."""
     global _forgets_in_children
     name = check_start(name)
-    if name != "fork" and main_not_a_file() is not None:
+    if name != "fork" and (main_not_a_file() is not None or unguarded_main() is not None):
         name = "fork"  # the one start that does not import the main script again
         warn_main_not_a_file()
     ctx = multiprocessing.get_context(name)
@@ -98,7 +98,7 @@ def start_server_early(name: str) -> None:
     training process scans its data and builds the model, not while it waits for its first batch.
     `ensure_running` returns once the server is launched, before it has imported anything
     (multiprocessing/forkserver.py); the first worker's start waits for it then."""
-    if name == "forkserver" and main_not_a_file() is None:
+    if name == "forkserver" and main_not_a_file() is None and unguarded_main() is None:
         from multiprocessing import forkserver
 
         worker_context(name)
@@ -169,7 +169,39 @@ def warn_main_not_a_file() -> None:
         _warned_main = True
         import warnings
 
-        warnings.warn(f"The main script is {main_not_a_file()}, not a file, which a forkserver or spawned loader "
-                      "worker would import again and cannot: its loader workers start by fork instead. Run the script "
-                      "from a file to keep the fork server, or pass worker_start=\"fork\" to choose fork.",
+        not_a_file = main_not_a_file()
+        why = (f"The main script is {not_a_file}, not a file, which a forkserver or spawned loader worker would "
+               "import again and cannot" if not_a_file else
+               f"{unguarded_main()} makes its loaders at import, outside `if __name__ == \"__main__\":`, and a "
+               "forkserver or spawned loader worker imports the main script again: it would make them again")
+        warnings.warn(f"{why}: its loader workers start by fork instead. To keep the fork server, run the script from "
+                      "a file with its code under `if __name__ == \"__main__\":`; worker_start=\"fork\" chooses fork.",
                       stacklevel=3)
+
+
+def unguarded_main() -> str | None:
+    """The main script's path when the code running now was called from its module level outside an
+    `if __name__ == "__main__":` block (read from the script's syntax tree), else None: a forkserver or spawned
+    worker would run that code again as it imports the script (leave_a_worker_rerunning_the_main_script)."""
+    import ast
+
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not isinstance(path, str) or not os.path.isfile(path):
+        return None
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") ==
+                                     "__main__" and frame.f_code.co_filename == frame.f_globals.get("__file__")):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    try:
+        with open(path, "rb") as script:
+            tree = ast.parse(script.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    line = frame.f_lineno
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) and "__name__" in ast.unparse(node.test) \
+                and node.lineno <= line <= (node.end_lineno or node.lineno):
+            return None
+    return path
