@@ -105,13 +105,16 @@ def short_error(message: str, parser, args: list[str] | tuple[str, ...] = ()) ->
         key = _PARSER_KEY.search(message)
         if rejected and key:
             unknown = [f"--{key.group(1)}.{rejected.group(1)}"]
-            out = [f"error: unrecognized argument: {unknown[0]}"]
+            where = parse_errors.source(unknown[0][2:], args, files)
+            out = [f"error: unrecognized argument: {unknown[0]}" if where == "on the command line" else
+                   f"error: unknown key {unknown[0][2:]} {where}"]
         else:
             detail = [line for line in lines[1:] if not line.startswith(("Subtypes:", "Errors:", "Given value type"))]
             head = lines[0] if lines else "invalid arguments"
             out = [f"error: {head}" + (f" {detail[0]}" if head.endswith(":") and detail else "")]
     suggestions = [f"{u.split('=', 1)[0]} -> {m}" if len(unknown) > 1 else m
-                   for u in unknown[:MAX_DETAIL_LINES] if (m := closest(u, option_names(parser)))]
+                   for u in unknown[:MAX_DETAIL_LINES]
+                   if (m := closest(u, option_names(parser) + parse_errors.init_arg_options(message)))]
     choice = _INVALID_CHOICE.search(message)
     if choice:  # a mistyped subcommand (or any other choice)
         suggestions += difflib.get_close_matches(choice.group(1), re.findall(r"'([^']+)'", choice.group(2)), n=1)

@@ -230,3 +230,20 @@ def model_sources(args: Sequence[str] | None, default_config: Path,
     args = [a for a in args or () if isinstance(a, str)]
     files = config_files(args, (default_config,))
     return {key: source(f"model.{key}", args, files).removeprefix("on ").removeprefix("in ") for key in keys}
+
+
+def init_arg_options(message: str) -> list[str]:
+    """`--trainer.strategy.timeout_s`, ... for the class a message's `Problem with given class_path 'X'` names: the
+    init args of a strategy (or any class_path section) the option names do not list."""
+    import importlib
+    import inspect
+
+    path, key = re.search(r"Problem with given class_path '([^']+)'", message), _KEY.search(message)
+    if not path or not key:
+        return []
+    module, _, name = path.group(1).rpartition(".")
+    try:
+        params = inspect.signature(getattr(importlib.import_module(module), name).__init__).parameters
+    except Exception:  # noqa: BLE001 - a class that cannot be imported or inspected offers no names
+        return []
+    return [f"--{key.group(2)}.{p}" for p in params if p not in ("self", "args", "kwargs")]

@@ -61,3 +61,14 @@ def test_a_config_file_that_is_not_yaml_gets_its_line_and_column(tmp_path, capsy
     config.write_text("trainer:\n  max_epochs: 2\n   devices: 1\n")
     err = _fails(["fit", "--config", str(config)], capsys)
     assert err.startswith(f"error: {config}, line 3, column 11: the file is not valid YAML")
+
+
+def test_a_strategy_s_unknown_init_arg_in_a_file_names_the_file_and_the_nearest_arg(tmp_path, capsys):
+    config = tmp_path / "mine.yaml"
+    config.write_text("trainer:\n  strategy:\n    class_path: lightning_app.strategies.ddp.ClusterDDPStrategy\n"
+                      "    init_args:\n      timeout: 30\n")
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(config)])
+    err = capsys.readouterr().err
+    assert f"unknown key trainer.strategy.timeout in {config}" in err and "did you mean --trainer.strategy.timeout_s?" \
+        in err, err
