@@ -223,6 +223,9 @@ def find_classes(root: str | os.PathLike) -> list[str]:
     classes = per_split["train"]
     if not classes:
         raise DataError(f"{root / 'train'} has no class folders. {LAYOUT_HELP}")
+    if len(classes) < 2:  # a one-class classifier reaches accuracy 1.0 having learnt nothing
+        raise DataError(f"{root / 'train'} has one class folder ({classes[0]}/): a classifier needs at least 2 "
+                        f"classes to tell apart. Add a folder per class under train/ and val/. {LAYOUT_HELP}")
     if set(per_split["val"]) != set(classes):
         only_train = sorted(set(classes) - set(per_split["val"]))
         only_val = sorted(set(per_split["val"]) - set(classes))

@@ -22,7 +22,7 @@ from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from lightning_app import runs, trackers
+from lightning_app import parse_errors, runs, trackers
 from lightning_app.callbacks import stop_signals
 from lightning_app.callbacks.checkpoints import CheckpointOnSigterm, ResumableCheckpoint
 from lightning_app.callbacks.memory_probe import MemoryProbe
@@ -31,6 +31,7 @@ from lightning_app.callbacks.reseed import ReseedEveryEpoch
 from lightning_app.callbacks.saved_config import RedactedSaveConfigCallback
 from lightning_app.callbacks.throughput import TrainSpeedMonitor
 from lightning_app.cli_parser import ClassifierArgumentParser
+from lightning_app.data_checks import check_tree_holds_a_batch
 from lightning_app.devices import cpu_precision, hide_gpus_from_a_cpu_run, refuse_unusable_gpu
 from lightning_app.errors import (
     EXIT_USER_ERROR,
@@ -131,6 +132,9 @@ class ClassifierCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         model = self._get(self.config, "model")
         check_settings(model, self._get(self.config, "data"), self._get(self.config, "trainer"))
+        if self.subcommand == "fit":  # a tree smaller than one batch: before the model and the banner
+            data = self._get(self.config, "data")
+            check_tree_holds_a_batch(getattr(data, "class_path", None), init_args(data))
         # before any run folder is made: a missing tracker package is one paragraph and nothing on disk
         self.tracker_names = trackers.chosen(self._get(self.config, "trackers", default=None),
                                              (self._get(self.config, "trainer") or {}).get("logger"))
@@ -161,6 +165,8 @@ class ClassifierCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         config = self._get(self.config, "trainer")
+        # for the recipe line: which config file, or the command line, set the optimiser's values
+        self.model.setting_sources = parse_errors.model_sources(getattr(self.parser, "args", None), DEFAULT_CONFIG)
         self._warn_about_workers()
         root = Path(config.get("default_root_dir") or "logs")
         plan = self.plan = self._plan_run(root)

@@ -19,8 +19,11 @@ import sys
 
 from pytorch_lightning.cli import LightningArgumentParser
 
+from lightning_app import parse_errors
+
 MAX_DETAIL_LINES = 2
 _NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted")
+_DOES_NOT_ACCEPT = re.compile(r"does not accept option '([^']+)'")
 _PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
 _INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
 
@@ -31,7 +34,7 @@ def data_option_names() -> list[str]:
 
     names: set[str] = set()
     for cls_name in ("ImageDataModule", "ImageFolderDataModule", "LMDBDataModule", "DownscaledDataModule",
-                     "DALIDataModule"):
+                     "DALIDataModule", "StreamingDataModule"):
         try:
             params = inspect.signature(getattr(datamodules, cls_name).__init__).parameters
         except Exception:  # noqa: BLE001 - an optional backend that cannot import offers no names
@@ -66,8 +69,32 @@ def closest(option: str, names: list[str]) -> str | None:
     return None
 
 
-def short_error(message: str, parser) -> list[str]:
-    """At most four lines: the error, where useful the closest valid option, and where --help lists them all."""
+def _rejected_key(message: str) -> str | None:
+    """The dotted key of an option jsonargparse does not accept, or None."""
+    whole = _DOES_NOT_ACCEPT.search(message)
+    if whole:
+        return whole.group(1)
+    rejected, key = _NOT_ACCEPTED.search(message), _PARSER_KEY.search(message)
+    return f"{key.group(1)}.{rejected.group(1)}" if rejected and key else None
+
+
+def short_error(message: str, parser, args: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """At most four lines: the error, where useful the closest valid option, and where --help lists them all.
+    `args` (the command line) tells which config files were read and whether a value came from one."""
+    subcommand = parser.prog.replace(" [options]", "").split()[1:]  # prog is "<argv[0]> [options] fit"
+    every_option = f"  every option: python {' '.join(['main.py', *subcommand])} --help"
+    files = parse_errors.config_files(args, getattr(parser, "default_config_files", None) or ())
+    broken = parse_errors.yaml_problem(files)
+    if broken:
+        return [f"error: {broken}"]
+    known = {n[2:] for n in option_names(parser)}
+    rejected = _rejected_key(message)
+    from_a_file = rejected is not None and not any(a == f"--{rejected}" or a.startswith(f"--{rejected}=") for a in args)
+    unknown = parse_errors.unknown_keys_paragraph(files, known) if files else None
+    key = parse_errors.setting_key(message) if rejected is None else None  # an unknown key is no bad value
+    value = parse_errors.value_paragraph(message, lambda k: parse_errors.source(k, args, files)) if key else None
+    if value or (unknown and from_a_file):
+        return [f"error: {' '.join(p for p in (value, unknown) if p)}", every_option]
     lines = [line.strip() for line in str(message).strip().splitlines() if line.strip()]
     unknown: list[str] = []
     if lines and lines[0].startswith("unrecognized arguments:"):
@@ -78,20 +105,22 @@ def short_error(message: str, parser) -> list[str]:
         key = _PARSER_KEY.search(message)
         if rejected and key:
             unknown = [f"--{key.group(1)}.{rejected.group(1)}"]
-            out = [f"error: unrecognized argument: {unknown[0]}"]
+            where = parse_errors.source(unknown[0][2:], args, files)
+            out = [f"error: unrecognized argument: {unknown[0]}" if where == "on the command line" else
+                   f"error: unknown key {unknown[0][2:]} {where}"]
         else:
             detail = [line for line in lines[1:] if not line.startswith(("Subtypes:", "Errors:", "Given value type"))]
             head = lines[0] if lines else "invalid arguments"
             out = [f"error: {head}" + (f" {detail[0]}" if head.endswith(":") and detail else "")]
     suggestions = [f"{u.split('=', 1)[0]} -> {m}" if len(unknown) > 1 else m
-                   for u in unknown[:MAX_DETAIL_LINES] if (m := closest(u, option_names(parser)))]
+                   for u in unknown[:MAX_DETAIL_LINES]
+                   if (m := closest(u, option_names(parser) + parse_errors.init_arg_options(message)))]
     choice = _INVALID_CHOICE.search(message)
     if choice:  # a mistyped subcommand (or any other choice)
         suggestions += difflib.get_close_matches(choice.group(1), re.findall(r"'([^']+)'", choice.group(2)), n=1)
     if suggestions:
         out.append(f"  did you mean {', '.join(suggestions)}?")
-    subcommand = parser.prog.replace(" [options]", "").split()[1:]  # prog is "<argv[0]> [options] fit"
-    out.append(f"  every option: python {' '.join(['main.py', *subcommand])} --help")
+    out.append(every_option)
     return out
 
 
@@ -107,7 +136,7 @@ class ClassifierArgumentParser(LightningArgumentParser):
             return super().error(message, ex)  # raises: a caller that parses for itself gets the exception
         parser = getattr(ex, "subcommand_parser", None) or self
         try:
-            text = "\n".join(short_error(message, parser)) + "\n"
+            text = "\n".join(short_error(message, parser, list(getattr(self, "args", None) or sys.argv[1:]))) + "\n"
         except Exception:  # noqa: BLE001 - never lose the error itself to a bug in the summary
             text = f"error: {message}\n"
         self._logger.error(message)

@@ -73,6 +73,9 @@ KNOWN_NOISE_WARNINGS = (
     (r"Precision (bf16-mixed|16-mixed) is not supported by the model summary", UserWarning),
     # pytorch_lightning/callbacks/model_checkpoint.py (__warn_if_dir_not_empty): a resumed run's own folder
     (r"Checkpoint directory .* exists and is not empty\.", UserWarning),
+    # pytorch_lightning/loops/fit_loop.py (setup_data): ImageClassifier.on_train_start logs every epoch's last step
+    # instead, and says so
+    (r"The number of training batches \(\d+\) is smaller than the logging interval", UserWarning),
     # torch/utils/data/dataloader.py (_check_worker_number_rationality); lightning_app.cli says it once,
     # naming --data.num_workers
     (r"This DataLoader will create \d+ worker processes in total\.", UserWarning),
@@ -85,9 +88,6 @@ KNOWN_NOISE_WARNINGS = (
     # pytorch_lightning/loops/prediction_loop.py (_get_batch_indices): a stream has no batch sampler; the
     # prediction writer takes each row's index from the batch (datamodules/shards/loader.py, PredictShardDataset)
     (r"Couldn't infer the batch indices fetched from your dataloader: `PredictShardLoader`", UserWarning),
-    # torch.frombuffer on an LMDB value's read-only memory map (datamodules/sample/decode.py): decode_jpeg only
-    # reads its input
-    (r"The given buffer is not writable", UserWarning),
 )
 
 # Log lines (python logging, not warnings), by the logger that writes them.

@@ -19,8 +19,11 @@ from lightning_app.errors import UserError
 from lightning_app.log_steps import logs_this_step
 from lightning_app.lr_schedule import total_steps, warmup_cosine
 from lightning_app.settings import arch_problems
-from models import create_model, own_kwargs
+from models import create_model, own_kwargs, torchvision_zoo
 from models.recipes import Recipe, batch_scale, recipe
+
+MIN_PATCH_GRID = 4  # patches a side below which a ViT is said to see too few tokens (a 224-px ViT sees 14x14)
+OPTIMIZER_NAMES = {"sgd": "SGD", "adamw": "AdamW"}  # as their papers and torch.optim spell them
 
 
 class ImageClassifier(pl.LightningModule):
@@ -106,14 +109,25 @@ class ImageClassifier(pl.LightningModule):
             raise UserError("model.freeze_backbone_epochs must be >= 0 and model.backbone_lr_scale > 0.")
         self.save_hyperparameters()
         self.class_names: list[str] = []  # set from the data (fit) or the checkpoint (predict)
+        # where optimizer, lr and weight_decay came from when set ('the command line', a config file): the CLI's
+        self.setting_sources: dict[str, str] = {}
         self.inference_settings: dict = {}  # val size and normalisation: for export, kept in checkpoints
         # num_classes 0: predicting from a folder without the training tree; the checkpoint's count wins.
         self._build_backbone(num_classes if num_classes > 1 else 2)  # placeholder until the checkpoint loads
 
     def _build_backbone(self, num_classes: int) -> None:
         h = self.hparams
-        self.backbone = create_model(h.arch, num_classes=num_classes, image_size=h.image_size,
-                                     **own_kwargs(h.arch, h.arch_kwargs))
+        kwargs = own_kwargs(h.arch, h.arch_kwargs)
+        if h.get("weights") and torchvision_zoo.takes_small_input_stem(h.arch):
+            kwargs.setdefault("small_input_stem", False)  # starting weights need the stem they were trained with
+        self.backbone = create_model(h.arch, num_classes=num_classes, image_size=h.image_size, **kwargs)
+        grid = getattr(getattr(self.backbone, "patch_embed", None), "grid_size", None)  # timm's ViTs and kin
+        if grid and min(grid) < MIN_PATCH_GRID:
+            patch = h.image_size // grid[0]
+            rank_zero_warn(f"--model.arch {h.arch} at --data.image_size {h.image_size} cuts each image into "
+                           f"{grid[0]}x{grid[1]} patches of {patch} px: {grid[0] * grid[1]} tokens, too few for its "
+                           "attention to learn from. Pass --model.arch_kwargs '{patch_size: 4}' (for this arch: "
+                           f"{{{h.arch}: {{patch_size: 4}}}}) or a larger --data.image_size.")
         if h.channels_last:
             self.backbone = self.backbone.to(memory_format=torch.channels_last)
         top5 = min(5, num_classes)
@@ -198,6 +212,23 @@ class ImageClassifier(pl.LightningModule):
         return (h.get("optimizer") or family.optimizer, family.lr if h.lr is None else h.lr,
                 family.weight_decay if h.weight_decay is None else h.weight_decay, family if unset else None)
 
+    def recipe_line(self) -> str:
+        """`--model.arch A: SGD, lr ... from the recipe (its source); weight decay ... from best.yaml`: each value with
+        where it came from (the recipe where the config leaves it null, else `setting_sources`, which the CLI fills
+        with the config file or the command line that set it)."""
+        h = self.hparams
+        name, lr, weight_decay, family = self.optim
+        rate = family.said if h.lr is None and name == family.optimizer else f"lr {lr:g} per 256 images"
+        by_source: dict[str, list[str]] = {}
+        for key, words in (("optimizer", OPTIMIZER_NAMES.get(name, name)), ("lr", rate),
+                           ("weight_decay", f"weight decay {weight_decay:g}")):
+            where = (f"the recipe ({family.source}: models/recipes.py)" if h.get(key) is None
+                     else self.setting_sources.get(key, "the config"))
+            by_source.setdefault(where, []).append(words)
+        said = "; ".join(f"{', '.join(words)} from {where}" for where, words in by_source.items())
+        return (f"--model.arch {h.arch}: {said}. --model.optimizer, --model.lr and --model.weight_decay set "
+                "what the recipe gives.")
+
     @property
     def scaled_lr(self) -> float:
         """lr per 256 images scaled to the global batch: linearly for SGD, by the square root for AdamW
@@ -227,12 +258,9 @@ class ImageClassifier(pl.LightningModule):
         return groups
 
     def configure_optimizers(self):
-        name, lr, weight_decay, family = self.optim
+        name, _, _, family = self.optim
         if family is not None:
-            rate = family.said if self.hparams.lr is None and name == family.optimizer else f"lr {lr:g} per 256 images"
-            rank_zero_info(f"--model.arch {self.hparams.arch}: {name.upper()}, {rate}, weight decay "
-                           f"{weight_decay:g} ({family.source}: models/recipes.py) for what the config leaves unset; "
-                           "--model.optimizer, --model.lr and --model.weight_decay set them.")
+            rank_zero_info(self.recipe_line())
         if name == "adamw":
             optimizer = torch.optim.AdamW(self.param_groups(), lr=self.scaled_lr, fused=self.fused_step())
         else:
@@ -256,6 +284,17 @@ class ImageClassifier(pl.LightningModule):
         trainer = self._trainer
         clipping = trainer is not None and bool(trainer.gradient_clip_val)
         return self.device.type == "cuda" and not clipping
+
+    def on_train_start(self) -> None:
+        """An epoch shorter than --trainer.log_every_n_steps would log train/loss once in many epochs (Lightning
+        only warns: loops/fit_loop.py, setup_data; silenced in lightning_app/errors.py): log every epoch's last step
+        instead, and say so."""
+        trainer = self.trainer
+        steps, every = trainer.num_training_batches, trainer.log_every_n_steps
+        if trainer.loggers and isinstance(steps, int) and 0 < steps < every:
+            trainer.log_every_n_steps = steps
+            rank_zero_info(f"An epoch has {steps} training step{'s' if steps > 1 else ''}, fewer than "
+                           f"--trainer.log_every_n_steps {every}: train/loss is logged every {steps} instead.")
 
     # -- starting weights, fine-tuning, class names in the checkpoint -----------------------
     def setup(self, stage: str) -> None:

@@ -92,9 +92,28 @@ def problems(model: Any, data: Any, trainer: Any) -> list[str]:
         for key, ok, must in rules:
             if key in values and not ok(values[key]):
                 found.append(f"--{section}.{key} {values[key]!r} must be {must}")
+    found += strategy_problems(_as_dict(trainer).get("strategy"))
     if not found:  # the sizes are sane: now whether the arch exists and takes them
         found += arch_problems(_as_dict(model), data)
     return found
+
+
+def strategy_problems(strategy: Any) -> list[str]:
+    """A --trainer.strategy name Lightning does not know (it would raise from inside the Trainer, with a
+    traceback: pytorch_lightning/trainer/connectors/accelerator_connector.py), with the nearest name."""
+    if not isinstance(strategy, str) or strategy.lower() == "auto":
+        return []
+    from pytorch_lightning.strategies import StrategyRegistry
+
+    from lightning_app.parse_errors import nearest
+
+    names = ["auto", *StrategyRegistry.available_strategies()]
+    if strategy.lower() in names:
+        return []
+    near = nearest(strategy, names)
+    return [f"--trainer.strategy {strategy!r} is no strategy name: it takes one of auto, ddp, dp, ddp_spawn, fsdp, "
+            f"deepspeed (and their variants: python main.py fit --help), or a class_path"
+            + (f" (did you mean {near}?)" if near else "")]
 
 
 def arch_problems(model: Mapping, data: Mapping) -> list[str]:
@@ -152,7 +171,7 @@ def check_settings(model: Any, data: Any, trainer: Any) -> None:
     if found:
         raise UserError("Invalid setting" + ("s" if len(found) > 1 else "") + ": " + "; ".join(found)
                         + f". Fix {'them' if len(found) > 1 else 'it'} on the command line or in the --config file "
-                        "that sets it.")
+                        f"that sets {'them' if len(found) > 1 else 'it'}.")
 
 
 def require_trained_weights(subcommand: str, ckpt_path: str | None, weights: str | None) -> None:

@@ -27,6 +27,8 @@ from tests.helpers.optional import DALI_MISSING, REQUIRE_DALI_ENV  # noqa: E402
 from tests.helpers.s3 import S3Server  # noqa: E402
 from tests.helpers.trees import jpeg, make_odd_tree, make_slow_tree  # noqa: E402
 
+pytest_plugins = ["tests.helpers.failures_at_once"]  # each failure named as it happens, not only in the summary
+
 
 def pytest_addoption(parser) -> None:
     parser.addoption("--share", default=None, metavar="K/N",

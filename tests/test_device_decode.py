@@ -51,6 +51,7 @@ def test_device_path_crops_the_cpu_paths_boxes_with_its_pixels(photo_tree, split
     cpu, dev = _pair(photo_tree, split, crop, 64)
     want, want_labels, got, got_labels, packed, decoder = _both(cpu, dev, list(range(len(cpu))))
     assert decoder.counts == {"device": len(cpu), "cpu": 0, "cannot": 0}
+    assert decoder.waits.jpeg > 0 and decoder.waits.crop > 0  # the end-of-run line's shares of the device time
     assert got.shape == want.shape and got.is_contiguous(memory_format=torch.channels_last)
     diff = (got.float() - want.float()).abs()
     # the same libjpeg-turbo decode here; the batched resize (2^-16 weights) against torch's uint8 kernel
@@ -168,7 +169,11 @@ def test_the_end_of_run_line_counts_the_files_the_device_could_not_take(tmp_path
                       r"time (\d+)% in the JPEG decode, (\d+)% cropping, (\d+)% waiting for its previous batch", done)
     assert found, done
     assert int(found[1]) == 24 and 0 < int(found[2]) <= 6  # the training loader's: 3 batches of 8
-    assert 98 <= sum(int(found[i]) for i in (3, 4, 5)) <= 102 and int(found[3]) > 0  # shares of one whole
+    # shares of one whole, in whole percents: the JPEG part of 24 small files is often under 0.5% of the CPU's
+    # "device" time, whose cropping includes the scripted resize's first (profiling) runs and the waits for the GIL
+    # behind the training step, more so on a loaded machine (0% in 2 of 2 runs at a load of 10 on 2 cores); that the
+    # decode's time is counted at all is held in seconds by test_device_path_crops_the_cpu_paths_boxes_with_its_pixels
+    assert 98 <= sum(int(found[i]) for i in (3, 4, 5)) <= 102
 
 
 # ---------------------------------------------------------------------------- the CUDA part

@@ -18,9 +18,9 @@ ADAMW = "scaled by the square root of the global batch"
 ARCHS = [("conv11", [], f"SGD, lr 0.4 per 256 images, {SGD}, weight decay 0.0005"),
          ("resnet18", [], f"SGD, lr 0.1 per 256 images, {SGD}, weight decay 0.0001"),
          ("timm/resnet10t", [], f"SGD, lr 0.1 per 256 images, {SGD}, weight decay 0.0001"),
-         ("timm/convnext_atto", [], f"ADAMW, lr 0.004 per 4096 images, {ADAMW}, weight decay 0.05"),
+         ("timm/convnext_atto", [], f"AdamW, lr 0.004 per 4096 images, {ADAMW}, weight decay 0.05"),
          ("timm/vit_tiny_patch16_224", ["--model.arch_kwargs", "{timm/vit_tiny_patch16_224: {patch_size: 4}}"],
-          f"ADAMW, lr 0.0005 per 512 images, {ADAMW}, weight decay 0.05")]
+          f"AdamW, lr 0.0005 per 512 images, {ADAMW}, weight decay 0.05")]
 CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS = 10, 120, 100
 # A model that learned nothing scores chance (1 / 10) plus binomial noise on the 1,000 validation images: one
 # standard deviation is sqrt(0.1 * 0.9 / 1000) = 0.95 points. Three of them above chance (12.85%) is a score such

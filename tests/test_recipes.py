@@ -229,3 +229,19 @@ def test_blurpool_blurs_every_strided_conv_and_keeps_state_dict_keys():
     assert blurred[0, 0, 3:6, 3:6].tolist() == binomial.tolist()  # the impulse, spread
     ref = torch.nn.functional.conv2d(blurred, conv.weight, stride=2, padding=1)
     torch.testing.assert_close(conv(x), ref)
+
+
+def test_the_recipe_line_says_where_each_value_came_from(tiny_data, tmp_path):
+    best = tmp_path / "best.yaml"  # what a sweep writes: the tuned values, the optimiser left to the recipe
+    best.write_text("model:\n  lr: 0.538428\n  weight_decay: 1.36401e-05\n")
+    args = quick_args(tiny_data, tmp_path / "logs")
+    line = ClassifierCLI(args=["--config", str(best), *args], run=False).model.recipe_line()
+    assert line.startswith("--model.arch conv11: SGD from the recipe (tuned for conv11 on the built-in data: "
+                           "models/recipes.py); lr 0.538428 per 256 images, weight decay 1.36401e-05 from "
+                           f"{best}."), line
+    line = ClassifierCLI(args=["--config", str(best), *args, "--model.optimizer", "adamw", "--model.lr", "0.01"],
+                         run=False).model.recipe_line()
+    assert "AdamW, lr 0.01 per 256 images from the command line; weight decay 1.36401e-05 from" in line, line
+    line = ClassifierCLI(args=args, run=False).model.recipe_line()
+    assert ("SGD, lr 0.4 per 256 images, scaled linearly with the global batch, weight decay 0.0005 from the recipe "
+            "(tuned for conv11") in line, line

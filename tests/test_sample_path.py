@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from datamodules.sample.dataset import SampleDataset
 from datamodules.sample.decode import decode, fast_jpeg
 from datamodules.sample.images import decode_rgb
 from datamodules.sample.transforms import val_transform
+from tests.helpers import REPO
 from tests.helpers.trees import copy_tree, jpeg, odd_images
 
 # The val path resizes a uint8 tensor with PyTorch's antialiased bilinear kernel; today's reference
@@ -294,3 +297,16 @@ def test_a_stalled_idle_helper_neither_delays_the_batch_nor_writes_into_it_later
         builder.join(60)
     dataset.idle_helper().submit(lambda: None).result(30)  # the helper has finished its stalled sample
     assert int(images.max()) == 0  # and did not write it into the batch
+
+
+def test_a_read_only_buffer_decodes_without_torch_s_warning():
+    # torch warns once per process, so a fresh interpreter: bytes and a read-only view (an LMDB value's memory map)
+    code = ("import warnings, torch; warnings.filterwarnings('error', message='The given buffer')\n"
+            "from datamodules.sample.decode import decode\n"
+            "from tests.helpers.trees import odd_images\n"
+            "data = odd_images()['gray.jpg']\n"
+            "for given in (data, memoryview(data), bytearray(data), memoryview(bytearray(data))):\n"
+            "    assert decode(given).shape[0] == 3\n")
+    done = subprocess.run([sys.executable, "-c", code], check=False, cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "not writable" not in done.stderr, done.stderr

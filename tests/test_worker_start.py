@@ -211,15 +211,16 @@ import sys
 from datamodules import ImageFolderDataModule
 
 dm = ImageFolderDataModule(data_dir=sys.argv[1], batch_size=8, num_workers=1, image_size=16)
-dm.setup("fit")
-next(iter(dm.train_dataloader()))
+if __name__ == "__main__":  # its loaders under the guard, its DataModule not (one unguarded all through starts its
+    dm.setup("fit")         # workers by fork instead: tests/test_stdin_script.py)
+    next(iter(dm.train_dataloader()))
 """
 
 
 def test_a_script_without_a_main_guard_is_told_why_its_workers_end(tiny_data, tmp_path):
-    """A forkserver worker imports the main script by its path; one with no `if __name__ == "__main__":` builds its
-    DataModule again inside the worker. Without the paragraph, multiprocessing's RuntimeError about "bootstrapping"
-    was all the worker said."""
+    """A forkserver worker imports the main script by its path; one that builds its DataModule outside
+    `if __name__ == "__main__":` builds it again inside the worker. Without the paragraph, multiprocessing's
+    RuntimeError about "bootstrapping" was all the worker said."""
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED)
     proc = start_command([sys.executable, str(script), str(tiny_data)],

@@ -109,7 +109,8 @@ class LoaderSizing:
             return
         self._plan_shown = True
         share = self.cpu_share()
-        rank_zero_info(f"Data: {type(self).__name__}, {self.describe_worker_start()}, {share.cpus} CPUs per rank: "
+        cpus = f"{share.cpus} CPU{'' if share.cpus == 1 else 's'}"
+        rank_zero_info(f"Data: {type(self).__name__}, {self.describe_worker_start()}, {cpus} per rank: "
                        f"{share.describe()}. "
                        + plan.describe())
         over = plan.over_budget()

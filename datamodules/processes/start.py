@@ -75,7 +75,11 @@ def worker_context(name: str) -> BaseContext:
     """The multiprocessing context loader workers start with. For forkserver, the modules the server imports
     before its first fork (only the first call of a process counts: the server starts once)."""
     global _forgets_in_children
-    ctx = multiprocessing.get_context(check_start(name))
+    name = check_start(name)
+    if name != "fork" and (main_not_a_file() is not None or unguarded_main() is not None):
+        name = "fork"  # the one start that does not import the main script again
+        warn_main_not_a_file()
+    ctx = multiprocessing.get_context(name)
     if name == "forkserver":
         ctx.set_forkserver_preload(list(PRELOAD))
         if not _forgets_in_children:
@@ -94,7 +98,7 @@ def start_server_early(name: str) -> None:
     training process scans its data and builds the model, not while it waits for its first batch.
     `ensure_running` returns once the server is launched, before it has imported anything
     (multiprocessing/forkserver.py); the first worker's start waits for it then."""
-    if name == "forkserver":
+    if name == "forkserver" and main_not_a_file() is None and unguarded_main() is None:
         from multiprocessing import forkserver
 
         worker_context(name)
@@ -146,3 +150,58 @@ def warn_fork_hazard() -> None:
         from pytorch_lightning.utilities import rank_zero_warn
 
         rank_zero_warn(said)
+
+
+def main_not_a_file() -> str | None:
+    """The main module's `__file__` when it names no file a worker could import again (`python - <<EOF`: '<stdin>'),
+    else None. A forkserver or spawned worker runs the main module from that path (multiprocessing/spawn.py,
+    `get_preparation_data` -> `_fixup_main_from_path`), which fails in every worker with FileNotFoundError."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return path if isinstance(path, str) and not os.path.isfile(path) else None
+
+
+_warned_main = False
+
+
+def warn_main_not_a_file() -> None:
+    global _warned_main
+    if not _warned_main:
+        _warned_main = True
+        import warnings
+
+        not_a_file = main_not_a_file()
+        why = (f"The main script is {not_a_file}, not a file, which a forkserver or spawned loader worker would "
+               "import again and cannot" if not_a_file else
+               f"{unguarded_main()} makes its loaders at import, outside `if __name__ == \"__main__\":`, and a "
+               "forkserver or spawned loader worker imports the main script again: it would make them again")
+        warnings.warn(f"{why}: its loader workers start by fork instead. To keep the fork server, run the script from "
+                      "a file with its code under `if __name__ == \"__main__\":`; worker_start=\"fork\" chooses fork.",
+                      stacklevel=3)
+
+
+def unguarded_main() -> str | None:
+    """The main script's path when the code running now was called from its module level outside an
+    `if __name__ == "__main__":` block (read from the script's syntax tree), else None: a forkserver or spawned
+    worker would run that code again as it imports the script (leave_a_worker_rerunning_the_main_script)."""
+    import ast
+
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not isinstance(path, str) or not os.path.isfile(path):
+        return None
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") ==
+                                     "__main__" and frame.f_code.co_filename == frame.f_globals.get("__file__")):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    try:
+        with open(path, "rb") as script:
+            tree = ast.parse(script.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    line = frame.f_lineno
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) and "__name__" in ast.unparse(node.test) \
+                and node.lineno <= line <= (node.end_lineno or node.lineno):
+            return None
+    return path

@@ -136,7 +136,10 @@ def decode(data: bytes | bytearray | memoryview | torch.Tensor) -> torch.Tensor:
     ok, exif = fast_jpeg(data)
     if ok:
         if tensor is None:
-            tensor = torch.frombuffer(data, dtype=torch.uint8)
+            # torch.frombuffer warns on a read-only buffer (bytes, an LMDB value's memory map:
+            # torch/csrc/utils/tensor_new.cpp, tensor_frombuffer); a copy costs little beside the decode
+            read_only = not isinstance(data, bytearray) and (not isinstance(data, memoryview) or data.readonly)
+            tensor = torch.frombuffer(bytearray(data) if read_only else data, dtype=torch.uint8)
         try:
             return decode_jpeg(tensor, mode=ImageReadMode.RGB, apply_exif_orientation=exif)
         except RuntimeError:

@@ -27,7 +27,7 @@ from lightning_app.runs.folders import write_atomically
 from lightning_app.sweep import report, storage
 from lightning_app.sweep.placement import crowded_workers, split_cpus, split_gpus, visible_gpus
 from lightning_app.sweep.pruning import SPACE_COPY
-from lightning_app.sweep.runner import MAX_FAILS_IN_A_ROW, Sweep, say
+from lightning_app.sweep.runner import Sweep, say
 from lightning_app.sweep.space import check_objective, locate, place_of, read_space
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # SIGUSR1: SLURM's warning before a requeue
@@ -157,7 +157,7 @@ def run(argv: list[str] | None = None) -> int:
             status = slurm_requeue()
             say("requeued this SLURM task." if status == 0 else f"`scontrol requeue` failed (exit status {status}).")
         return 128 + sweep.stop_signal
-    if sweep.fails_in_a_row >= MAX_FAILS_IN_A_ROW:
+    if sweep.gave_up:
         print(f"sweep: stopped after {sweep.fails_in_a_row} failed trials in a row; the last was "
               f"{sweep.last_failure}", file=sys.stderr, flush=True)
         return 1

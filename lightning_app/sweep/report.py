@@ -163,4 +163,14 @@ def best_line(study, space: Space) -> str:
         return "no trial completed"
     params = ", ".join(f"{k}={flag_value(v)}" for k, v in best.params.items())
     value = best.value if best.value is not None and math.isfinite(best.value) else float("nan")
-    return f"best: trial {best.number}, {space.objective} {value:.4f} with {params}"
+    line = f"best: trial {best.number}, {space.objective} {value:.4f} with {params}"
+    from optuna.trial import TrialState
+
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    tied = [t for t in done if t.value == best.value]
+    if len(tied) > 1 and len(tied) == len(done):
+        line += (f" (every trial tied at {value:.4f}: in these epochs the space's values made no difference, and trial "
+                 f"{best.number} is only the first; give the trials more epochs or data)")
+    elif len(tied) > 1:
+        line += f" ({len(tied)} trials tied at {value:.4f}; trial {best.number} is the first of them)"
+    return line

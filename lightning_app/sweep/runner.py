@@ -73,6 +73,12 @@ class Sweep:
     last_failure: str = ""
     crashed: str = ""  # a worker thread's traceback: the sweep stops and exits 1, never 0
     _local: threading.local = field(default_factory=threading.local)
+
+    @property
+    def gave_up(self) -> bool:
+        """Failed trials in a row enough to stop: MAX_FAILS_IN_A_ROW, and never more than the trials asked for (a
+        space whose batch sizes do not fit the data stops after 1 trial for --trials 1, not 3)."""
+        return self.fails_in_a_row >= min(MAX_FAILS_IN_A_ROW, max(1, self.trials))
     ports: Ports = field(default_factory=Ports)
 
     # -- signals ---------------------------------------------------------------------------------------------
@@ -118,7 +124,7 @@ class Sweep:
     def _work(self) -> None:
         while not self.stop.is_set():
             with self._lock:
-                if self.fails_in_a_row >= MAX_FAILS_IN_A_ROW:
+                if self.gave_up:
                     return
                 resumed = self.resumable.pop(0) if self.resumable else None
                 if resumed is None:
