@@ -23,7 +23,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from lightning_app import runs, trackers
-from lightning_app.callbacks import stop_signals
+from lightning_app.callbacks import finite_loss, stop_signals
 from lightning_app.callbacks.checkpoints import CheckpointOnSigterm, ResumableCheckpoint
 from lightning_app.callbacks.memory_probe import MemoryProbe
 from lightning_app.callbacks.progress import progress_callback
@@ -69,7 +69,7 @@ class ClassifierCLI(LightningCLI):
             save_config_callback=RedactedSaveConfigCallback,  # no credentials in config.yaml
             save_config_kwargs={"overwrite": True},
             trainer_defaults={"callbacks": [TrainSpeedMonitor(), CheckpointOnSigterm(), ReseedEveryEpoch(),
-                                            MemoryProbe()]},
+                                            MemoryProbe(), finite_loss.StopOnNonFiniteLoss()]},
             parser_class=ClassifierArgumentParser,
             args=args,
             run=run,
@@ -241,8 +241,9 @@ class ClassifierCLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         try:
             super()._run_subcommand(subcommand)
-        except Exception:  # not on Ctrl-C or SIGTERM: an interrupted run keeps what it logged
-            self._discard_failed_run()
+        except Exception as error:  # not on Ctrl-C or SIGTERM: an interrupted run keeps what it logged
+            if not isinstance(error, finite_loss.NonFiniteTraining):  # nor a diverged one: its curves show why
+                self._discard_failed_run()
             raise
         finally:
             if self.plan is not None and self.plan.lock is not None:
@@ -322,7 +323,11 @@ def main(args=None) -> ClassifierCLI:
     try:
         return ClassifierCLI(args=args)
     except SIGTERMException:  # a stop signal, saved by CheckpointOnSigterm
+        if finite_loss.last_stop:  # ... unless the weights were not finite
+            _say_diverged(finite_loss.last_stop)
         raise SystemExit(stop_signals.exit_status()) from None
+    except finite_loss.NonFiniteTraining as diverged:
+        _say_diverged(str(diverged))
     except Exception as error:
         user_error = find_user_error(error)
         if user_error is not None:
@@ -341,3 +346,11 @@ def main(args=None) -> ClassifierCLI:
             raise
         print(message, file=sys.stderr, flush=True)
         raise SystemExit(1) from error
+
+
+def _say_diverged(text: str) -> None:
+    """A diverged fit (lightning_app/callbacks/finite_loss.py): its paragraph once, from rank 0; every rank exits
+    with EXIT_NON_FINITE."""
+    if rank_zero_only.rank == 0:
+        print(text, file=sys.stderr, flush=True)
+    raise SystemExit(finite_loss.EXIT_NON_FINITE) from None

@@ -168,5 +168,11 @@ class TensorBoardPictures(pl.Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         self.drawer.wait()
 
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        # a stopped run (a diverged loss, a stop signal) finalizes its loggers right after this hook
+        # (pytorch_lightning/trainer/call.py, _interrupt) and never calls teardown: a picture still being drawn
+        # would write into a closed TensorBoard writer
+        self.drawer.wait()
+
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self.drawer.wait()
