@@ -6,7 +6,7 @@ import torch
 
 from lightning_app.cli import ClassifierCLI, main
 from tests.helpers import REPO
-from tests.helpers.cli import quick_args, train_checkpoint
+from tests.helpers.cli import quick_args, run_main, train_checkpoint
 
 
 def _fails(args: list[str], capsys) -> str:
@@ -125,3 +125,33 @@ def test_a_rendezvous_port_another_process_holds_is_named_not_taken_for_a_lost_p
     assert run.returncode == 2, run.stdout[-2000:] + err
     assert f"could not listen on its rendezvous 127.0.0.1:{port}" in err and "Set MASTER_PORT" in err, err
     assert "lost" not in err and "Traceback" not in err, err
+
+
+def test_an_empty_or_truncated_checkpoint_says_so(tiny_data, tmp_path, capsys):
+    # what a save stopped by a full disk or a killed copy leaves, not torch's "mmap can only be used with files
+    # saved with ..." or "failed finding central directory"
+    args = ["validate", *quick_args(tiny_data, tmp_path / "logs")]
+    empty, cut = tmp_path / "empty.ckpt", tmp_path / "cut.ckpt"
+    empty.write_bytes(b"")
+    torch.save({"state_dict": {"w": torch.zeros(4096)}}, cut)
+    cut.write_bytes(cut.read_bytes()[:5000])
+    err = _fails([*args, "--ckpt_path", str(empty)], capsys)
+    assert f"{empty} is empty (0 bytes)" in err and "mmap" not in err, err
+    err = _fails([*args, "--ckpt_path", str(cut)], capsys)
+    assert f"{cut} is truncated: 5,000 bytes" in err and "central directory" not in err, err
+    assert "is not a checkpoint" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [0, 3000], ids=["empty", "truncated"])
+def test_resuming_a_run_whose_last_ckpt_was_cut_short_names_its_size_and_its_best_checkpoint(size, tiny_data, tmp_path):
+    args = ["fit", *quick_args(tiny_data, tmp_path), "--data.image_size", "32"]
+    run_main(args)
+    last = tmp_path / "version_0" / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[:size])
+    proc = run_main([*args, "--ckpt_path", "last"], check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    said = "empty (0 bytes);" if size == 0 else "truncated: 3,000 bytes, without the zip directory"
+    assert f"ends with {last}, which is {said}" in proc.stderr and "its best checkpoint is" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "mmap" not in proc.stderr and "Traceback" not in proc.stderr
