@@ -217,3 +217,39 @@ def test_a_lock_from_another_host_is_refused_unless_slurm_requeued_this_job(tmp_
     assert lock.took_over["host"] == "node-a"
     assert runs.RunLock(run).read()["slurm_restart_count"] == 1
     lock.release()
+
+
+def test_temp_files_of_dead_writers_on_this_host_are_removed_and_said_once(tmp_path):
+    from lightning_app.runs.leftovers import remove_dead_writers_files
+
+    run, host, dead = tmp_path / "version_0", os.uname().nodename, _dead_pid()
+    (run / runs.CHECKPOINTS).mkdir(parents=True)
+    gone = [run / runs.CHECKPOINTS / f".last.ckpt.{dead}@{host}.tmp",  # killed inside its save
+            run / runs.CHECKPOINTS / f".last.ckpt.{dead}.tmp",  # the name before the host was in it
+            run / f".run.json.{dead}@{host}.tmp"]
+    kept = [run / runs.CHECKPOINTS / f".last.ckpt.{os.getppid()}@{host}.tmp",  # a live writer
+            run / runs.CHECKPOINTS / f".last.ckpt.{dead}@elsewhere.tmp",  # another host: cannot be checked
+            run / runs.CHECKPOINTS / "last.ckpt"]
+    for path in gone + kept:
+        path.write_bytes(b"x" * 1000)
+    said = remove_dead_writers_files(run, previous_owner_host=host)
+    assert [p for p in gone + kept if p.exists()] == kept
+    assert said.startswith("removed 3 temp files of writes whose process ended before renaming them into place")
+    assert f".last.ckpt.{dead}@{host}.tmp (pid {dead})" in said
+    assert remove_dead_writers_files(run, previous_owner_host=host) is None  # said once
+    assert remove_dead_writers_files(run, previous_owner_host="elsewhere") is None
+
+
+@pytest.mark.slow
+def test_a_resume_removes_the_temp_checkpoints_its_killed_attempt_left(tiny_data, tmp_path):
+    args = ["fit", *quick_args(tiny_data, tmp_path, batch=16), "--trainer.num_sanity_val_steps", "0"]
+    run_main(args)
+    run, host, dead = tmp_path / "version_0", os.uname().nodename, _dead_pid()
+    last = run / runs.CHECKPOINTS / "last.ckpt"
+    complete = run / runs.CHECKPOINTS / f".last.ckpt.{dead}@{host}.tmp"  # a whole save, newer than last.ckpt
+    complete.write_bytes(last.read_bytes())
+    (run / runs.LOCK_NAME).write_text(f'{{"pid": {dead}, "host": "{host}"}}')  # its writer held the lock
+    proc = run_main([*args, "--ckpt_path", "last"])  # a finished run: resumed, it trains no further
+    assert not complete.exists()
+    assert proc.stdout.count("removed 1 temp file of writes whose process ended") == 1, proc.stdout[-3000:]
+    assert f"--ckpt_path last: resuming {last}" in proc.stdout

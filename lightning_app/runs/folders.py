@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -65,7 +66,7 @@ def write_atomically(path: str | os.PathLike, data: bytes | Callable[[BinaryIO],
     """Temp file beside `path`, fsync, os.replace, fsync of the folder: a kill leaves the old file or the new
     one. `data` is the bytes, or a function that writes them into the open file."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}@{socket.gethostname()}.tmp")  # its writer: runs/leftovers.py
     try:
         with open(tmp, "wb") as f:
             data(f) if callable(data) else f.write(data)

@@ -19,6 +19,7 @@ from lightning_app.callbacks.predictions import FILENAME as RESULT_FILE
 from lightning_app.runs import identity
 from lightning_app.runs.folders import RUN_PATTERN, new_run, new_subfolder
 from lightning_app.runs.guard import RunGuard
+from lightning_app.runs.leftovers import remove_dead_writers_files
 from lightning_app.runs.lock import RunLock
 from lightning_app.runs.ranks import is_launch_rank_zero
 from lightning_app.runs.resolve import resolve
@@ -97,6 +98,9 @@ def _lock(run_dir: Path, lines: list[str]) -> RunLock:
     lock = RunLock(run_dir).acquire()
     if lock.took_over is not None:
         lines.append(f"took over the lock of {run_dir} from {lock.took_over_because}.")
+    removed = remove_dead_writers_files(run_dir, (lock.took_over or {}).get("host"))
+    if removed:
+        lines.append(removed)
     return lock
 
 
