@@ -253,3 +253,23 @@ def test_a_resume_removes_the_temp_checkpoints_its_killed_attempt_left(tiny_data
     assert not complete.exists()
     assert proc.stdout.count("removed 1 temp file of writes whose process ended") == 1, proc.stdout[-3000:]
     assert f"--ckpt_path last: resuming {last}" in proc.stdout
+
+
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_a_run_root_that_cannot_be_written_is_one_paragraph_and_exit_2(fault, tiny_data, tmp_path, capsys):
+    from tests.helpers.filesystems import fill, small_filesystem
+
+    with small_filesystem(tmp_path / "disk", read_only=fault == "read-only") as disk:
+        if fault == "full":
+            fill(disk)
+        root = disk / "logs"
+        if fault == "full":
+            root.mkdir()
+        with pytest.raises(SystemExit) as stop:
+            main(["fit", *quick_args(tiny_data, root, batch=16)])
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+        said = "it is on a read-only filesystem" if fault == "read-only" else "its filesystem is full ("
+        assert err.startswith(f"Cannot start the run under {root}: writing ") and said in err, err
+        assert "--trainer.default_root_dir DIR" in err
+        assert not list(root.glob("version_*"))  # nothing half-made

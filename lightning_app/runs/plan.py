@@ -17,7 +17,7 @@ from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_app.callbacks.predictions import FILENAME as RESULT_FILE
 from lightning_app.runs import identity
-from lightning_app.runs.folders import RUN_PATTERN, new_run, new_subfolder
+from lightning_app.runs.folders import RUN_PATTERN, new_run, new_subfolder, run_root_writable
 from lightning_app.runs.guard import RunGuard
 from lightning_app.runs.leftovers import remove_dead_writers_files
 from lightning_app.runs.lock import RunLock
@@ -41,6 +41,12 @@ class RunPlan:
 
 
 def plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict, signature: ModelSignature) -> RunPlan:
+    with run_root_writable(root):  # a read-only, unwritable or full root: one paragraph, exit status 2
+        return _plan_run(subcommand, ckpt_path, root, training, signature)
+
+
+def _plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict,
+              signature: ModelSignature) -> RunPlan:
     zero = is_launch_rank_zero()
     resolved = resolve(ckpt_path, root, training, subcommand)
     if resolved.checkpoint and Path(resolved.checkpoint).is_file():
@@ -74,8 +80,14 @@ def plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict,
     elif zero:
         plan.version, plan.run_dir = new_run(root)
         plan.made_here = True
-        plan.lock = _lock(plan.run_dir, lines)
-        record = identity.write_new_run(plan.run_dir, training)
+        try:
+            plan.lock = _lock(plan.run_dir, lines)
+            record = identity.write_new_run(plan.run_dir, training)
+        except OSError:  # a full disk: no half-made run folder is left for `--ckpt_path last` to find
+            if plan.lock is not None:
+                plan.lock.release()
+            shutil.rmtree(plan.run_dir, ignore_errors=True)
+            raise
     plan.guard = RunGuard(
         resolved.checkpoint,
         fingerprint(resolved.checkpoint) if resolved.checkpoint and os.path.isfile(resolved.checkpoint) else None,
