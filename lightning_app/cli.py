@@ -22,7 +22,7 @@ from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from lightning_app import runs, trackers
+from lightning_app import disk_full, runs, trackers
 from lightning_app.callbacks import finite_loss, stop_signals
 from lightning_app.callbacks.checkpoints import CheckpointOnSigterm, ResumableCheckpoint
 from lightning_app.callbacks.memory_probe import MemoryProbe
@@ -59,6 +59,7 @@ SUBCOMMANDS = ("fit", "validate", "test", "predict")
 class ClassifierCLI(LightningCLI):
     def __init__(self, args=None, run: bool = True) -> None:
         silence_known_noise()
+        disk_full.quiet_writer_threads()
         info_to_stdout()
         self.plan: runs.RunPlan | None = None
         super().__init__(
@@ -242,8 +243,11 @@ class ClassifierCLI(LightningCLI):
         try:
             super()._run_subcommand(subcommand)
         except Exception as error:  # not on Ctrl-C or SIGTERM: an interrupted run keeps what it logged
+            full = disk_full.explain(error, getattr(self, "trainer", None), self.plan and self.plan.run_dir)
             if not isinstance(error, finite_loss.NonFiniteTraining):  # nor a diverged one: its curves show why
                 self._discard_failed_run()
+            if full is not None:  # one paragraph, exit status 2 (lightning_app/disk_full.py)
+                raise full from None
             raise
         finally:
             if self.plan is not None and self.plan.lock is not None:

@@ -24,6 +24,7 @@ import torch
 from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
 from lightning_app.callbacks.pictures.drawing import Drawer, confusion_picture, most_confused, titled_grid
 from lightning_app.callbacks.pictures.sinks import picture_sinks
+from lightning_app.disk_full import no_space
 from lightning_app.errors import UserError
 
 KINDS = ("confusion_matrix", "mistakes", "train_batch")
@@ -45,8 +46,10 @@ def to_every(sinks: list, method: str, *args) -> None:
     for sink in sinks:
         try:
             getattr(sink, method)(*args)
-        except Exception:
-            log.warning("a picture could not be written to %s", type(sink).__name__, exc_info=True)
+        except Exception as error:  # a full disk: one line here, the paragraph when the run stops (disk_full.py)
+            full = no_space(error)
+            log.warning("a picture could not be written to %s%s", type(sink).__name__,
+                        f": {full.strerror}" if full else "", exc_info=full is None)
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:
