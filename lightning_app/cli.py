@@ -49,6 +49,7 @@ from lightning_app.settings import check_settings, init_args, require_trained_we
 from lightning_app.strategies import STRATEGY_HELP, ClusterDDPStrategy  # registers --trainer.strategy dp, ddp
 from lightning_app.strategies.launched_ranks import die_with_the_launching_rank
 from lightning_app.strategies.peers import describe_distributed_failure, describe_taken_port
+from lightning_app.strategies.slurm_variables import check_slurm_variables
 from lightning_app.weights import refuse_plain_state_dict, safe_load
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -143,6 +144,8 @@ class ClassifierCLI(LightningCLI):
             check_predict_data(self.subcommand, init_args(self._get(self.config, "data")), run_of(ckpt_path),
                                ckpt_path)
         if self.subcommand is not None:  # a GPU torch cannot use: never a quiet CPU run
+            trainer_settings = self._get(self.config, "trainer") or {}
+            check_slurm_variables(trainer_settings.get("devices"), trainer_settings.get("num_nodes"))
             accelerator = (self._get(self.config, "trainer") or {}).get("accelerator", "auto")
             refuse_unusable_gpu(accelerator)
             hide_gpus_from_a_cpu_run(accelerator)

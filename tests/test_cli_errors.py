@@ -1,6 +1,8 @@
 """The typical mistakes on the command line each end in a few lines of stderr, exit status 2, naming the fix."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -155,3 +157,22 @@ def test_resuming_a_run_whose_last_ckpt_was_cut_short_names_its_size_and_its_bes
     assert f"ends with {last}, which is {said}" in proc.stderr and "its best checkpoint is" in proc.stderr, \
         proc.stderr[-3000:]
     assert "mmap" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("env", "said"), [
+    ({"SLURM_NTASKS": "4"}, "SLURM_NTASKS=4 without SLURM_NTASKS_PER_NODE (an `sbatch --ntasks 4` script"),
+    ({"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4"}, ("SLURM_NTASKS_PER_NODE=4 tasks per node, but "
+                                                         "--trainer.devices 1")),
+    ({"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "2"}, ("SLURM_NNODES=2 nodes, but "
+                                                                              "--trainer.num_nodes 1")),
+], ids=["ntasks-without-srun", "tasks-per-node", "nodes"])
+def test_contradictory_slurm_variables_are_one_paragraph(env, said, tiny_data, tmp_path, capsys, monkeypatch):
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    for key, value in {"SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "node1", "SLURM_PROCID": "0",
+                       "SLURM_LOCALID": "0", "SLURM_NODEID": "0", **env}.items():
+        monkeypatch.setenv(key, value)
+    err = _fails(["fit", *quick_args(tiny_data, tmp_path), "--trainer.devices", "1"], capsys)
+    assert err.startswith("SLURM's variables do not fit this run: ") and said in err, err
+    assert "Read: SLURM_JOB_NAME=train, SLURM_NTASKS=" in err and "scripts/slurm/train.sbatch" in err
+    assert not list(tmp_path.iterdir())
