@@ -85,6 +85,9 @@ class ClassifierCLI(LightningCLI):
         strategy = next(a for a in parser._actions if a.dest == "trainer.strategy")
         strategy.help = STRATEGY_HELP + (strategy.help or "")
         parser.add_lightning_class_args(ResumableCheckpoint, "checkpoint")
+        parser.add_argument("--resume_or_fail", type=bool, default=False,
+                            help="With --ckpt_path last (or hpc): when no run of this config is found, stop with exit "
+                                 "status 2 instead of starting a fresh run (for a scheduler's restart).")
         trackers.add_arguments(parser)
         parser.set_defaults({
             "checkpoint.monitor": "val/acc1",
@@ -220,7 +223,8 @@ class ClassifierCLI(LightningCLI):
             dict(getattr(self.datamodule, "hparams", {}) or {}), self._get(self.config, "trainer").as_dict(),
             getattr(self, "seed_given", None))
         plan = runs.plan_run(self.subcommand, self._get(self.config, "ckpt_path"), root, training,
-                             runs.ModelSignature.of_module(self.model))
+                             runs.ModelSignature.of_module(self.model),
+                             resume_or_fail=bool(self._get(self.config, "resume_or_fail", default=False)))
         if plan.lock is not None:
             atexit.register(plan.lock.release)
         return plan

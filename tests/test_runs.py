@@ -273,3 +273,13 @@ def test_a_run_root_that_cannot_be_written_is_one_paragraph_and_exit_2(fault, ti
         assert err.startswith(f"Cannot start the run under {root}: writing ") and said in err, err
         assert "--trainer.default_root_dir DIR" in err
         assert not list(root.glob("version_*"))  # nothing half-made
+
+
+def test_resume_or_fail_stops_a_fit_that_finds_no_run_to_resume(tiny_data, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", *quick_args(tiny_data, tmp_path, batch=16), "--ckpt_path", "last", "--resume_or_fail", "true"])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert err.startswith(f"--ckpt_path last: no run under {tmp_path} has this config's training settings. "
+                          "--resume_or_fail true: ") and "starting a fresh run" not in err, err
+    assert not list(tmp_path.iterdir())  # no fresh run

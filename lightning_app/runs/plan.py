@@ -16,6 +16,7 @@ from pathlib import Path
 from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_app.callbacks.predictions import FILENAME as RESULT_FILE
+from lightning_app.errors import UserError
 from lightning_app.runs import identity
 from lightning_app.runs.folders import RUN_PATTERN, new_run, new_subfolder, run_root_writable
 from lightning_app.runs.guard import RunGuard
@@ -40,15 +41,22 @@ class RunPlan:
     evaluation_folder: Path | None = None  # validate/test/predict's own <subcommand>_K, made by this process
 
 
-def plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict, signature: ModelSignature) -> RunPlan:
+def plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict, signature: ModelSignature,
+             resume_or_fail: bool = False) -> RunPlan:
     with run_root_writable(root):  # a read-only, unwritable or full root: one paragraph, exit status 2
-        return _plan_run(subcommand, ckpt_path, root, training, signature)
+        return _plan_run(subcommand, ckpt_path, root, training, signature, resume_or_fail)
 
 
 def _plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict,
-              signature: ModelSignature) -> RunPlan:
+              signature: ModelSignature, resume_or_fail: bool) -> RunPlan:
     zero = is_launch_rank_zero()
     resolved = resolve(ckpt_path, root, training, subcommand)
+    if resume_or_fail and subcommand == "fit" and ckpt_path in ("last", "hpc") and resolved.run_dir is None:
+        found = resolved.message.removesuffix("; starting a fresh run.").rstrip(".")
+        raise UserError(f"{found}. --resume_or_fail true: a fit that finds no run to resume stops here instead of "
+                        "starting a fresh one from epoch 0. If the config changed on purpose, pass the checkpoint "
+                        "with --ckpt_path PATH/TO.ckpt, or leave out --resume_or_fail for a fresh run; if the runs "
+                        "are under another --trainer.default_root_dir, point it there.")
     if resolved.checkpoint and Path(resolved.checkpoint).is_file():
         check_compatible(resolved.checkpoint, signature)
     lines = [resolved.message] if resolved.message else []
