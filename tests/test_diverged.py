@@ -85,3 +85,18 @@ def test_a_nan_loss_on_one_rank_stops_both_with_the_same_exit_status(tiny_data, 
     assert "at step 2, in epoch 1 (on at least one of the 2 processes; all stopped)" in outs[0]
     assert "Training diverged" not in outs[1]  # rank 0 says it
     assert not list(tmp_path.glob("version_*/checkpoints/*.ckpt"))
+
+
+def test_a_sigterm_after_a_nan_loss_saves_nothing_and_says_why(tiny_data, tmp_path):
+    # no logging step in the epoch (log_every_n_steps 50): the NaN of step 9 is still unread when SIGTERM's save
+    # comes at step 11; that save checks first, keeps epoch 1's last.ckpt and the run exits 3, not 0
+    proc = run_main(["fit", *quick_args(tiny_data, tmp_path, epochs=2), "--data.image_size", "32",
+                     "--trainer.log_every_n_steps", "50", *_nan_at(1, 1),
+                     "--trainer.callbacks+=tests.helpers.callbacks.SignalAt", "--trainer.callbacks.epoch=1",
+                     "--trainer.callbacks.batch=3", "--trainer.callbacks.sig=SIGTERM"], check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_NON_FINITE, out[-4000:]
+    _said_once(out)
+    assert "at step 9, in epoch 2" in out and "SIGTERM: saved" not in out
+    last = tmp_path / "version_0" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 7 and _finite(last)
