@@ -22,8 +22,8 @@ from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from lightning_app import parse_errors, runs, trackers
-from lightning_app.callbacks import stop_signals
+from lightning_app import disk_full, parse_errors, runs, trackers
+from lightning_app.callbacks import finite_loss, stop_signals
 from lightning_app.callbacks.checkpoints import CheckpointOnSigterm, ResumableCheckpoint
 from lightning_app.callbacks.memory_probe import MemoryProbe
 from lightning_app.callbacks.progress import progress_callback
@@ -50,6 +50,7 @@ from lightning_app.settings import check_settings, init_args, require_trained_we
 from lightning_app.strategies import STRATEGY_HELP, ClusterDDPStrategy  # registers --trainer.strategy dp, ddp
 from lightning_app.strategies.launched_ranks import die_with_the_launching_rank
 from lightning_app.strategies.peers import describe_distributed_failure, describe_taken_port
+from lightning_app.strategies.slurm_variables import check_slurm_variables
 from lightning_app.weights import refuse_plain_state_dict, safe_load
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -60,6 +61,7 @@ SUBCOMMANDS = ("fit", "validate", "test", "predict")
 class ClassifierCLI(LightningCLI):
     def __init__(self, args=None, run: bool = True) -> None:
         silence_known_noise()
+        disk_full.quiet_writer_threads()
         info_to_stdout()
         self.plan: runs.RunPlan | None = None
         super().__init__(
@@ -70,7 +72,7 @@ class ClassifierCLI(LightningCLI):
             save_config_callback=RedactedSaveConfigCallback,  # no credentials in config.yaml
             save_config_kwargs={"overwrite": True},
             trainer_defaults={"callbacks": [TrainSpeedMonitor(), CheckpointOnSigterm(), ReseedEveryEpoch(),
-                                            MemoryProbe()]},
+                                            MemoryProbe(), finite_loss.StopOnNonFiniteLoss()]},
             parser_class=ClassifierArgumentParser,
             args=args,
             run=run,
@@ -84,6 +86,9 @@ class ClassifierCLI(LightningCLI):
         strategy = next(a for a in parser._actions if a.dest == "trainer.strategy")
         strategy.help = STRATEGY_HELP + (strategy.help or "")
         parser.add_lightning_class_args(ResumableCheckpoint, "checkpoint")
+        parser.add_argument("--resume_or_fail", type=bool, default=False,
+                            help="With --ckpt_path last (or hpc): when no run of this config is found, stop with exit "
+                                 "status 2 instead of starting a fresh run (for a scheduler's restart).")
         trackers.add_arguments(parser)
         parser.set_defaults({
             "checkpoint.monitor": "val/acc1",
@@ -146,6 +151,8 @@ class ClassifierCLI(LightningCLI):
             check_predict_data(self.subcommand, init_args(self._get(self.config, "data")), run_of(ckpt_path),
                                ckpt_path)
         if self.subcommand is not None:  # a GPU torch cannot use: never a quiet CPU run
+            trainer_settings = self._get(self.config, "trainer") or {}
+            check_slurm_variables(trainer_settings.get("devices"), trainer_settings.get("num_nodes"))
             accelerator = (self._get(self.config, "trainer") or {}).get("accelerator", "auto")
             refuse_unusable_gpu(accelerator)
             hide_gpus_from_a_cpu_run(accelerator)
@@ -222,7 +229,8 @@ class ClassifierCLI(LightningCLI):
             dict(getattr(self.datamodule, "hparams", {}) or {}), self._get(self.config, "trainer").as_dict(),
             getattr(self, "seed_given", None))
         plan = runs.plan_run(self.subcommand, self._get(self.config, "ckpt_path"), root, training,
-                             runs.ModelSignature.of_module(self.model))
+                             runs.ModelSignature.of_module(self.model),
+                             resume_or_fail=bool(self._get(self.config, "resume_or_fail", default=False)))
         if plan.lock is not None:
             atexit.register(plan.lock.release)
         return plan
@@ -247,8 +255,12 @@ class ClassifierCLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         try:
             super()._run_subcommand(subcommand)
-        except Exception:  # not on Ctrl-C or SIGTERM: an interrupted run keeps what it logged
-            self._discard_failed_run()
+        except Exception as error:  # not on Ctrl-C or SIGTERM: an interrupted run keeps what it logged
+            full = disk_full.explain(error, getattr(self, "trainer", None), self.plan and self.plan.run_dir)
+            if not isinstance(error, finite_loss.NonFiniteTraining):  # nor a diverged one: its curves show why
+                self._discard_failed_run()
+            if full is not None:  # one paragraph, exit status 2 (lightning_app/disk_full.py)
+                raise full from None
             raise
         finally:
             if self.plan is not None and self.plan.lock is not None:
@@ -328,7 +340,11 @@ def main(args=None) -> ClassifierCLI:
     try:
         return ClassifierCLI(args=args)
     except SIGTERMException:  # a stop signal, saved by CheckpointOnSigterm
+        if finite_loss.last_stop:  # ... unless the weights were not finite
+            _say_diverged(finite_loss.last_stop)
         raise SystemExit(stop_signals.exit_status()) from None
+    except finite_loss.NonFiniteTraining as diverged:
+        _say_diverged(str(diverged))
     except Exception as error:
         user_error = find_user_error(error)
         if user_error is not None:
@@ -347,3 +363,11 @@ def main(args=None) -> ClassifierCLI:
             raise
         print(message, file=sys.stderr, flush=True)
         raise SystemExit(1) from error
+
+
+def _say_diverged(text: str) -> None:
+    """A diverged fit (lightning_app/callbacks/finite_loss.py): its paragraph once, from rank 0; every rank exits
+    with EXIT_NON_FINITE."""
+    if rank_zero_only.rank == 0:
+        print(text, file=sys.stderr, flush=True)
+    raise SystemExit(finite_loss.EXIT_NON_FINITE) from None

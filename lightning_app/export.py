@@ -26,11 +26,14 @@ import torch
 from torch import nn
 
 from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
+from lightning_app.disk_full import DiskFull, checkpoint_bytes, no_space
+from lightning_app.runs.folders import free_bytes
 from lightning_app.weights import WeightsError, safe_load, strip_prefixes
 from models import create_model, own_kwargs
 
 FORMATS = ("onnx", "pt2")
 MAX_BATCH = 4096
+SLACK_BYTES = 1 << 20  # what an export writes beside the weights (its graph, the .json), about: a floor, not a bound
 
 
 class ExportedClassifier(nn.Module):
@@ -104,6 +107,15 @@ def export(ckpt_path: str | os.PathLike, fmt: str, output: str | os.PathLike, dy
     # Trace with a batch of 2 when the batch is dynamic: torch.export specialises sizes 0 and 1.
     example = torch.randint(0, 256, (2 if dynamic_batch else batch_size, 3, size, size), dtype=torch.uint8)
     shapes = {"images": {0: torch.export.Dim("batch", min=1, max=MAX_BATCH)}} if dynamic_batch else None
+    # A full disk is found before the write: torch.export's archive writer (a C++ zip stream) reports it as "unexpected
+    # pos N vs M" and then aborts the process from its destructor ("terminate called after throwing ...")
+    needed = checkpoint_bytes(model.state_dict()) + SLACK_BYTES
+    free = free_bytes(output.parent)
+    if free is not None and free < needed:
+        full = DiskFull(str(output), needed, folder=str(output.parent))
+        full.refused = True
+        full.elsewhere, full.then = "write it to another disk with --output", "run the export again"
+        raise full
     tmp = output.with_name(f".{output.stem}.tmp{os.getpid()}{output.suffix}")  # torch.export.save wants .pt2
     try:
         with torch.no_grad():
@@ -138,8 +150,15 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     try:
         model_path, side = export(args.ckpt_path, args.format, args.output, batch_size=args.batch_size)
-    except WeightsError as e:
+    except (WeightsError, DiskFull) as e:
         print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except Exception as e:  # a full disk: one paragraph (torch.onnx and torch.export wrap the OSError)
+        if no_space(e) is None:
+            raise
+        full = DiskFull(args.output, folder=os.path.dirname(os.path.abspath(args.output)))
+        full.elsewhere, full.then = "write it to another disk with --output", "run the export again"
+        print(f"error: {full}", file=sys.stderr)
         raise SystemExit(2) from None
     print(f"wrote {model_path} and {side}")
 

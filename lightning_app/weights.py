@@ -59,6 +59,7 @@ def convert_command(path: str | os.PathLike) -> str:
 
 # torch.save's legacy format (before PyTorch 1.6) starts with a pickled magic number (torch/serialization.py,
 # MAGIC_NUMBER 0x1950a86a20f9469cfc6c, written with pickle protocol 2: PROTO 2, LONG1 of 10 bytes).
+ZIP_START = b"PK\x03\x04"  # a zip archive's first local file header: torch.save's format since torch 1.6
 _LEGACY_TORCH_START = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 
 
@@ -72,6 +73,21 @@ def is_torch_file(path: str | os.PathLike) -> bool:
             return False
     with open(path, "rb") as f:
         return f.read(len(_LEGACY_TORCH_START)) == _LEGACY_TORCH_START
+
+
+def damage(path: str | os.PathLike) -> str | None:
+    """How a checkpoint was cut short, as a write stopped by a full disk or a killed copy leaves it: "empty (0 bytes)",
+    or "truncated: N bytes" for a zip archive (torch.save's format) without the directory every complete one ends
+    with (what torch then says, "mmap can only be used with files saved with ..." or "failed finding central
+    directory", names neither). None for a file that is whole, or not a checkpoint at all."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return "empty (0 bytes)"
+    with open(path, "rb") as f:
+        head = f.read(len(ZIP_START))
+    if head == ZIP_START and not zipfile.is_zipfile(path):
+        return f"truncated: {size:,} bytes, without the zip directory that ends every complete checkpoint"
+    return None
 
 
 def _first_bytes(path: Path) -> str:
@@ -94,6 +110,10 @@ def safe_load(path: str | os.PathLike, what: str = "weights file") -> Any:
     path = Path(path).expanduser()
     if not path.is_file():
         raise WeightsError(f"{what} {path} does not exist (or is not a file).")
+    cut = damage(path)
+    if cut is not None:
+        raise WeightsError(f"{what} {path} is {cut}: a write that stopped early (a full disk, a killed copy) left it. "
+                           "Pass another checkpoint (the run's best one, or an older copy).")
     if not is_torch_file(path):
         raise WeightsError(
             f"{what} {path} is not a checkpoint: torch.save did not write it ({_first_bytes(path)}). "

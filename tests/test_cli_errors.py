@@ -1,12 +1,14 @@
 """The typical mistakes on the command line each end in a few lines of stderr, exit status 2, naming the fix."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from lightning_app.cli import ClassifierCLI, main
 from tests.helpers import REPO
-from tests.helpers.cli import quick_args, train_checkpoint
+from tests.helpers.cli import quick_args, run_main, train_checkpoint
 
 
 def _fails(args: list[str], capsys) -> str:
@@ -125,3 +127,52 @@ def test_a_rendezvous_port_another_process_holds_is_named_not_taken_for_a_lost_p
     assert run.returncode == 2, run.stdout[-2000:] + err
     assert f"could not listen on its rendezvous 127.0.0.1:{port}" in err and "Set MASTER_PORT" in err, err
     assert "lost" not in err and "Traceback" not in err, err
+
+
+def test_an_empty_or_truncated_checkpoint_says_so(tiny_data, tmp_path, capsys):
+    # what a save stopped by a full disk or a killed copy leaves, not torch's "mmap can only be used with files
+    # saved with ..." or "failed finding central directory"
+    args = ["validate", *quick_args(tiny_data, tmp_path / "logs")]
+    empty, cut = tmp_path / "empty.ckpt", tmp_path / "cut.ckpt"
+    empty.write_bytes(b"")
+    torch.save({"state_dict": {"w": torch.zeros(4096)}}, cut)
+    cut.write_bytes(cut.read_bytes()[:5000])
+    err = _fails([*args, "--ckpt_path", str(empty)], capsys)
+    assert f"{empty} is empty (0 bytes)" in err and "mmap" not in err, err
+    err = _fails([*args, "--ckpt_path", str(cut)], capsys)
+    assert f"{cut} is truncated: 5,000 bytes" in err and "central directory" not in err, err
+    assert "is not a checkpoint" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [0, 3000], ids=["empty", "truncated"])
+def test_resuming_a_run_whose_last_ckpt_was_cut_short_names_its_size_and_its_best_checkpoint(size, tiny_data, tmp_path):
+    args = ["fit", *quick_args(tiny_data, tmp_path), "--data.image_size", "32"]
+    run_main(args)
+    last = tmp_path / "version_0" / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[:size])
+    proc = run_main([*args, "--ckpt_path", "last"], check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    said = "empty (0 bytes);" if size == 0 else "truncated: 3,000 bytes, without the zip directory"
+    assert f"ends with {last}, which is {said}" in proc.stderr and "its best checkpoint is" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "mmap" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("env", "said"), [
+    ({"SLURM_NTASKS": "4"}, "SLURM_NTASKS=4 without SLURM_NTASKS_PER_NODE (an `sbatch --ntasks 4` script"),
+    ({"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4"}, ("SLURM_NTASKS_PER_NODE=4 tasks per node, but "
+                                                         "--trainer.devices 1")),
+    ({"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "2"}, ("SLURM_NNODES=2 nodes, but "
+                                                                              "--trainer.num_nodes 1")),
+], ids=["ntasks-without-srun", "tasks-per-node", "nodes"])
+def test_contradictory_slurm_variables_are_one_paragraph(env, said, tiny_data, tmp_path, capsys, monkeypatch):
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    for key, value in {"SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "node1", "SLURM_PROCID": "0",
+                       "SLURM_LOCALID": "0", "SLURM_NODEID": "0", **env}.items():
+        monkeypatch.setenv(key, value)
+    err = _fails(["fit", *quick_args(tiny_data, tmp_path), "--trainer.devices", "1"], capsys)
+    assert err.startswith("SLURM's variables do not fit this run: ") and said in err, err
+    assert "Read: SLURM_JOB_NAME=train, SLURM_NTASKS=" in err and "scripts/slurm/train.sbatch" in err
+    assert not list(tmp_path.iterdir())

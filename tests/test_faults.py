@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.helpers.cli import quick_args, run_main
+from tests.helpers.event_files import scalars
 from tests.helpers.processes import running, start_nodes
 
 pytestmark = pytest.mark.timeout(600)
@@ -183,3 +184,22 @@ def test_a_launching_ranks_name_inherited_through_another_launcher_is_ignored_un
         assert run.returncode == 1 and f"(pid {pid}) has ended; this rank ends too" in run.stderr, run.stderr
     else:
         assert run.returncode == 0 and run.stdout.strip() == "on", run.stdout + run.stderr
+
+
+@pytest.mark.slow
+def test_tensorboard_shows_each_step_once_after_a_kill_and_a_resume(tiny_data, tmp_path):
+    # 7 steps per epoch, a step save every 3 steps; killed as step 12 starts, with steps up to 11 on disk in the
+    # events file. The resume goes on from step 9's checkpoint and logs steps 10 and 11 again: TensorBoard must show
+    # them once (the resumed run writes SessionLog START at step 9, lightning_app/runs/guard.py, as
+    # SummaryWriter(purge_step=9) would)
+    args = ["fit", *quick_args(tiny_data, tmp_path, epochs=2), "--data.image_size", "32",
+            "--trainer.log_every_n_steps", "1", "--checkpoint.every_n_train_steps", "3"]
+    killed = run_main([*args, "--trainer.callbacks+=tests.helpers.callbacks.FlushAndKillAt",
+                       "--trainer.callbacks.epoch=1", "--trainer.callbacks.batch=4"], check=False)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    run = tmp_path / "version_0"
+    assert max(step for step, _ in scalars(run, "train/loss")) == 10  # logged with Lightning's count, from 0
+    run_main([*args, "--ckpt_path", "last"])
+    steps = [step for step, _ in scalars(run, "train/loss")]
+    assert steps == sorted(set(steps)) and steps[-1] == 13, steps
+    assert [step for step, _ in scalars(run, "val/acc1")] == [6, 13]

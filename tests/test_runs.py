@@ -217,3 +217,69 @@ def test_a_lock_from_another_host_is_refused_unless_slurm_requeued_this_job(tmp_
     assert lock.took_over["host"] == "node-a"
     assert runs.RunLock(run).read()["slurm_restart_count"] == 1
     lock.release()
+
+
+def test_temp_files_of_dead_writers_on_this_host_are_removed_and_said_once(tmp_path):
+    from lightning_app.runs.leftovers import remove_dead_writers_files
+
+    run, host, dead = tmp_path / "version_0", os.uname().nodename, _dead_pid()
+    (run / runs.CHECKPOINTS).mkdir(parents=True)
+    gone = [run / runs.CHECKPOINTS / f".last.ckpt.{dead}@{host}.tmp",  # killed inside its save
+            run / runs.CHECKPOINTS / f".last.ckpt.{dead}.tmp",  # the name before the host was in it
+            run / f".run.json.{dead}@{host}.tmp"]
+    kept = [run / runs.CHECKPOINTS / f".last.ckpt.{os.getppid()}@{host}.tmp",  # a live writer
+            run / runs.CHECKPOINTS / f".last.ckpt.{dead}@elsewhere.tmp",  # another host: cannot be checked
+            run / runs.CHECKPOINTS / "last.ckpt"]
+    for path in gone + kept:
+        path.write_bytes(b"x" * 1000)
+    said = remove_dead_writers_files(run, previous_owner_host=host)
+    assert [p for p in gone + kept if p.exists()] == kept
+    assert said.startswith("removed 3 temp files of writes whose process ended before renaming them into place")
+    assert f".last.ckpt.{dead}@{host}.tmp (pid {dead})" in said
+    assert remove_dead_writers_files(run, previous_owner_host=host) is None  # said once
+    assert remove_dead_writers_files(run, previous_owner_host="elsewhere") is None
+
+
+@pytest.mark.slow
+def test_a_resume_removes_the_temp_checkpoints_its_killed_attempt_left(tiny_data, tmp_path):
+    args = ["fit", *quick_args(tiny_data, tmp_path, batch=16), "--trainer.num_sanity_val_steps", "0"]
+    run_main(args)
+    run, host, dead = tmp_path / "version_0", os.uname().nodename, _dead_pid()
+    last = run / runs.CHECKPOINTS / "last.ckpt"
+    complete = run / runs.CHECKPOINTS / f".last.ckpt.{dead}@{host}.tmp"  # a whole save, newer than last.ckpt
+    complete.write_bytes(last.read_bytes())
+    (run / runs.LOCK_NAME).write_text(f'{{"pid": {dead}, "host": "{host}"}}')  # its writer held the lock
+    proc = run_main([*args, "--ckpt_path", "last"])  # a finished run: resumed, it trains no further
+    assert not complete.exists()
+    assert proc.stdout.count("removed 1 temp file of writes whose process ended") == 1, proc.stdout[-3000:]
+    assert f"--ckpt_path last: resuming {last}" in proc.stdout
+
+
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_a_run_root_that_cannot_be_written_is_one_paragraph_and_exit_2(fault, tiny_data, tmp_path, capsys):
+    from tests.helpers.filesystems import fill, small_filesystem
+
+    with small_filesystem(tmp_path / "disk", read_only=fault == "read-only") as disk:
+        if fault == "full":
+            fill(disk)
+        root = disk / "logs"
+        if fault == "full":
+            root.mkdir()
+        with pytest.raises(SystemExit) as stop:
+            main(["fit", *quick_args(tiny_data, root, batch=16)])
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+        said = "it is on a read-only filesystem" if fault == "read-only" else "its filesystem is full ("
+        assert err.startswith(f"Cannot start the run under {root}: writing ") and said in err, err
+        assert "--trainer.default_root_dir DIR" in err
+        assert not list(root.glob("version_*"))  # nothing half-made
+
+
+def test_resume_or_fail_stops_a_fit_that_finds_no_run_to_resume(tiny_data, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", *quick_args(tiny_data, tmp_path, batch=16), "--ckpt_path", "last", "--resume_or_fail", "true"])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert err.startswith(f"--ckpt_path last: no run under {tmp_path} has this config's training settings. "
+                          "--resume_or_fail true: ") and "starting a fresh run" not in err, err
+    assert not list(tmp_path.iterdir())  # no fresh run

@@ -145,6 +145,20 @@ def test_the_pruner_stops_a_collapsing_trial_after_its_first_epoch(tiny_data, tm
 
 
 @pytest.mark.slow
+def test_a_diverged_trial_is_pruned_and_the_sweep_goes_on(tiny_data, tmp_path):
+    """lr 1e6: each trial's loss diverges and its fit exits 3 (lightning_app/callbacks/finite_loss.py). Each is
+    PRUNED, not FAIL: three failures in a row would stop the sweep, and a diverged lr is an outcome, not a fault."""
+    root, folder = tmp_path / "logs", tmp_path / "study"
+    space = space_file(tmp_path, **{"model.lr": "uniform 1e6 2e6"})
+    code, out = finish(start_sweep(space, 4, trial_flags(tiny_data, root), "--study", str(folder)), 400)
+    assert code == 0, out
+    assert states(load(folder)) == ["PRUNED"] * 4, out
+    assert out.count("diverged (a non-finite loss, exit status 3): pruned; the sweep goes on.") == 4, out
+    run_json = json.loads((root / "version_0" / "run.json").read_text())
+    assert run_json["sweep"]["state"] == "pruned" and run_json["sweep"]["diverged"] is True
+
+
+@pytest.mark.slow
 def test_resume_finishes_the_interrupted_trial_from_its_last_checkpoint(tiny_data, tmp_path):
     """Ctrl-C in a terminal (SIGINT to the sweep and its trial, one process group) stops the sweep; the trial saves
     last.ckpt and stays RUNNING. The same command with --resume finishes that trial (same number, same run folder)

@@ -11,7 +11,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from lightning_app.callbacks import stop_signals
+from lightning_app.callbacks import finite_loss, stop_signals
 
 
 class CheckpointOnSigterm(pl.Callback):
@@ -48,6 +48,11 @@ class CheckpointOnSigterm(pl.Callback):
         decision = stop_signals.install(trainer).decision
         stop_signals.last_decision, stop_signals.last_saved = decision, False
         if trainer.state.fn != TrainerFn.FITTING:
+            return
+        try:  # every rank together, as the save would be
+            finite_loss.refuse_non_finite(trainer)
+        except finite_loss.NonFiniteTraining as diverged:
+            finite_loss.last_stop = str(diverged)  # cli.main says it and exits EXIT_NON_FINITE; nothing is saved
             return
         if decision == stop_signals.REQUEUE:
             # one name for every rank: each would list the folder on its own (checkpoint_connector.hpc_save_path)
@@ -92,6 +97,10 @@ class ResumableCheckpoint(ModelCheckpoint):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._validated_since_top_k = False
+
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        finite_loss.refuse_non_finite(trainer)  # never a checkpoint of NaN weights: last.ckpt keeps the last finite
+        super()._save_checkpoint(trainer, filepath)
 
     def _monitor_candidates(self, trainer: pl.Trainer) -> dict[str, torch.Tensor]:
         candidates = super()._monitor_candidates(trainer)

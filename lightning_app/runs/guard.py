@@ -39,7 +39,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
             return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        write_atomically(path, lambda f: torch.save(checkpoint, f))
+        try:
+            write_atomically(path, lambda f: torch.save(checkpoint, f))
+        except Exception as error:  # torch's "unexpected pos N vs M", a full disk behind it: lightning_app/disk_full.py
+            from lightning_app.disk_full import DiskFull, checkpoint_bytes, no_space
+
+            if no_space(error) is None:
+                raise
+            raise DiskFull(str(path), checkpoint_bytes(checkpoint)) from error
 
 
 def use_atomic_checkpoints(trainer: pl.Trainer) -> None:

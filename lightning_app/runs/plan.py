@@ -16,9 +16,11 @@ from pathlib import Path
 from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_app.callbacks.predictions import FILENAME as RESULT_FILE
+from lightning_app.errors import UserError
 from lightning_app.runs import identity
-from lightning_app.runs.folders import RUN_PATTERN, new_run, new_subfolder
+from lightning_app.runs.folders import RUN_PATTERN, new_run, new_subfolder, run_root_writable
 from lightning_app.runs.guard import RunGuard
+from lightning_app.runs.leftovers import remove_dead_writers_files
 from lightning_app.runs.lock import RunLock
 from lightning_app.runs.ranks import is_launch_rank_zero
 from lightning_app.runs.resolve import resolve
@@ -39,9 +41,22 @@ class RunPlan:
     evaluation_folder: Path | None = None  # validate/test/predict's own <subcommand>_K, made by this process
 
 
-def plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict, signature: ModelSignature) -> RunPlan:
+def plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict, signature: ModelSignature,
+             resume_or_fail: bool = False) -> RunPlan:
+    with run_root_writable(root):  # a read-only, unwritable or full root: one paragraph, exit status 2
+        return _plan_run(subcommand, ckpt_path, root, training, signature, resume_or_fail)
+
+
+def _plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict,
+              signature: ModelSignature, resume_or_fail: bool) -> RunPlan:
     zero = is_launch_rank_zero()
     resolved = resolve(ckpt_path, root, training, subcommand)
+    if resume_or_fail and subcommand == "fit" and ckpt_path in ("last", "hpc") and resolved.run_dir is None:
+        found = resolved.message.removesuffix("; starting a fresh run.").rstrip(".")
+        raise UserError(f"{found}. --resume_or_fail true: a fit that finds no run to resume stops here instead of "
+                        "starting a fresh one from epoch 0. If the config changed on purpose, pass the checkpoint "
+                        "with --ckpt_path PATH/TO.ckpt, or leave out --resume_or_fail for a fresh run; if the runs "
+                        "are under another --trainer.default_root_dir, point it there.")
     if resolved.checkpoint and Path(resolved.checkpoint).is_file():
         check_compatible(resolved.checkpoint, signature)
     lines = [resolved.message] if resolved.message else []
@@ -73,8 +88,14 @@ def plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict,
     elif zero:
         plan.version, plan.run_dir = new_run(root)
         plan.made_here = True
-        plan.lock = _lock(plan.run_dir, lines)
-        record = identity.write_new_run(plan.run_dir, training)
+        try:
+            plan.lock = _lock(plan.run_dir, lines)
+            record = identity.write_new_run(plan.run_dir, training)
+        except OSError:  # a full disk: no half-made run folder is left for `--ckpt_path last` to find
+            if plan.lock is not None:
+                plan.lock.release()
+            shutil.rmtree(plan.run_dir, ignore_errors=True)
+            raise
     plan.guard = RunGuard(
         resolved.checkpoint,
         fingerprint(resolved.checkpoint) if resolved.checkpoint and os.path.isfile(resolved.checkpoint) else None,
@@ -97,6 +118,9 @@ def _lock(run_dir: Path, lines: list[str]) -> RunLock:
     lock = RunLock(run_dir).acquire()
     if lock.took_over is not None:
         lines.append(f"took over the lock of {run_dir} from {lock.took_over_because}.")
+    removed = remove_dead_writers_files(run_dir, (lock.took_over or {}).get("host"))
+    if removed:
+        lines.append(removed)
     return lock
 
 

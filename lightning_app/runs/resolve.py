@@ -18,6 +18,7 @@ from lightning_app.errors import UserError
 from lightning_app.runs import identity
 from lightning_app.runs.folders import CHECKPOINTS, HPC_GLOB, LAST, run_dirs, run_of_checkpoint
 from lightning_app.runs.signature import load_light
+from lightning_app.weights import damage
 
 
 @dataclass
@@ -168,7 +169,9 @@ def _checkpoint_of(kind: str, run_dir: Path, record: dict, why: str, subcommand:
     try:
         load_light(newest)
     except UserError as e:
-        raise UserError(f"{flag}: {why} ends with {newest}, which cannot be read ({str(e).split(': ', 1)[-1]}); "
+        cut = damage(newest)
+        said = f"which is {cut}" if cut else f"which cannot be read ({str(e).split(': ', 1)[-1]})"
+        raise UserError(f"{flag}: {why} ends with {newest}, {said}; "
                         f"{best_text}. Pass that with --ckpt_path PATH to go on from it, or leave out --ckpt_path for "
                         "a fresh run. No older run is resumed instead.") from None
     return Resolved(str(newest), run_dir, record, f"{flag}: resuming {newest} ({why})")

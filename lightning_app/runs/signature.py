@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_app.errors import UserError
+from lightning_app.weights import damage
 
 
 @dataclass
@@ -73,7 +74,7 @@ def load_light(path: str | os.PathLike) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(f"cannot read checkpoint {path}: {type(e).__name__}: {first}") from e
+        raise UserError(f"cannot read checkpoint {path}: {damage(path) or f'{type(e).__name__}: {first}'}") from e
 
 
 def fingerprint(path: str | os.PathLike) -> str:

@@ -1,7 +1,8 @@
 """The trial runner: each worker (a thread) asks the study for a trial and runs it as an ordinary
 `python main.py fit` in a process of its own, in its own run folder (ROOT/version_N), then tells the study how it
 ended: COMPLETE with the objective's last reported value, PRUNED when the trial's ReportToStudy stopped it
-(pruning.py), FAIL when its process failed or died (a SIGKILL included: the study never waits on it).
+(pruning.py) or when its loss diverged (exit status 3), FAIL when its process failed or died (a SIGKILL included:
+the study never waits on it).
 
 A subprocess per trial, not an in-process fit: a trial that crashes, leaks memory or is SIGKILLed takes nothing
 else with it, and each trial gets the CLI's whole start-up (seed, run folder, lock) exactly as a user's run.
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_app.callbacks.finite_loss import EXIT_NON_FINITE
 from lightning_app.errors import EXIT_USER_ERROR
 from lightning_app.runs.folders import CHECKPOINTS, HPC_GLOB, LAST
 from lightning_app.runs.identity import record_sweep_outcome
@@ -171,7 +173,15 @@ class Sweep:
             say(f"trial {number}: stopped (exit status {code}); `--resume` finishes it from its last.ckpt.")
             return
         with contextlib.suppress(Exception):  # already finished: another process failed it as stale
-            if ended and storage.PRUNED_AT in frozen.user_attrs:
+            if code == EXIT_NON_FINITE:
+                # diverged (lightning_app/callbacks/finite_loss.py): an outcome of its settings, not a failure to
+                # run, so PRUNED: it counts towards --trials, the sampler learns that its region is bad (optuna's
+                # samplers treat a pruned trial as one that stopped early), and it is not one of the failures in a
+                # row that stop the sweep
+                self.study.tell(number, state=TrialState.PRUNED)
+                self._mark_run(run_dir, "pruned", diverged=True, **ranks)
+                say(f"trial {number}: diverged (a non-finite loss, exit status {code}): pruned; the sweep goes on.")
+            elif ended and storage.PRUNED_AT in frozen.user_attrs:
                 self.study.tell(number, state=TrialState.PRUNED)
                 self._mark_run(run_dir, "pruned", pruned_at_epoch=frozen.user_attrs[storage.PRUNED_AT], **ranks)
                 say(f"trial {number}: pruned after epoch {frozen.user_attrs[storage.PRUNED_AT]}.")

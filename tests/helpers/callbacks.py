@@ -256,6 +256,36 @@ class SignalAt(pl.Callback):
                 os.kill(os.getpid(), getattr(signal, self.sig))
 
 
+class NanBatchAt(pl.Callback):
+    """Turns the images of training batch `batch` of `epoch` into NaN (after the normalisation on the device) on the
+    process with global rank `rank` (all if -1): that step's loss is NaN there, as a real divergence makes it."""
+
+    changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
+
+    def __init__(self, epoch: int, batch: int, rank: int = -1) -> None:
+        self.epoch, self.batch, self.rank = epoch, batch, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if (trainer.current_epoch, batch_idx) == (self.epoch, self.batch) and self.rank in (-1, trainer.global_rank):
+            batch[0].fill_(float("nan"))
+
+
+class FlushAndKillAt(pl.Callback):
+    """SIGKILLs this process when training batch `batch` of `epoch` starts, once its loggers have written everything
+    to disk (TensorBoard flushes every 120 s and at each save: what a long run has on disk when it is killed)."""
+
+    changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
+
+    def __init__(self, epoch: int, batch: int) -> None:
+        self.epoch, self.batch = epoch, batch
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if (trainer.current_epoch, batch_idx) == (self.epoch, self.batch):
+            for logger in trainer.loggers:
+                logger.save()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class KeepCheckpointAt(pl.Callback):
     """Copies last.ckpt to `path` as the step after `step` starts, i.e. as the step save of `step` left it (a
     checkpoint callback runs after every other callback, so at `step`'s own batch end it has not saved yet)."""

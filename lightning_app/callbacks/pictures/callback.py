@@ -24,6 +24,7 @@ import torch
 from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
 from lightning_app.callbacks.pictures.drawing import Drawer, confusion_picture, most_confused, titled_grid
 from lightning_app.callbacks.pictures.sinks import picture_sinks
+from lightning_app.disk_full import no_space
 from lightning_app.errors import UserError
 
 KINDS = ("confusion_matrix", "mistakes", "train_batch")
@@ -45,8 +46,10 @@ def to_every(sinks: list, method: str, *args) -> None:
     for sink in sinks:
         try:
             getattr(sink, method)(*args)
-        except Exception:
-            log.warning("a picture could not be written to %s", type(sink).__name__, exc_info=True)
+        except Exception as error:  # a full disk: one line here, the paragraph when the run stops (disk_full.py)
+            full = no_space(error)
+            log.warning("a picture could not be written to %s%s", type(sink).__name__,
+                        f": {full.strerror}" if full else "", exc_info=full is None)
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:
@@ -166,6 +169,12 @@ class TensorBoardPictures(pl.Callback):
         to_every(picture_sinks(trainer), "flush")
 
     def on_fit_end(self, trainer, pl_module) -> None:
+        self.drawer.wait()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        # a stopped run (a diverged loss, a stop signal) finalizes its loggers right after this hook
+        # (pytorch_lightning/trainer/call.py, _interrupt) and never calls teardown: a picture still being drawn
+        # would write into a closed TensorBoard writer
         self.drawer.wait()
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
