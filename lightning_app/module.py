@@ -19,7 +19,7 @@ from lightning_app.errors import UserError
 from lightning_app.log_steps import logs_this_step
 from lightning_app.lr_schedule import total_steps, warmup_cosine
 from lightning_app.settings import arch_problems
-from models import create_model, own_kwargs, torchvision_zoo
+from models import create_model, own_kwargs
 from models.recipes import Recipe, batch_scale, recipe
 
 MIN_PATCH_GRID = 4  # patches a side below which a ViT is said to see too few tokens (a 224-px ViT sees 14x14)
@@ -117,10 +117,8 @@ class ImageClassifier(pl.LightningModule):
 
     def _build_backbone(self, num_classes: int) -> None:
         h = self.hparams
-        kwargs = own_kwargs(h.arch, h.arch_kwargs)
-        if h.get("weights") and torchvision_zoo.takes_small_input_stem(h.arch):
-            kwargs.setdefault("small_input_stem", False)  # starting weights need the stem they were trained with
-        self.backbone = create_model(h.arch, num_classes=num_classes, image_size=h.image_size, **kwargs)
+        self.backbone = create_model(h.arch, num_classes=num_classes, image_size=h.image_size,
+                                     **own_kwargs(h.arch, h.arch_kwargs))
         grid = getattr(getattr(self.backbone, "patch_embed", None), "grid_size", None)  # timm's ViTs and kin
         if grid and min(grid) < MIN_PATCH_GRID:
             patch = h.image_size // grid[0]

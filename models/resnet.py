@@ -25,15 +25,9 @@ def resnet50(num_classes: int, image_size: int = 224, blurpool: bool = False) ->
     # larger learning rates / batch sizes (Goyal et al., 2017).
     model = tv_resnet50(weights=None, num_classes=num_classes, zero_init_residual=True)
     if image_size < SMALL_INPUT:
-        use_small_image_stem(model)
+        model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
+        model.maxpool = nn.Identity()
     if blurpool:
         apply_blurpool(model)
     return model
-
-
-def use_small_image_stem(model: nn.Module) -> None:
-    """A torchvision ResNet's 7x7/2 stem and 3x3/2 max-pool replaced by one 3x3 stride-1 conv (He et al. 2016's
-    CIFAR ResNets), initialised as torchvision initialises every conv (resnet.py, ResNet.__init__)."""
-    model.conv1 = nn.Conv2d(3, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
-    nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
-    model.maxpool = nn.Identity()

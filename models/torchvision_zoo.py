@@ -26,7 +26,7 @@ from torch import nn
 from torchvision.models import get_model_builder
 from torchvision.models import list_models as tv_list_models
 
-from models import conv11, registry, resnet, vgg  # noqa: F401  (registered first, so their names win)
+from models import conv11, resnet, vgg  # noqa: F401  (registered first, so their names win)
 from models.blurpool import apply_blurpool
 from models.registry import is_registered, register_model
 
@@ -48,41 +48,16 @@ def _builder_kwargs(name: str, image_size: int, kwargs: dict[str, Any]) -> dict[
         kwargs.setdefault("init_weights", True)
     if name.startswith("maxvit"):
         kwargs.setdefault("input_size", (image_size, image_size))
-    if is_resnet(name):
-        # each block's last BatchNorm starts at 0, so each block starts as the identity (Goyal et al. 2017, as
-        # models/resnet.py and timm's ResNets do): off in torchvision's builders, whose deep nets then diverge
-        # in the first steps at the recipe's rate on a small dataset (issue 54)
-        kwargs.setdefault("zero_init_residual", True)
-    kwargs.pop("small_input_stem", None)
     return kwargs
 
 
-def is_resnet(name: str) -> bool:
-    """torchvision's ResNet builders (resnet*, resnext*, wide_resnet*): models.resnet.ResNet."""
-    return name.startswith(("resnet", "resnext", "wide_resnet"))
-
-
-def takes_small_input_stem(arch: str) -> bool:
-    """Whether --model.arch is torchvision's ResNet builder registered here (our resnet50 has its own stem rule)."""
-    return is_resnet(arch) and arch in registry.list_models(origin="torchvision")
-
-
-def build(name: str, num_classes: int, image_size: int = 224, blurpool: bool = False,
-          small_input_stem: bool | None = None, **kwargs: Any) -> nn.Module:
+def build(name: str, num_classes: int, image_size: int = 224, blurpool: bool = False, **kwargs: Any) -> nn.Module:
     """torchvision's ``name``, random init, its classifier sized for ``num_classes``.
 
     ``blurpool``: blur before every strided conv with >= 16 input channels (models/blurpool.py); refused (ValueError)
     where the model has none (ViT, swin: their strided convs see the 3 RGB channels only).
-    ``small_input_stem`` (ResNets): a 3x3 stride-1 stem without max-pool (models/resnet.py), by default below 64 px,
-    where the 7x7/2 stem and the max-pool leave 8x8 of a 32-px image before the first block and 1x1 after the
-    last; false keeps torchvision's stem (ImageNet weights need it).
     """
-    if small_input_stem and not is_resnet(name):
-        raise ValueError(f"small_input_stem applies to torchvision's ResNets (resnet*, resnext*, wide_resnet*), not "
-                         f"{name}. Drop it from --model.arch_kwargs.")
     model = get_model_builder(name)(weights=None, num_classes=num_classes, **_builder_kwargs(name, image_size, kwargs))
-    if is_resnet(name) and (image_size < resnet.SMALL_INPUT if small_input_stem is None else small_input_stem):
-        resnet.use_small_image_stem(model)
     if blurpool and apply_blurpool(model) == 0:
         raise ValueError(f"blurpool does not apply to {name}: it has no strided convolution with 16 or more input "
                          "channels to blur. Drop blurpool from --model.arch_kwargs.")
