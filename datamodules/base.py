@@ -333,7 +333,7 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
             loader = trainer._data_connector._prepare_dataloader(loader, shuffle=train, mode=mode)
         if self.device.type != "cuda" and not self._said_cpu_decode:
             self._said_cpu_decode = True
-            rank_zero_warn(f"data.decode gpu: the training device is {self.device.type}, not CUDA, so the device "
+            rank_zero_warn(f"--data.decode gpu: the training device is {self.device.type}, not CUDA, so the device "
                            "decode runs on the CPU here, on one thread beside the step: slower than --data.decode cpu, "
                            "whose loader workers decode in parallel. Use --data.decode cpu on this machine.")
         decoder = self.device_decoders.get(split)

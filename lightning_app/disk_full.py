@@ -13,7 +13,7 @@ import glob
 import os
 import traceback
 
-from lightning_app.errors import UserError
+from lightning_app.errors import UserError, chain
 from lightning_app.runs.folders import free_bytes
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -21,17 +21,7 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 def no_space(error: BaseException | None) -> OSError | None:
     """The OSError "no space left" (or "disk quota exceeded") behind `error`, if any."""
-    seen: set[int] = set()
-    stack = [error]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in NO_SPACE:
-            return e
-        stack += [e.__context__, e.__cause__]
-    return None
+    return next((e for e in chain(error) if isinstance(e, OSError) and e.errno in NO_SPACE), None)
 
 
 class DiskFull(UserError):

@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import warnings
+from collections.abc import Iterator
 
 EXIT_USER_ERROR = 2
 TRACEBACK_ENV = "FIC_TRACEBACK"
@@ -36,6 +37,11 @@ def find_user_error(error: BaseException) -> BaseException | None:
     against any of the Union subtypes ...") chained `from` the original, and Lightning re-raises
     from its loops: walk __cause__ / __context__ to find it.
     """
+    return next((e for e in chain(error) if _is_user_error(e)), None)
+
+
+def chain(error: BaseException | None) -> Iterator[BaseException]:
+    """`error` and every exception behind it (__context__, __cause__), each once."""
     seen: set[int] = set()
     stack = [error]
     while stack:
@@ -43,10 +49,8 @@ def find_user_error(error: BaseException) -> BaseException | None:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if _is_user_error(e):
-            return e
+        yield e
         stack += [e.__context__, e.__cause__]
-    return None
 
 
 def paragraph(error: BaseException) -> str:

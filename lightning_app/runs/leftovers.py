@@ -20,18 +20,9 @@ import socket
 from pathlib import Path
 
 from lightning_app.runs.folders import CHECKPOINTS
+from lightning_app.runs.lock import alive
 
 TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.(?P<pid>\d+)(?:@(?P<host>[^/]+))?\.tmp$")
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
 
 
 def remove_dead_writers_files(run_dir: str | os.PathLike, previous_owner_host: str | None) -> str | None:
@@ -49,7 +40,7 @@ def remove_dead_writers_files(run_dir: str | os.PathLike, previous_owner_host: s
             if found is None:
                 continue
             pid, host = int(found["pid"]), found["host"] or previous_owner_host
-            if host != here or pid == os.getpid() or _running(pid):
+            if host != here or pid == os.getpid() or alive(pid):
                 continue
             try:
                 size += path.stat().st_size

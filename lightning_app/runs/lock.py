@@ -46,7 +46,8 @@ def _process_start(pid: int) -> str | None:
         return None
 
 
-def _alive(pid: int, start: str | None) -> bool:
+def alive(pid: int, start: str | None = None) -> bool:
+    """Whether process `pid` of this host is alive (and, given its start time, the same process)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -117,7 +118,7 @@ class RunLock:
             because = (f"attempt {owner.get('torchelastic_restart_count')} of the torchrun worker group "
                        f"{owner.get('torchelastic')}, which torchrun restarted")
         elif isinstance(pid, int) and host == socket.gethostname():
-            if _alive(pid, owner.get("pid_start")):
+            if alive(pid, owner.get("pid_start")):
                 raise UserError(
                     f"run folder {self.path.parent} is in use by process {pid} on {host} (started "
                     f"{owner.get('started', '?')}: {owner.get('command', '?')}). Wait for it to end or stop it, "
