@@ -283,17 +283,6 @@ class ImageClassifier(pl.LightningModule):
         clipping = trainer is not None and bool(trainer.gradient_clip_val)
         return self.device.type == "cuda" and not clipping
 
-    def on_train_start(self) -> None:
-        """An epoch shorter than --trainer.log_every_n_steps would log train/loss once in many epochs (Lightning
-        only warns: loops/fit_loop.py, setup_data; silenced in lightning_app/errors.py): log every epoch's last step
-        instead, and say so."""
-        trainer = self.trainer
-        steps, every = trainer.num_training_batches, trainer.log_every_n_steps
-        if trainer.loggers and isinstance(steps, int) and 0 < steps < every:
-            trainer.log_every_n_steps = steps
-            rank_zero_info(f"An epoch has {steps} training step{'s' if steps > 1 else ''}, fewer than "
-                           f"--trainer.log_every_n_steps {every}: train/loss is logged every {steps} instead.")
-
     # -- starting weights, fine-tuning, class names in the checkpoint -----------------------
     def setup(self, stage: str) -> None:
         datamodule = self.trainer.datamodule if self._trainer is not None else None
