@@ -18,11 +18,11 @@ from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 from pytorch_lightning.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
-from datamodules import forksafe
 from datamodules.budget.memory import DEFAULT_BUDGET_GIB, release_cached_pinned_memory
 from datamodules.budget.sizing import LoaderSizing
 from datamodules.errors import DataError
 from datamodules.index import Index, find_classes, load_indexes
+from datamodules.processes import forksafe
 from datamodules.processes.loader_workers import WorkerInit, end_stuck_workers_at_exit
 from datamodules.processes.start import DEFAULT_START, WorkerStart, check_start, start_server_early, worker_context
 from datamodules.resume import EpochSampler, ResumableLoader
