@@ -3,7 +3,8 @@
 A backend subclasses `ImageDataModule`, declares only its own init args (the rest pass through
 **kwargs; LightningCLI resolves them from this signature) and implements `make_dataset(split,
 index)`, usually as `self.sample_dataset(split, source, labels)`: the shared sample path of
-datamodules/sample/. DALI overrides the dataloader methods entirely.
+datamodules/sample/. DALI overrides the dataloader methods entirely. The loaders made of the datasets are
+datamodules/loaders.py's (`Loaders`); their workers and memory, datamodules/budget/sizing.py's (`LoaderSizing`).
 """
 from __future__ import annotations
 
@@ -14,24 +15,18 @@ from typing import Literal
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.trainer.states import RunningStage, TrainerFn
-from pytorch_lightning.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
-from datamodules import forksafe
 from datamodules.budget.memory import DEFAULT_BUDGET_GIB, release_cached_pinned_memory
 from datamodules.budget.sizing import LoaderSizing
 from datamodules.errors import DataError
 from datamodules.index import Index, find_classes, load_indexes
-from datamodules.processes.loader_workers import WorkerInit, end_stuck_workers_at_exit
-from datamodules.processes.start import DEFAULT_START, WorkerStart, check_start, start_server_early, worker_context
-from datamodules.resume import EpochSampler, ResumableLoader
+from datamodules.loaders import Loaders
+from datamodules.processes.loader_workers import WorkerInit
+from datamodules.processes.start import DEFAULT_START, WorkerStart, check_start
 from datamodules.sample.augment import make_train_augment
-from datamodules.sample.balance import WorkerDecodeShare, shared_overflow
-from datamodules.sample.batches import SampleLoader, built_batch
 from datamodules.sample.crop import Augment, TrainCrop, ValCrop
 from datamodules.sample.dataset import SampleDataset, Source
-from datamodules.sample.decode_stage import DecodeStage
 from datamodules.sample.device_decode import DeviceDecode
 from datamodules.sample.encoded import EncodedDataset
 from datamodules.sample.transforms import normalize
@@ -49,7 +44,7 @@ def resolve_data_dir(data_dir: str | os.PathLike | None, builtin: str) -> Path:
     return Path(ensure_builtin(builtin, root=BUILTIN_ROOT))
 
 
-class ImageDataModule(LoaderSizing, pl.LightningDataModule):
+class ImageDataModule(LoaderSizing, Loaders, pl.LightningDataModule):
     """Shared init args (docs/design.md, "Names that must not change without a note": the flags of main.py).
 
     Args:
@@ -265,84 +260,6 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         self.indexes = indexes
         self.datasets = {split: self.make_dataset(split, index) for split, index in indexes.items()}
 
-    def _loader(self, split: str, train: bool) -> DataLoader | DecodeStage:
-        plan = self.memory_plan(fit=True if train else None)
-        self._show_plan(plan)
-        sizing = plan.loader("train" if train else "val")
-        workers = sizing.workers
-        batch_size = self.per_process_batch_size
-        if train and len(self.datasets[split]) < batch_size * self.world_size:
-            raise DataError(
-                f"{split}/ of {self.root} has {len(self.datasets[split])} images, fewer than one global batch "
-                f"({self.batch_size}); lower --data.batch_size."
-            )
-        sampler = None
-        if train:
-            # The same shuffle whatever the layout: with seed s, epoch e's global batch k is the same
-            # images on 1 process, N processes or N nodes (each rank takes every N-th of them).
-            # Lightning calls set_epoch on it, and leaves a DistributedSampler alone under DDP. Its state, and the
-            # loader's, go into mid-epoch checkpoints (datamodules/resume.py).
-            trainer = self.trainer
-            sampler = EpochSampler(
-                self.datasets[split], num_replicas=self.world_size,
-                rank=trainer.global_rank if trainer is not None else 0, shuffle=True,
-                seed=int(os.environ.get("PL_GLOBAL_SEED", "0")), drop_last=True,
-            )
-        dataset = self.datasets[split]
-        if isinstance(dataset, SampleDataset):
-            dataset.decode_threads = max(1, self.cpus() // max(1, workers))
-            dataset.ring_slots = sizing.ring_slots
-        loader = ResumableLoader if train else SampleLoader if isinstance(dataset, SampleDataset) else DataLoader
-        end_stuck_workers_at_exit()
-        if workers > 0 and self.worker_start == "fork":  # a server or a new interpreter has no inherited locks
-            forksafe.warm_before_fork(dataset)
-        encoded = isinstance(dataset, EncodedDataset)
-        if encoded and dataset.overflow is None:
-            dataset.overflow = shared_overflow()  # before the workers start: they read it (balance.py)
-        made = loader(
-            dataset,
-            batch_size=batch_size,
-            collate_fn=built_batch if isinstance(dataset, SampleDataset) else None,
-            sampler=sampler,
-            drop_last=train,  # equal steps on every rank, no tiny last batch in BatchNorm
-            num_workers=workers,
-            pin_memory=self.pins_memory and not encoded,  # nvJPEG stages the bytes itself
-            persistent_workers=self.persistent_workers and workers > 0,
-            prefetch_factor=sizing.prefetch if workers > 0 else None,
-            worker_init_fn=WorkerInit(),
-            **self.loader_start(workers),
-        )
-        return self.on_device(made, split, train, dataset.source.describe, dataset.overflow) if encoded else made
-
-    def on_device(self, loader: DataLoader, split: str, train: bool, describe, overflow: torch.Tensor,
-                  ids: bool = False) -> DecodeStage:
-        """--data.decode gpu: `loader`'s EncodedBatches decoded on the training device, by a DecodeStage wrapping it
-        (datamodules/sample/decode_stage.py): the one place every backend's stage is made. `describe` names a
-        sample's file in an error; `overflow` is the workers' decode share (balance.py); `ids`: the sample ids go on
-        as the batch's third element (a streamed batch's, as on the CPU path).
-
-        Lightning adds its samplers only to a DataLoader, which the stage is not: the wrapped loader gets them here
-        from Lightning's own function (trainer/connectors/data_connector.py, `_prepare_dataloader`), as it would
-        without the stage: an evaluation loader's DistributedSampler under DDP, predict's index wrapper. A train
-        loader's EpochSampler (a DistributedSampler) and a LitData loader (an IterableDataset) keep their own.
-        """
-        trainer = self.trainer
-        if trainer is not None and isinstance(loader, DataLoader):
-            mode = (RunningStage.TRAINING if train else RunningStage.PREDICTING
-                    if trainer.state.fn == TrainerFn.PREDICTING else RunningStage.VALIDATING)
-            loader = trainer._data_connector._prepare_dataloader(loader, shuffle=train, mode=mode)
-        if self.device.type != "cuda" and not self._said_cpu_decode:
-            self._said_cpu_decode = True
-            rank_zero_warn(f"--data.decode gpu: the training device is {self.device.type}, not CUDA, so the device "
-                           "decode runs on the CPU here, on one thread beside the step: slower than --data.decode cpu, "
-                           "whose loader workers decode in parallel. Use --data.decode cpu on this machine.")
-        decoder = self.device_decoders.get(split)
-        if decoder is None or decoder.device != self.device:
-            decoder = self.device_decoders[split] = DeviceDecode(self.device, describe)
-        decoder.share = WorkerDecodeShare(overflow, getattr(loader, "num_workers", 0), self.cpu_decode_share)
-        decoder.pass_ids = ids
-        return DecodeStage(loader, decoder)
-
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", train=True)
 
@@ -367,25 +284,6 @@ class ImageDataModule(LoaderSizing, pl.LightningDataModule):
         return DataLoader(dataset, batch_size=self.per_process_batch_size, num_workers=workers,
                           pin_memory=self.pins_memory, worker_init_fn=WorkerInit(),
                           **self.loader_start(workers))
-
-    def start_worker_server(self) -> None:
-        """The fork server of --data.worker_start forkserver, started before the data is scanned (start.py)."""
-        if self.workers() > 0:
-            start_server_early(self.worker_start)
-
-    def loader_start(self, workers: int) -> dict:
-        """`multiprocessing_context=` for a loader with `workers` worker processes: --data.worker_start's context
-        (a loader without workers takes none; DataLoader refuses one)."""
-        if workers <= 0:
-            return {}
-        return {"multiprocessing_context": worker_context(self.worker_start)}
-
-    @property
-    def pins_memory(self) -> bool:
-        """Pin only when batches go to a CUDA device: pinning creates a CUDA context, even for a CPU run."""
-        trainer = self.trainer
-        on_cuda = trainer.strategy.root_device.type == "cuda" if trainer is not None else torch.cuda.is_available()
-        return self.pin_memory and on_cuda
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):  # uint8 from every backend but DALI `mixed`
         images, labels = batch[0], batch[1]

@@ -5,12 +5,11 @@ folders. Hidden files and folders and non-image files are never samples. Files t
 the cheap checks of `images.check_file` are listed in `bad_files`, not in `samples`.
 train/ is listed class by class (every loader shuffles it); val/ is interleaved by class, one sample of
 each class in turn, so any prefix of it (`--trainer.limit_val_batches`, a smoke test) holds every class.
-Scans are cached, keyed by the modification time of every folder the walk entered (nested ones
-included), so a second start on a large tree costs one stat per folder and no per-file work.
+Scans (datamodules/scan.py) are cached (datamodules/index_cache.py), keyed by the modification time of every
+folder the walk entered (nested ones included), so a second start on a large tree costs one stat per folder and no
+per-file work.
 
-At ImageNet scale the scan is I/O: one stat, two small reads per file, mostly waiting on the
-disk (or the network). It runs on SCAN_THREADS threads (the calls release the GIL), and only
-once per machine: DDP ranks starting together take a file lock beside the cache, the first
+A scan runs only once per machine: DDP ranks starting together take a file lock beside the cache, the first
 scans and writes the cache, the others wait and then read it. A progress bar shows on a
 terminal; elsewhere (cluster logs) a long scan prints one line when it is done.
 `python -m bench.scanbench` measures files/s on a generated tree with a cold cache.
@@ -18,29 +17,21 @@ terminal; elsewhere (cluster logs) a long scan prints one line when it is done.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
-import sys
-import tempfile
-import time
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from datamodules import index_cache
 from datamodules.errors import DataError
+from datamodules.index_cache import cache_key
 from datamodules.processes.locks import file_lock
-from datamodules.sample.images import check_file, is_image_name
+from datamodules.sample.images import check_file
+from datamodules.scan import SCAN_THREADS, scan_files
 
 SPLITS = ("train", "val")
-CACHE_VERSION = 4  # 4: val interleaved by class
-# Reads in flight: a local disk gains little past 4 and more threads contend for the GIL; 8 keeps a
-# deeper queue for network storage, whose latency threads hide (python -m bench.scanbench measures yours).
-SCAN_THREADS = 8
-SCAN_CHUNK = 256  # files per thread task: per-file futures would cost more than a cached stat
 
 LAYOUT_HELP = (
     "Expected an ImageFolder tree: ROOT/train/<class>/<image> and ROOT/val/<class>/<image>, "
@@ -249,8 +240,8 @@ def load_index(
     """The Index of one split, from the cache when the tree has not changed since."""
     root = os.path.abspath(root)
     classes = classes if classes is not None else find_classes(root)
-    key = _cache_key(root, split, classes, check)
-    cache_file = _cache_dir() / f"{hashlib.sha1(f'{root}:{split}'.encode()).hexdigest()}.json"
+    key = cache_key(root, split, classes, check)
+    cache_file = index_cache.cache_file(root, split)
     if not cache:
         return _checked(scan_split(root, split, classes, check), root, split)
     cached = _valid_cache(cache_file, key, root)
@@ -267,12 +258,15 @@ def load_index(
         split_dir = os.path.join(root, split)
         folders = {split_dir: os.stat(split_dir).st_mtime_ns}  # each folder is stat'ed before it is listed
         index = _checked(scan_split(root, split, classes, check, folders=folders), root, split)
-        _write_cache(cache_file, key, index, folders)
+        index_cache.write_cache(cache_file, key, index.as_dict(), folders)
         return index
 
 
 def _valid_cache(cache_file: Path, key: dict, root: str) -> Index | None:
-    cached = _read_cache(cache_file, key, root)
+    fields = index_cache.read_cache(cache_file, key, root)
+    cached = None if fields is None else Index(
+        fields["root"], fields["split"], fields["classes"], [tuple(s) for s in fields["samples"]],
+        [tuple(b) for b in fields["bad_files"]], fields["empty_classes"])
     # A bad file repaired in place does not change its folder's mtime: re-check those.
     if cached is not None and all(check_file(os.path.join(root, p)) for p, _ in cached.bad_files):
         return cached
@@ -299,112 +293,7 @@ def _class_folders(split_dir: Path) -> list[str]:
 
 def scan_split(root: str, split: str, classes: list[str], check: bool, threads: int = SCAN_THREADS,
                progress: bool | None = None, folders: dict[str, int] | None = None) -> Index:
-    """List every class folder, then check every file (head and tail), both on `threads` threads.
-    `folders` gets {folder: mtime_ns} of every folder entered (the cache's key)."""
-    t0 = time.perf_counter()
-    folders = {} if folders is None else folders
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="scan") as pool:
-        listings = list(pool.map(lambda name: sorted(_walk_images(os.path.join(root, split, name), folders)),
-                                 classes))
-        paths = [p for files in listings for p in files]
-        reasons: list[str | None] = [None] * len(paths)
-        if check:
-            with _progress(len(paths), f"index {split}/", progress) as bar:
-                def check_chunk(start: int) -> None:
-                    for k in range(start, min(start + SCAN_CHUNK, len(paths))):
-                        reasons[k] = check_file(paths[k])
-                    bar.update(min(SCAN_CHUNK, len(paths) - start))
-
-                list(pool.map(check_chunk, range(0, len(paths), SCAN_CHUNK)))
-    per_class: list[list[tuple[str, int]]] = []
-    bad, empty, k = [], [], 0
-    for label, (name, files) in enumerate(zip(classes, listings, strict=False)):
-        if not files:
-            empty.append(name)
-        kept = []
-        for path in files:
-            rel = os.path.relpath(path, root).replace(os.sep, "/")
-            if reasons[k]:
-                bad.append((rel, reasons[k]))
-            else:
-                kept.append((rel, label))
-            k += 1
-        per_class.append(kept)
-    samples = [s for kept in per_class for s in kept] if split == "train" else interleave(per_class)
-    seconds = time.perf_counter() - t0
-    if check and seconds > 5 and not _tty(progress):  # one line in a log instead of a bar
-        print(f"indexed {len(paths)} files of {os.path.join(root, split)} in {seconds:.0f} s "
-              f"({len(paths) / seconds:,.0f} files/s, {threads} threads)", file=sys.stderr)
+    """The Index of ROOT/split, scanned now (datamodules/scan.py). `folders` gets {folder: mtime_ns} of every folder
+    entered (the cache's key)."""
+    samples, bad, empty = scan_files(root, split, classes, check, threads, progress, folders)
     return Index(root, split, list(classes), samples, bad, empty)
-
-
-def interleave(per_class: list[list[tuple[str, int]]]) -> list[tuple[str, int]]:
-    """Round-robin over the classes: the first sample of each class, then the second of each, and so on."""
-    longest = max((len(kept) for kept in per_class), default=0)
-    return [kept[i] for i in range(longest) for kept in per_class if i < len(kept)]
-
-
-def _tty(progress: bool | None) -> bool:
-    return sys.stderr.isatty() if progress is None else progress
-
-
-def _progress(total: int, desc: str, progress: bool | None):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="file", disable=not _tty(progress) or total < 10_000,
-                mininterval=0.5, dynamic_ncols=True, leave=False)
-
-
-def _walk_images(folder: str, folders: dict[str, int]):
-    folders[folder] = os.stat(folder).st_mtime_ns  # before listing: a change made during the walk shows later
-    for entry in os.scandir(folder):
-        if entry.name.startswith("."):
-            continue
-        if entry.is_dir():
-            yield from _walk_images(entry.path, folders)
-        elif entry.is_file() and is_image_name(entry.name):
-            yield entry.path
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "fast-image-classifier" / "index"
-
-
-def _cache_key(root: str, split: str, classes: list[str], check: bool) -> dict:
-    # Adding, removing or renaming a file changes its folder's mtime, at any depth; editing a file in
-    # place does not, so a file corrupted in place is caught at decode time instead.
-    return {"version": CACHE_VERSION, "root": root, "split": split, "classes": classes, "check": check}
-
-
-def _read_cache(path: Path, key: dict, root: str) -> Index | None:
-    """The cached Index when the key matches and no folder of the walk changed: one stat per folder."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if data.get("key") != key or not data.get("folders"):
-        return None
-    for rel, mtime in data["folders"].items():
-        try:
-            if os.stat(os.path.join(root, rel)).st_mtime_ns != mtime:
-                return None
-        except OSError:
-            return None
-    idx = data["index"]
-    return Index(
-        idx["root"], idx["split"], idx["classes"],
-        [tuple(s) for s in idx["samples"]], [tuple(b) for b in idx["bad_files"]], idx["empty_classes"],
-    )
-
-
-def _write_cache(path: Path, key: dict, index: Index, folders: dict[str, int]) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        relative = {os.path.relpath(f, index.root): m for f, m in folders.items()}
-        with os.fdopen(fd, "w") as f:
-            json.dump({"key": key, "folders": relative, "index": index.as_dict()}, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # the cache is an optimisation only

@@ -16,15 +16,15 @@ from typing import Any
 
 from tqdm import tqdm
 
-from datamodules import forksafe
 from datamodules.errors import DataError
+from datamodules.processes import forksafe
 from datamodules.processes.exits import ignore_stop_signals
 
 
 def _mp_context() -> mp.context.BaseContext:
     # fork where it exists: the jobs touch only files, PIL and numpy, and spawn would
     # re-import the caller's __main__. The collector frozen across the fork, as for a forked loader worker
-    # (datamodules/forksafe.py): a child never finalises the parent's objects (their threads are not there).
+    # (datamodules/processes/forksafe.py): a child never finalises the parent's objects (their threads are not there).
     forksafe.install()
     return mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
 

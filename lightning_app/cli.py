@@ -8,22 +8,20 @@ of their checkpoint's run (ROOT/version_N/validate/), or ROOT/<subcommand>/ for 
 from __future__ import annotations
 
 import atexit
-import importlib
 import logging
 import os
 import shutil
 import sys
-import traceback
 from pathlib import Path
 
 from pytorch_lightning import LightningDataModule
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
-from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
+from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from lightning_app import disk_full, parse_errors, runs, trackers
-from lightning_app.callbacks import finite_loss, stop_signals
+from lightning_app.callbacks import finite_loss
 from lightning_app.callbacks.checkpoints import CheckpointOnSigterm, ResumableCheckpoint
 from lightning_app.callbacks.memory_probe import MemoryProbe
 from lightning_app.callbacks.progress import progress_callback
@@ -31,26 +29,16 @@ from lightning_app.callbacks.reseed import ReseedEveryEpoch
 from lightning_app.callbacks.saved_config import RedactedSaveConfigCallback
 from lightning_app.callbacks.throughput import TrainSpeedMonitor
 from lightning_app.cli_parser import ClassifierArgumentParser
-from lightning_app.data_checks import check_tree_holds_a_batch
-from lightning_app.devices import cpu_precision, hide_gpus_from_a_cpu_run, refuse_unusable_gpu
-from lightning_app.errors import (
-    EXIT_USER_ERROR,
-    find_user_error,
-    paragraph,
-    show_traceback,
-    silence_known_noise,
-)
+from lightning_app.ending import done_line, exit_for
+from lightning_app.errors import silence_known_noise
 from lightning_app.module import ImageClassifier
+from lightning_app.preflight import check_before_building
 from lightning_app.runs.flags_over_checkpoint import network_settings
 from lightning_app.runs.guard import use_atomic_checkpoints
 from lightning_app.runs.identity import training_settings
 from lightning_app.runs.plan import discard_evaluation_folder
-from lightning_app.runs.predict_data import check_predict_data, run_of
-from lightning_app.settings import check_settings, init_args, require_trained_weights
-from lightning_app.strategies import STRATEGY_HELP, ClusterDDPStrategy  # registers --trainer.strategy dp, ddp
+from lightning_app.strategies import STRATEGY_HELP  # registers --trainer.strategy dp, ddp
 from lightning_app.strategies.launched_ranks import die_with_the_launching_rank
-from lightning_app.strategies.peers import describe_distributed_failure, describe_taken_port
-from lightning_app.strategies.slurm_variables import check_slurm_variables
 from lightning_app.weights import refuse_plain_state_dict, safe_load
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -135,40 +123,11 @@ class ClassifierCLI(LightningCLI):
             model[key] = value
 
     def before_instantiate_classes(self) -> None:
-        model = self._get(self.config, "model")
-        check_settings(model, self._get(self.config, "data"), self._get(self.config, "trainer"))
-        if self.subcommand == "fit":  # a tree smaller than one batch: before the model and the banner
-            data = self._get(self.config, "data")
-            check_tree_holds_a_batch(getattr(data, "class_path", None), init_args(data))
-        # before any run folder is made: a missing tracker package is one paragraph and nothing on disk
-        self.tracker_names = trackers.chosen(self._get(self.config, "trackers", default=None),
-                                             (self._get(self.config, "trainer") or {}).get("logger"))
-        if self.subcommand not in (None, "fit"):
-            require_trained_weights(self.subcommand, self._get(self.config, "ckpt_path"), model.get("weights"))
-            # a checkpoint file, before its data is generated or read (`last` and `best` find only a run whose data
-            # settings are these: lightning_app/runs/resolve.py)
-            ckpt_path = self._get(self.config, "ckpt_path")
-            check_predict_data(self.subcommand, init_args(self._get(self.config, "data")), run_of(ckpt_path),
-                               ckpt_path)
-        if self.subcommand is not None:  # a GPU torch cannot use: never a quiet CPU run
-            trainer_settings = self._get(self.config, "trainer") or {}
-            check_slurm_variables(trainer_settings.get("devices"), trainer_settings.get("num_nodes"))
-            accelerator = (self._get(self.config, "trainer") or {}).get("accelerator", "auto")
-            refuse_unusable_gpu(accelerator)
-            hide_gpus_from_a_cpu_run(accelerator)
-            trainer_config = self._get(self.config, "trainer")
-            instead = cpu_precision(trainer_config.get("precision"), accelerator) if trainer_config else None
-            if instead:
-                rank_zero_info(f"--trainer.precision {trainer_config.get('precision')} on this CPU: it has no native "
-                               "bfloat16 (AVX512-BF16 or AMX), where bf16 autocast runs many times slower than "
-                               f"float32, so this run trains in {instead}; --trainer.precision bf16-mixed insists.")
-                trainer_config["precision"] = instead
-        # jsonargparse reports an error raised inside a strategy's __init__ as "Does not validate against any
-        # of the Union subtypes" chained to the str subtype's error, not ours: check our settings first
-        strategy = (self._get(self.config, "trainer") or {}).get("strategy")
-        strategy_class = resolve_class(getattr(strategy, "class_path", None))
-        if isinstance(strategy_class, type) and issubclass(strategy_class, ClusterDDPStrategy):
-            ClusterDDPStrategy.check_settings(**dict(strategy.get("init_args") or {}))
+        # every check that needs no model, data or run folder (lightning_app/preflight.py)
+        self.tracker_names = check_before_building(
+            self.subcommand, self._get(self.config, "model"), self._get(self.config, "data"),
+            self._get(self.config, "trainer"), self._get(self.config, "ckpt_path"),
+            self._get(self.config, "trackers", default=None))
 
     def instantiate_trainer(self, **kwargs):
         config = self._get(self.config, "trainer")
@@ -282,41 +241,8 @@ class ClassifierCLI(LightningCLI):
                 shutil.rmtree(plan.run_dir, ignore_errors=True)
 
     def after_fit(self) -> None:
-        trainer = self.trainer
-        if trainer.global_rank != 0:
-            return
-        best = trainer.checkpoint_callback.best_model_score if trainer.checkpoint_callback else None
-        monitor = next((c for c in trainer.callbacks if isinstance(c, TrainSpeedMonitor)), None)
-        img_s = monitor.summary.get("train_img_s") if monitor else None
-        # a sweep's ReportToStudy (lightning_app/sweep/pruning.py) that stopped this trial says after which epoch
-        pruned = next((c.pruned_at for c in trainer.callbacks if getattr(c, "pruned_at", None) is not None), None)
-        epochs = trainer.current_epoch
-        parts = [
-            f"best val/acc1 {float(best):.4f}" if best is not None else "best val/acc1 n/a",
-            f"{epochs} epoch{'' if epochs == 1 else 's'}" + (f" (pruned by the sweep after epoch {pruned})"
-                                                            if pruned is not None else ""),
-            f"{img_s:,.0f} images/s ({trainer.world_size} process{'es' if trainer.world_size > 1 else ''})"
-            if img_s else "images/s n/a",
-        ]
-        from datamodules.sample.decode_report import decode_line
-
-        decoding = decode_line(getattr(trainer.datamodule, "device_decoders", None) or {})
-        if decoding:
-            parts.append(decoding)
-        if trainer.checkpoint_callback and trainer.checkpoint_callback.best_model_path:
-            parts.append(f"best checkpoint {trainer.checkpoint_callback.best_model_path}")
-        if self._get(self.config, "trackers", default=None):  # the default line stays as it was: TensorBoard's
-            parts += trackers.describe(trainer.loggers)
-        rank_zero_info("Done: " + "; ".join(parts))
-
-
-def resolve_class(class_path: str | None) -> object | None:
-    """The object a config's `class_path` names (any import path to it), or None when it names none."""
-    module, _, name = (class_path or "").rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name) if module else None
-    except (ImportError, AttributeError):
-        return None
+        if self.trainer.global_rank == 0:
+            rank_zero_info(done_line(self.trainer, bool(self._get(self.config, "trackers", default=None))))
 
 
 def info_to_stdout() -> None:
@@ -339,35 +265,6 @@ def main(args=None) -> ClassifierCLI:
     die_with_the_launching_rank()
     try:
         return ClassifierCLI(args=args)
-    except SIGTERMException:  # a stop signal, saved by CheckpointOnSigterm
-        if finite_loss.last_stop:  # ... unless the weights were not finite
-            _say_diverged(finite_loss.last_stop)
-        raise SystemExit(stop_signals.exit_status()) from None
-    except finite_loss.NonFiniteTraining as diverged:
-        _say_diverged(str(diverged))
-    except Exception as error:
-        user_error = find_user_error(error)
-        if user_error is not None:
-            if show_traceback():
-                traceback.print_exc()
-            # once, from rank 0 (the other ranks exit quietly), or from each rank an error says it concerns
-            if rank_zero_only.rank == 0 or getattr(user_error, "every_rank", False):
-                print(paragraph(user_error), file=sys.stderr, flush=True)
-            raise SystemExit(EXIT_USER_ERROR) from None
-        taken = describe_taken_port(error)  # a setting (MASTER_PORT), not a lost peer
-        if taken is not None:
-            print(taken, file=sys.stderr, flush=True)
-            raise SystemExit(EXIT_USER_ERROR) from None
-        message = describe_distributed_failure(error, ClusterDDPStrategy.last_timeout_s, ClusterDDPStrategy.last_rank)
-        if message is None:
-            raise
-        print(message, file=sys.stderr, flush=True)
-        raise SystemExit(1) from error
-
-
-def _say_diverged(text: str) -> None:
-    """A diverged fit (lightning_app/callbacks/finite_loss.py): its paragraph once, from rank 0; every rank exits
-    with EXIT_NON_FINITE."""
-    if rank_zero_only.rank == 0:
-        print(text, file=sys.stderr, flush=True)
-    raise SystemExit(finite_loss.EXIT_NON_FINITE) from None
+    except (SIGTERMException, Exception) as error:  # not Ctrl-C
+        exit_for(error)  # a stop signal, a diverged fit, a user error, a lost peer: its paragraph and exit status
+        raise

@@ -1,7 +1,7 @@
 """What a fit's tree must hold, checked from the config before any class is built or any banner printed.
 
 The DataModule refuses a train split smaller than one global batch only when its first loader is made
-(datamodules/base.py, `_loader`): after the model, the Trainer's banner, the model table and the data line. Here
+(datamodules/loaders.py, `_loader`): after the model, the Trainer's banner, the model table and the data line. Here
 the train images are counted (only up to the batch: a large tree costs one listing of a few folders) straight
 from the config, so a small tree gets its paragraph, with a batch that fits, before anything else.
 """

@@ -1,4 +1,5 @@
-"""ImageClassifier: the one LightningModule. A backbone from `models`, SGD, warm-up + cosine."""
+"""ImageClassifier: the one LightningModule. A backbone from `models` (backbone.py), the family's optimiser
+recipe with warm-up + cosine (optimization.py), MixUp/CutMix on the device batch (inputs.py)."""
 from __future__ import annotations
 
 import pytorch_lightning as pl
@@ -6,24 +7,22 @@ import torch
 import torch.nn.functional as F
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics.classification import MulticlassAccuracy
-from torchvision.transforms import v2
 
-from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
-from lightning_app import timm_weights
+from lightning_app import optimization, timm_weights
 from lightning_app import weights as weights_lib
+from lightning_app.backbone import body_modules, build_backbone, compile_static, head_classes
 from lightning_app.callbacks.freeze import FreezeBackboneEpochs
 from lightning_app.callbacks.hparams import HparamsWithMetric
 from lightning_app.callbacks.pictures import picture_callbacks
 from lightning_app.callbacks.predictions import PredictionsCSV
 from lightning_app.errors import UserError
+from lightning_app.inputs import batch_mix, inference_settings
 from lightning_app.log_steps import logs_this_step
-from lightning_app.lr_schedule import total_steps, warmup_cosine
 from lightning_app.settings import arch_problems
-from models import create_model, own_kwargs
-from models.recipes import Recipe, batch_scale, recipe
+from models import own_kwargs
+from models.recipes import Recipe
 
-MIN_PATCH_GRID = 4  # patches a side below which a ViT is said to see too few tokens (a 224-px ViT sees 14x14)
-OPTIMIZER_NAMES = {"sgd": "SGD", "adamw": "AdamW"}  # as their papers and torch.optim spell them
+__all__ = ["ImageClassifier", "batch_mix", "compile_static", "inference_settings"]  # the names users import here
 
 
 class ImageClassifier(pl.LightningModule):
@@ -117,17 +116,7 @@ class ImageClassifier(pl.LightningModule):
 
     def _build_backbone(self, num_classes: int) -> None:
         h = self.hparams
-        self.backbone = create_model(h.arch, num_classes=num_classes, image_size=h.image_size,
-                                     **own_kwargs(h.arch, h.arch_kwargs))
-        grid = getattr(getattr(self.backbone, "patch_embed", None), "grid_size", None)  # timm's ViTs and kin
-        if grid and min(grid) < MIN_PATCH_GRID:
-            patch = h.image_size // grid[0]
-            rank_zero_warn(f"--model.arch {h.arch} at --data.image_size {h.image_size} cuts each image into "
-                           f"{grid[0]}x{grid[1]} patches of {patch} px: {grid[0] * grid[1]} tokens, too few for its "
-                           "attention to learn from. Pass --model.arch_kwargs '{patch_size: 4}' (for this arch: "
-                           f"{{{h.arch}: {{patch_size: 4}}}}) or a larger --data.image_size.")
-        if h.channels_last:
-            self.backbone = self.backbone.to(memory_format=torch.channels_last)
+        self.backbone = build_backbone(h, num_classes)
         top5 = min(5, num_classes)
         # validate_args=False: the check may count distinct values with torch.unique, a host sync per update
         # (torchmetrics/functional/classification/stat_scores.py, _multiclass_stat_scores_tensor_validation; in
@@ -200,88 +189,24 @@ class ImageClassifier(pl.LightningModule):
         images = batch[0] if isinstance(batch, (tuple, list)) else batch
         return self.eval_logits(images).float().softmax(dim=-1)
 
-    # -- optimisation ---------------------------------------------------------------------
+    # -- optimisation (lightning_app/optimization.py) ---------------------------------------
     @property
     def optim(self) -> tuple[str, float, float, Recipe | None]:
         """(optimizer, lr per 256 images, weight decay, the family recipe that filled what is unset, or None)."""
-        h = self.hparams
-        family = recipe(h.arch)
-        unset = h.get("optimizer") is None or h.lr is None or h.weight_decay is None
-        return (h.get("optimizer") or family.optimizer, family.lr if h.lr is None else h.lr,
-                family.weight_decay if h.weight_decay is None else h.weight_decay, family if unset else None)
+        return optimization.resolved(self.hparams)
 
     def recipe_line(self) -> str:
-        """`--model.arch A: SGD, lr ... from the recipe (its source); weight decay ... from best.yaml`: each value with
-        where it came from (the recipe where the config leaves it null, else `setting_sources`, which the CLI fills
-        with the config file or the command line that set it)."""
-        h = self.hparams
-        name, lr, weight_decay, family = self.optim
-        rate = family.said if h.lr is None and name == family.optimizer else f"lr {lr:g} per 256 images"
-        by_source: dict[str, list[str]] = {}
-        for key, words in (("optimizer", OPTIMIZER_NAMES.get(name, name)), ("lr", rate),
-                           ("weight_decay", f"weight decay {weight_decay:g}")):
-            where = (f"the recipe ({family.source}: models/recipes.py)" if h.get(key) is None
-                     else self.setting_sources.get(key, "the config"))
-            by_source.setdefault(where, []).append(words)
-        said = "; ".join(f"{', '.join(words)} from {where}" for where, words in by_source.items())
-        return (f"--model.arch {h.arch}: {said}. --model.optimizer, --model.lr and --model.weight_decay set "
-                "what the recipe gives.")
+        """Each of optimizer, lr and weight decay with where it came from (optimization.recipe_line)."""
+        return optimization.recipe_line(self.hparams, self.setting_sources)
 
     @property
     def scaled_lr(self) -> float:
-        """lr per 256 images scaled to the global batch: linearly for SGD, by the square root for AdamW
-        (models/recipes.py, batch_scale)."""
+        """lr per 256 images scaled to the global batch (times gradient accumulation)."""
         accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
-        name, lr = self.optim[:2]
-        return lr * batch_scale(name, self.hparams.global_batch_size * accumulate)
-
-    def param_groups(self) -> list[dict]:
-        """SGD groups: head first (its rate is the logged one), then the backbone at lr * backbone_lr_scale;
-        no weight decay on norms and biases. Parameters frozen for the first epochs are included
-        (they get no gradient, so SGD skips them) so the LR schedule covers them once trainable."""
-        heads = tuple(n + "." for n in weights_lib.head_names(self.backbone))
-        groups = []
-        for in_head in (True, False):
-            scale = 1.0 if in_head else self.hparams.get("backbone_lr_scale", 1.0)
-            decay, no_decay = [], []
-            for name, p in self.backbone.named_parameters():
-                if name.startswith(heads) == in_head:
-                    (no_decay if p.ndim <= 1 else decay).append(p)
-            for params, wd in ((decay, self.optim[2]), (no_decay, 0.0)):
-                if params:
-                    groups.append({"params": params, "weight_decay": wd, "lr": self.scaled_lr * scale})
-        others = [p for n, p in self.named_parameters() if not n.startswith("backbone.") and p.requires_grad]
-        if others:
-            groups.append({"params": others, "weight_decay": 0.0, "lr": self.scaled_lr})
-        return groups
+        return optimization.scaled_lr(self.hparams, accumulate)
 
     def configure_optimizers(self):
-        name, _, _, family = self.optim
-        if family is not None:
-            rank_zero_info(self.recipe_line())
-        if name == "adamw":
-            optimizer = torch.optim.AdamW(self.param_groups(), lr=self.scaled_lr, fused=self.fused_step())
-        else:
-            optimizer = torch.optim.SGD(
-                self.param_groups(),
-                lr=self.scaled_lr,
-                momentum=self.hparams.momentum,
-                nesterov=self.hparams.nesterov,
-                fused=self.fused_step(),
-            )
-        total = total_steps(self.trainer)  # not estimated_stepping_batches: lightning_app/lr_schedule.py says why
-        epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 1
-        warmup = min(total - 1, int(self.hparams.warmup_epochs * total / epochs))
-        self.warmup_steps = warmup  # PowerSGD never starts before it (ClusterDDPStrategy.powersgd_start_iter)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, total))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
-
-    def fused_step(self) -> bool:
-        """SGD's fused kernel on CUDA: one kernel per step, and under 16-mixed no host sync; gradient clipping
-        keeps the plain kernel (docs/design.md, "No host sync per step")."""
-        trainer = self._trainer
-        clipping = trainer is not None and bool(trainer.gradient_clip_val)
-        return self.device.type == "cuda" and not clipping
+        return optimization.optimizer_and_schedule(self, self.scaled_lr)
 
     # -- starting weights, fine-tuning, class names in the checkpoint -----------------------
     def setup(self, stage: str) -> None:
@@ -315,13 +240,8 @@ class ImageClassifier(pl.LightningModule):
         return report
 
     def backbone_body_modules(self) -> list[torch.nn.Module]:
-        """What fine-tuning freezes, for any arch: every module holding parameters (or a leaf) except the head that
-        weights_lib.head_names finds (the last nn.Linear; a timm model's own classifier, two for distilled ones) and
-        their children. Modules holding parameters of their own besides children count too (ViT's class_token and
-        pos_embedding, swin's position-bias tables)."""
-        heads = weights_lib.head_names(self.backbone)
-        return [m for n, m in self.backbone.named_modules() if (m._parameters or not list(m.children()))
-                and n not in heads and not n.startswith(tuple(h + "." for h in heads))]
+        """What fine-tuning freezes: every module but the head (backbone.body_modules)."""
+        return body_modules(self.backbone)
 
     def configure_callbacks(self) -> list[pl.Callback]:
         """What this model's settings ask for: fine-tuning, TensorBoard pictures, predictions.csv, the HPARAMS tab."""
@@ -371,43 +291,4 @@ class ImageClassifier(pl.LightningModule):
                         f"with --data.predict_dir, which the checkpoint's names label.")
 
     def backbone_num_classes(self) -> int:
-        head = dict(self.backbone.named_modules())[weights_lib.head_name(self.backbone)]
-        # squeezenet's head (and some of timm's) is a Conv2d; timm's NormLinear and kin have out_features too
-        return head.out_features if hasattr(head, "out_features") else head.out_channels
-
-
-def inference_settings(datamodule) -> dict:
-    """What export needs to feed the model as validation did: input size, resize, mean/std (0..1 units)."""
-    size = getattr(datamodule, "val_image_size", None)
-    if not size:
-        return {}
-    ratio = float(getattr(datamodule, "val_crop_ratio", 1.0) or 1.0)
-    return {"image_size": int(size), "resize": round(size / ratio), "mean": list(IMAGENET_MEAN),
-            "std": list(IMAGENET_STD)}
-def compile_static(backbone: torch.nn.Module, trainer: pl.Trainer | None) -> None:
-    """torch.compile the backbone in place (checkpoint keys do not gain "_orig_mod.") with static shapes: one graph
-    per input shape (each train size, the val size and its last partial batch, in train and eval mode), the
-    recompile limit raised to hold them, every recompile logged by rank 0 (docs/design.md, "compile")."""
-    import torch._dynamo
-
-    sizes = getattr(getattr(trainer, "datamodule", None), "scheduled_train_sizes", None) or [None]
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * (len(sizes) + 2) + 4)
-    if trainer is None or trainer.global_rank == 0:
-        torch._logging.set_logs(recompiles=True)
-    backbone.compile(dynamic=False)
-
-
-def batch_mix(num_classes: int, mixup_alpha: float, cutmix_alpha: float,
-              switch_prob: float = 0.5) -> v2.Transform | None:
-    """MixUp, CutMix, or a random choice between them per batch (as torchvision's reference recipe); None when off."""
-    if mixup_alpha < 0 or cutmix_alpha < 0 or not 0 <= switch_prob <= 1:
-        raise UserError(f"model.mixup_alpha and model.cutmix_alpha must be >= 0 and model.mix_switch_prob in [0, 1], "
-                         f"got {mixup_alpha}, {cutmix_alpha}, {switch_prob}.")
-    mixes = []
-    if mixup_alpha > 0:
-        mixes.append((v2.MixUp(alpha=mixup_alpha, num_classes=num_classes), 1 - switch_prob))
-    if cutmix_alpha > 0:
-        mixes.append((v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes), switch_prob))
-    if len(mixes) < 2:
-        return mixes[0][0] if mixes else None
-    return v2.RandomChoice([m for m, _ in mixes], p=[p for _, p in mixes])
+        return head_classes(self.backbone)

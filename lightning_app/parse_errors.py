@@ -226,7 +226,7 @@ def source(key: str, args: Sequence[str], files: Sequence[Path]) -> str:
 def model_sources(args: Sequence[str] | None, default_config: Path,
                   keys: Iterable[str] = ("optimizer", "lr", "weight_decay")) -> dict[str, str]:
     """{'lr': 'the command line' or the config file that set --model.lr, ...}: for the start-up line that says
-    where each of the optimiser's values came from (lightning_app/module.py, recipe_line)."""
+    where each of the optimiser's values came from (lightning_app/optimization.py, recipe_line)."""
     args = [a for a in args or () if isinstance(a, str)]
     files = config_files(args, (default_config,))
     return {key: source(f"model.{key}", args, files).removeprefix("on ").removeprefix("in ") for key in keys}

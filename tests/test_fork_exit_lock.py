@@ -1,6 +1,6 @@
 """A DataLoader worker forked while a thread of the training process holds glibc's `__exit_funcs_lock` must
-still deliver its batches: under --data.worker_start fork it must never call `__cxa_atexit` (datamodules/forksafe.py,
-`warm_before_fork`); under forkserver it is never forked from the training process.
+still deliver its batches: under --data.worker_start fork it must never call `__cxa_atexit`
+(datamodules/processes/forksafe.py, `warm_before_fork`); under forkserver it is never forked from the training process.
 
 A helper thread of the child script keeps the lock held almost all the time: glibc's `__cxa_finalize` walks
 every registered exit handler under the lock (stdlib/cxa_finalize.c), and half a million handlers of a dummy

@@ -2,9 +2,9 @@
 the default start method (forkserver, datamodules/processes/start.py) on Python 3.10 and 3.11.
 
 There a child forked from the training process while a thread holds the lock waits on it for ever inside
-`os.fork()` (`PyOS_AfterFork_Child`, Modules/posixmodule.c; datamodules/forksafe.py). The child script takes the lock
-itself and leaves its release to a thread that never holds the GIL, as torch's gloo threads do while they make a
-thread state: a POSIX timer's SIGEV_THREAD calls `PyThread_release_lock` one second later. Its loaders, made with
+`os.fork()` (`PyOS_AfterFork_Child`, Modules/posixmodule.c; datamodules/processes/forksafe.py). The child script takes
+the lock itself and leaves its release to a thread that never holds the GIL, as torch's gloo threads do while they make
+a thread state: a POSIX timer's SIGEV_THREAD calls `PyThread_release_lock` one second later. Its loaders, made with
 --data.worker_start unset, start their workers within that second. Under forkserver no worker is forked from this
 process (the server is started by fork + exec in C, and forks the workers from its own single thread), so they
 deliver; a loader that fell back to forking from this process hangs its workers (the test then fails at 60 s).

@@ -1,5 +1,6 @@
 """A DataLoader forked after a DALI pipeline was dropped (--data.worker_start fork): the worker must not finalise the
-pipeline (datamodules/forksafe.py). Before the fix the worker died of SIGSEGV in DALI's Executor2::Shutdown."""
+pipeline (datamodules/processes/forksafe.py). Before the fix the worker died of SIGSEGV in DALI's
+Executor2::Shutdown."""
 from __future__ import annotations
 
 import gc

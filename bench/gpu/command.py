@@ -35,15 +35,9 @@ from typing import Any
 import torch
 
 from bench.cli import AddCommon, BenchError, Subparsers
-from bench.gpu import checks as gc
-from bench.gpu import ema as gema
-from bench.gpu import engines as ge
-from bench.gpu import input as gi
-from bench.gpu import parallel as gp
-from bench.gpu import powersgd as gpsgd
-from bench.gpu import trace as gt
-from bench.gpu import trace_ab as gtab
-from bench.gpu.checks import Check, Workload
+from bench.gpu import ema, engines, parallel, powersgd, trace, trace_ab
+from bench.gpu import input as input_group  # not `input`: the builtin
+from bench.gpu.checks import Check, Workload, compute_ceiling, precision_steps, speed_flags
 from bench.gpu.data import NO_CUDA, backend_rows, batches_needed, dali_rows
 from bench.gpu.trainer import DATA_WARMUP, DECODE_NAMES, NAMES, trainer_rows
 
@@ -175,34 +169,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     ceiling = None
     if "ceiling" in groups:
-        checks += guarded("compute ceiling", "compute ceiling", lambda: [gc.compute_ceiling(w)])
+        checks += guarded("compute ceiling", "compute ceiling", lambda: [compute_ceiling(w)])
         ceiling = checks[-1].images_s
     else:
         skipped("compute ceiling", ["compute ceiling"], "not selected (--groups)")
     # one tree for every data group, large enough for the longest window (the input group's: whole rounds of workers)
     batches = max([batches_needed(w)] * bool(groups & {"backends", "dali", "trainer"})
-                  + [gi.batches_needed(w, gi.worker_counts(cuda))] * ("input" in groups)
+                  + [input_group.batches_needed(w, input_group.worker_counts(cuda))] * ("input" in groups)
                   + [max(w.warmup, DATA_WARMUP) + max(w.steps, 20)] * bool(groups & {"trace", "engines"}),
                   default=0)
     root = _root(args, w, batches) if batches else None
     # the GPU decode's measures first: a run stopped at its time limit loses the trainer rows' tail, not these
     jpeg_alone = None
     if "engines" in groups:  # on a CPU too: the CPU decode's calls, and why there is no engine count
-        checks += guarded(ge.GROUP, ge.NAMES[0], lambda: ge.engine_rows(root, w))
-        jpeg_alone = next((c.extra["ms_per_batch"] for c in checks if c.group == ge.GROUP and c.name == ge.NAMES[1]
-                           and c.status == "ok"), None)
+        checks += guarded(engines.GROUP, engines.NAMES[0], lambda: engines.engine_rows(root, w))
+        jpeg_alone = next((c.extra["ms_per_batch"] for c in checks
+                           if c.group == engines.GROUP and c.name == engines.NAMES[1] and c.status == "ok"), None)
     else:
-        skipped(ge.GROUP, ge.NAMES, "not selected (--groups)")
+        skipped(engines.GROUP, engines.NAMES, "not selected (--groups)")
     if "trace" in groups:  # on a CPU too: the same fit on the decode's CPU path, its ranges without CUDA calls
-        checks += guarded(gt.GROUP, gt.NAME, lambda: gt.trace_rows(w, root, args.num_workers, Path(args.out),
-                                                                   jpeg_alone))
-        checks += guarded(gt.GROUP, "A/B", lambda: gtab.ab_rows(gt.trace_window(w), root, args.num_workers))
+        checks += guarded(trace.GROUP, trace.NAME, lambda: trace.trace_rows(w, root, args.num_workers, Path(args.out),
+                                                                            jpeg_alone))
+        checks += guarded(trace.GROUP, "A/B", lambda: trace_ab.ab_rows(trace.trace_window(w), root, args.num_workers))
     else:
-        skipped(gt.GROUP, [gt.NAME], "not selected (--groups)")
+        skipped(trace.GROUP, [trace.NAME], "not selected (--groups)")
     if "ema" in groups:  # on a CPU too: both fits run, no sync to count
-        checks += guarded(gema.GROUP, gema.NAMES[1], lambda: gema.ema_rows(w))
+        checks += guarded(ema.GROUP, ema.NAMES[1], lambda: ema.ema_rows(w))
     else:
-        skipped(gema.GROUP, gema.NAMES, "not selected (--groups)")
+        skipped(ema.GROUP, ema.NAMES, "not selected (--groups)")
     names = DECODE_NAMES if args.data_rows == "decode" else NAMES
     if "trainer" not in groups:
         skipped("trainer", names, "not selected (--groups)")
@@ -223,22 +217,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         skipped("backend", ["backends"], "not selected (--groups)")
     if "input" in groups:
-        checks += guarded(gi.GROUP, "input", lambda: gi.input_rows(w, root))
-        best = gi.best_workers(checks)  # the same attribution with the GPU decoding, at the CPU path's best count
-        checks += guarded(gi.GROUP, "input", lambda: gi.input_rows(w, root, [best] if best else None,
-                                                                   {"decode": "gpu"}, "decode gpu: "))
+        checks += guarded(input_group.GROUP, "input", lambda: input_group.input_rows(w, root))
+        # the same attribution with the GPU decoding, at the CPU path's best count
+        best = input_group.best_workers(checks)
+        checks += guarded(input_group.GROUP, "input",
+                          lambda: input_group.input_rows(w, root, [best] if best else None, {"decode": "gpu"},
+                                                         "decode gpu: "))
     else:
-        skipped(gi.GROUP, ["input"], "not selected (--groups)")
+        skipped(input_group.GROUP, ["input"], "not selected (--groups)")
     if "dali" in groups:
         checks += guarded("DALI mixed", "DALI mixed", lambda: dali_rows(args, w, root))
     else:
         skipped("DALI mixed", ["DALI mixed"], "not selected (--groups)")
-    for group, names, fn in (("precision", ["32-true", "16-mixed", "bf16-mixed"], gc.precision_steps),
-                             ("flags", ["plain (AMP)", "channels_last", "cudnn.benchmark", "compile"], gc.speed_flags),
-                             ("dp", ["dp"], lambda w: [gp.dp_check(w)]),
-                             ("ddp", ["NCCL DDP"], lambda w: [gp.ddp_check(w)]),
-                             ("powersgd", [name for name, _, _ in gpsgd.cases()], gpsgd.powersgd_rows)):
-        label = {"flags": "speed flag", "ddp": "DDP", "powersgd": gpsgd.GROUP}.get(group, group)
+    for group, names, fn in (("precision", ["32-true", "16-mixed", "bf16-mixed"], precision_steps),
+                             ("flags", ["plain (AMP)", "channels_last", "cudnn.benchmark", "compile"], speed_flags),
+                             ("dp", ["dp"], lambda w: [parallel.dp_check(w)]),
+                             ("ddp", ["NCCL DDP"], lambda w: [parallel.ddp_check(w)]),
+                             ("powersgd", [name for name, _, _ in powersgd.cases()], powersgd.powersgd_rows)):
+        label = {"flags": "speed flag", "ddp": "DDP", "powersgd": powersgd.GROUP}.get(group, group)
         if group not in groups:
             skipped(label, names, "not selected (--groups)")
         elif not cuda:

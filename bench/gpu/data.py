@@ -19,8 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.gpu import checks as gc
-from bench.gpu.checks import Check, Workload
+from bench.gpu.checks import Check, TrainStep, Workload, cudnn_flags, fastest_precision, make_model, sync
 from bench.loaders.backends import BACKENDS, FACTORIES, LABELS
 from bench.loaders.prepared import Settings, Skip
 from bench.loaders.timing import close, prepare, shutdown, to_device
@@ -50,11 +49,11 @@ def timed_stream(batches: Iterator, step, w: Workload) -> tuple[int, float]:
     """(images, seconds) of `w.steps` batches through `step(batch) -> images`, after `w.warmup` untimed."""
     for _ in range(w.warmup):
         step(next(batches))
-    gc.sync(w.device)
+    sync(w.device)
     t0, images = time.perf_counter(), 0
     for _ in range(w.steps):
         images += step(next(batches))
-    gc.sync(w.device)
+    sync(w.device)
     return images, time.perf_counter() - t0
 
 
@@ -65,9 +64,8 @@ def train_through(dm, w: Workload) -> float:
     loader = dm.train_dataloader()
     prepare(loader)
     try:
-        with gc.cudnn_flags(benchmark=device.type == "cuda"):
-            train = gc.TrainStep(gc.make_model(w, num_classes=dm.num_classes), gc.fastest_precision(w),
-                                 channels_last=True)
+        with cudnn_flags(benchmark=device.type == "cuda"):
+            train = TrainStep(make_model(w, num_classes=dm.num_classes), fastest_precision(w), channels_last=True)
 
             def step(batch) -> int:
                 x, y = dm.on_after_batch_transfer(to_device(batch, device), 0)

@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from bench.gpu import checks as gc
-from bench.gpu.checks import Check, Workload
+from bench.gpu.checks import Check, TrainStep, Workload, cudnn_flags, fastest_precision, make_model, rate, sync
 from bench.gpu.data import stream, timed_stream
 from bench.loaders.timing import close, prepare, shutdown, to_device
 from datamodules.budget.cpus import cpus_per_process
@@ -176,12 +175,12 @@ def loader_alone(root: Path, w: Workload, workers: int, pin: bool = True,
         batches = stream(loader)
         for _ in range(warmup):
             dm.on_after_batch_transfer(to_device(next(batches), device), 0)
-        gc.sync(w.device)
+        sync(w.device)
         stats = [Path(f"/proc/{p.pid}/stat") for p in getattr(getattr(loader, "_iterator", None), "_workers", [])]
         t0, cpu0, busy0, threads0 = time.perf_counter(), time.process_time(), _cpu_seconds(stats), _threads()
         images = sum(int(dm.on_after_batch_transfer(to_device(next(batches), device), 0)[0].shape[0])
                      for _ in range(steps))
-        gc.sync(w.device)
+        sync(w.device)
         seconds, cpu, busy1 = time.perf_counter() - t0, time.process_time() - cpu0, _cpu_seconds(stats)
         threads = [s - threads0.get(tid, 0.0) for tid, s in _threads().items()]
     busy = (busy1 - busy0) / seconds if busy0 is not None and busy1 is not None else None
@@ -195,8 +194,8 @@ def end_to_end(root: Path, w: Workload, workers: int, dm_kwargs: dict[str, Any] 
     device = torch.device(w.device)
     last: list[torch.Tensor] = []
     with _loader(root, w, workers, True, dm_kwargs) as (dm, loader, (warmup, steps), _), \
-            gc.cudnn_flags(benchmark=device.type == "cuda"):
-        train = gc.TrainStep(gc.make_model(w, num_classes=dm.num_classes), gc.fastest_precision(w), channels_last=True)
+            cudnn_flags(benchmark=device.type == "cuda"):
+        train = TrainStep(make_model(w, num_classes=dm.num_classes), fastest_precision(w), channels_last=True)
 
         def step(batch) -> int:
             last[:] = dm.on_after_batch_transfer(to_device(batch, device), 0)
@@ -204,7 +203,7 @@ def end_to_end(root: Path, w: Workload, workers: int, dm_kwargs: dict[str, Any] 
             return int(last[0].shape[0])
 
         images, seconds = timed_stream(stream(loader), step, replace(w, warmup=warmup, steps=steps))
-        alone, _ = gc.rate(lambda: train(*last), int(last[0].shape[0]), w.warmup, w.steps, w.device)
+        alone, _ = rate(lambda: train(*last), int(last[0].shape[0]), w.warmup, w.steps, w.device)
     return images / max(seconds, 1e-9), alone
 
 
@@ -307,7 +306,7 @@ def input_rows(w: Workload, root: Path, counts: list[int] | None = None, dm_kwar
     rows[-1].verdict = ("" if cuda else "no CUDA: nothing is pinned either way; ") + rows[-1].verdict
     e2e, alone = end_to_end(root, w, n, dm_kwargs)
     rows += [Check(GROUP, f"{label}end-to-end, {_workers(n)}", "ok", f"the ceiling's step ({w.arch}, "
-                   f"{gc.fastest_precision(w)}, channels_last) fed by the loader, the same window ({best.warmup} + "
+                   f"{fastest_precision(w)}, channels_last) fed by the loader, the same window ({best.warmup} + "
                    f"{best.steps} batches)", e2e, f"{e2e:,.0f} img/s, {e2e / best.images_s:.0%} of the loader alone"),
              Check(GROUP, f"{label}step alone", "ok", "the same step, model and precision on its last real batch, "
                    f"already on the device: {w.warmup} + {w.steps} steps", alone, f"{alone:,.0f} img/s"),

@@ -59,8 +59,8 @@ def _mp_context() -> mp.context.BaseContext:
     # fork where it exists: spawn would re-import the caller's __main__, which hangs or fails
     # in scripts without a main guard. The workers touch only numpy and PIL, so forking a
     # parent that runs threads or CUDA (as DataLoader workers do) is fine; the collector is frozen across the
-    # fork all the same (datamodules/forksafe.py; imported here: it imports torch, which the tool needs not).
-    from datamodules import forksafe
+    # fork all the same (datamodules/processes/forksafe.py; imported here: it imports torch, which the tool needs not).
+    from datamodules.processes import forksafe
 
     forksafe.install()
     return mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")

@@ -14,7 +14,7 @@ watches, and which fork hazards apply. So the loaders of `datamodules/` take `mu
   environment is the training process's as of the server's start (the data's setup; `WorkerInit` gives each worker
   the environment of its loader's making).
 - fork: workers are forked from the training process itself (copy-on-write, no pickling, the fastest start),
-  with the hazards datamodules/forksafe.py names; on Python 3.10/3.11 a thread holding CPython's runtime lock
+  with the hazards datamodules/processes/forksafe.py names; on Python 3.10/3.11 a thread holding CPython's runtime lock
   at the fork hangs the worker (warned once at start-up).
 - spawn: a fresh interpreter per worker: the slowest start, every import paid by each worker.
 
@@ -86,7 +86,7 @@ def worker_context(name: str) -> BaseContext:
             os.register_at_fork(after_in_child=_forget_the_parents_server)
             _forgets_in_children = True
     elif name == "fork":
-        from datamodules import forksafe
+        from datamodules.processes import forksafe
 
         forksafe.install()  # the collector frozen across the training process's forks (forksafe.py)
         warn_fork_hazard()

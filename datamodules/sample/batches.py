@@ -104,7 +104,7 @@ def new_batch(n: int, size: int, pin: bool = False, slots: int = RING_SLOTS) -> 
 
 def warm_ring(sample: torch.Tensor) -> None:
     """The tensor operations a worker's `new_batch` and its copy of `sample` into the batch run, here, on a
-    one-sample shared buffer freed on return (why a training process runs them: datamodules/forksafe.py)."""
+    one-sample shared buffer freed on return (why a training process runs them: datamodules/processes/forksafe.py)."""
     shape, stride, nbytes = batch_layout(1, sample.shape[-1])
     storage = torch.UntypedStorage._new_shared(ring_buffer_bytes(1, sample.shape[-1]))
     header = _header(storage, nbytes)

@@ -195,7 +195,7 @@ class SampleDataset(Dataset):
         """Decode, crop and batch a small synthetic JPEG in this process, as a worker does a batch of this dataset.
 
         Reads nothing from the source and starts no thread (a training process runs it before its loader
-        forks, datamodules/forksafe.py). Both decoders; seeds 0-3 give crops with and without a flip; two
+        forks, datamodules/processes/forksafe.py). Both decoders; seeds 0-3 give crops with and without a flip; two
         sizes, down- and upsampling. An `augment` runs only the operations these seeds draw.
         """
         jpeg = _tiny_jpeg()

@@ -28,7 +28,7 @@ python_*_functions.cpp, `static PythonArgParser parser`), every operator's handl
 makes them here, before the loader forks, so a worker finds them made.
 
 Both matter only where a worker is forked from the training process: `--data.worker_start fork`
-(datamodules/processes/start.py); `_loader` (datamodules/base.py) warms up only then. Under the default,
+(datamodules/processes/start.py); `_loader` (datamodules/loaders.py) warms up only then. Under the default,
 forkserver, a worker is forked from the fork server, which has no thread of the training process, no
 DALI pipeline and no held lock; the server itself is started by fork + exec in C (`_posixsubprocess`,
 no Python runs in that child). The collector is still frozen across every fork of this process (two
