@@ -303,6 +303,9 @@ class ClassifierCLI(LightningCLI):
         decoding = decode_line(getattr(trainer.datamodule, "device_decoders", None) or {})
         if decoding:
             parts.append(decoding)
+        counts = getattr(getattr(trainer.datamodule, "datasets", {}).get("train"), "decode_counts", None)
+        if counts is not None and counts.line():  # region decode (datamodules/sample/region.py)
+            parts.append(counts.line())
         if trainer.checkpoint_callback and trainer.checkpoint_callback.best_model_path:
             parts.append(f"best checkpoint {trainer.checkpoint_callback.best_model_path}")
         if self._get(self.config, "trackers", default=None):  # the default line stays as it was: TensorBoard's
