@@ -120,7 +120,8 @@ def test_a_file_nvimgcodec_refuses_takes_the_full_decode_which_names_the_error(t
 
 
 def test_without_nvimgcodec_every_file_decodes_whole_and_the_line_says_how_to_install_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(region, "nvimgcodec", None)
+    monkeypatch.setattr(region, "nvimgcodec", None)  # as `available()` leaves it where the import fails
+    monkeypatch.setattr(region, "_looked", True)
     (tmp_path / "a.jpg").write_bytes(photo(40, 40, "RGB", 2))
     made = SampleDataset(FileSource([str(tmp_path / "a.jpg")], "fix"), [0], TrainCrop(), 16)
     made.sample(0, 16, random.Random(0))

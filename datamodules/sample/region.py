@@ -40,17 +40,22 @@ from datamodules.sample.decode import JpegFrame, decode, jpeg_frame
 _REGION_SOF = (0xC0, 0xC1)  # baseline and extended sequential Huffman
 PIP_LINE = "pip install nvidia-nvimgcodec-cu13"  # -cu12 beside a CUDA 12 torch (DALI's requirements bring it)
 
-# A file it refuses (a truncated JPEG) takes the full decode, which decodes it or names the error, and is counted:
-# its own error and warning on stderr for each such file would only repeat that (read when the module loads).
-os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
-try:
-    from nvidia import nvimgcodec
-except ImportError:  # optional: every file takes the full decode (said once at the end of a run)
-    nvimgcodec = None
+nvimgcodec: Any = None  # the module, once `available()` has imported it (0.2 s, so not before a train crop needs it)
+_looked = False
 
 
 def available() -> bool:
-    """Whether nvImageCodec is installed here (then the region path is on)."""
+    """Whether nvImageCodec is installed here (then the region path is on); imports it on the first call."""
+    global nvimgcodec, _looked
+    if not _looked:
+        # A file it refuses (a truncated JPEG) takes the full decode, which decodes it or names the error, and is
+        # counted: its own error and warning on stderr for each such file would only repeat that (read on import).
+        os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
+        try:
+            from nvidia import nvimgcodec as module
+        except ImportError:  # optional: every file takes the full decode (said once at the end of a run)
+            module = None
+        nvimgcodec, _looked = module, True
     return nvimgcodec is not None
 
 
@@ -138,7 +143,7 @@ class RegionCounts:
         region, whole = (int(v) for v in self.table.sum(0))
         if region + whole == 0:
             return None
-        if nvimgcodec is None:
+        if not available():
             return (f"region decode off: nvImageCodec is not installed ({PIP_LINE}), so all {whole:,} train "
                     "images were decoded whole (docs/data.md, \"Region decode\")")
         return (f"region decode: {region:,} train images, {whole:,} decoded whole (progressive, CMYK, "
@@ -160,7 +165,7 @@ def decode_box(data: bytes | bytearray | memoryview | torch.Tensor, crop: TrainC
                rng: random.Random) -> Box | None:
     """The crop plan `crop.plan` draws from `rng` for `data`, and the pixels it needs; None, with `rng` untouched,
     when this file takes the full decode and its crop (`region_takes`, or no nvImageCodec)."""
-    if nvimgcodec is None:
+    if not available():
         return None
     frame = jpeg_frame(data if not isinstance(data, torch.Tensor) else memoryview(data.numpy()))
     if not region_takes(frame):
