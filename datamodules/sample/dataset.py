@@ -169,7 +169,7 @@ class SampleDataset(Dataset):
             box = None
             if self.decode_counts is not None:  # a TrainCrop: the box first, then only its region (region.py)
                 box = decode_box(data, self.crop, size, rng) if self.region_decode else None
-                self.decode_counts.count(box is not None and box.by_region)
+                self.decode_counts.count(i, box is not None and box.by_region)
             image = decode(data) if box is None else box.pixels
         except Exception as e:
             raise DataError(self.source.describe(i, e)) from e

@@ -109,34 +109,34 @@ def decode_region(data: bytes | bytearray | memoryview | torch.Tensor, region: t
 
 
 class RegionCounts:
-    """Images decoded by region and whole, per process that decoded them, in shared memory: a loader worker
-    adds its own row, and the training process reads the sum at the end of the run (`line`)."""
+    """Train images decoded by region and whole, per process that decoded them, in shared memory: a loader worker
+    adds its own row after each batch, and the training process reads the sum at the end of the run (`line`).
+
+    Counted per sample index, so a sample built twice (the idle helper's, built again by the worker that did
+    not wait for it: dataset.py) counts once."""
 
     ROWS = 512  # the training process and its loader workers (worker k writes row k + 1, modulo)
 
     def __init__(self) -> None:
         self.table = torch.zeros((self.ROWS, 2), dtype=torch.int64).share_memory_()
-        self._lock = threading.Lock()
-        self._pending = [0, 0]
+        self._pending: dict[int, bool] = {}
 
-    def count(self, region: bool) -> None:
-        """One image (from any sample thread); `flush` adds them to this process's row."""
-        with self._lock:
-            self._pending[0 if region else 1] += 1
+    def count(self, i: int, region: bool) -> None:
+        """Sample i, by region or whole (from any sample thread: one dict store); `flush` adds them to a row."""
+        self._pending[i] = region
 
     def flush(self, row: int) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, [0, 0]
-        if pending != [0, 0]:
-            self.table[row % self.ROWS] += torch.tensor(pending)
+        pending, self._pending = self._pending, {}
+        if pending:
+            by_region = sum(pending.values())
+            self.table[row % self.ROWS] += torch.tensor([by_region, len(pending) - by_region])
 
     def __getstate__(self) -> dict:
-        return {"table": self.table}  # a lock does not pickle (spawned workers); each process starts its own
+        return {"table": self.table}  # the shared table; what a process has not flushed yet stays its own
 
     def __setstate__(self, state: dict) -> None:
         self.table = state["table"]
-        self._lock = threading.Lock()
-        self._pending = [0, 0]
+        self._pending = {}
 
     def line(self) -> str | None:
         """The end-of-run words, or None when no image was counted."""
