@@ -113,7 +113,8 @@ class RegionCounts:
     adds its own row after each batch, and the training process reads the sum at the end of the run (`line`).
 
     Counted per sample index, so a sample built twice (the idle helper's, built again by the worker that did
-    not wait for it: dataset.py) counts once."""
+    not wait for it: dataset.py) counts once in its batch; if the helper finishes it after the batch has left,
+    it counts once more with the next batch (rare, and only what the end-of-run line says)."""
 
     ROWS = 512  # the training process and its loader workers (worker k writes row k + 1, modulo)
 
