@@ -56,6 +56,7 @@ class Loaders:
         if isinstance(dataset, SampleDataset):
             dataset.decode_threads = max(1, self.cpus() // max(1, workers))
             dataset.ring_slots = sizing.ring_slots
+            dataset.region_decode = getattr(self, "region_decode", True)  # False: bench loaders' whole-decode rows
         loader = ResumableLoader if train else SampleLoader if isinstance(dataset, SampleDataset) else DataLoader
         end_stuck_workers_at_exit()
         if workers > 0 and self.worker_start == "fork":  # a server or a new interpreter has no inherited locks

@@ -37,6 +37,9 @@ def done_line(trainer: pl.Trainer, with_trackers: bool) -> str:
     decoding = decode_line(getattr(trainer.datamodule, "device_decoders", None) or {})
     if decoding:
         parts.append(decoding)
+    counts = getattr(getattr(trainer.datamodule, "datasets", {}).get("train"), "decode_counts", None)
+    if counts is not None and counts.line():  # region decode (datamodules/sample/region.py)
+        parts.append(counts.line())
     if trainer.checkpoint_callback and trainer.checkpoint_callback.best_model_path:
         parts.append(f"best checkpoint {trainer.checkpoint_callback.best_model_path}")
     if with_trackers:  # the default line stays as it was: TensorBoard's

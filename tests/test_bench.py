@@ -16,6 +16,7 @@ from bench.loaders.backends import BACKENDS
 from bench.loaders.report import classify
 from bench.train.rows import RowSpec, row_specs, skip_reason
 from datamodules.builtin.tree import generate
+from datamodules.sample import region
 from netsim import link as netlink
 from tests.helpers import REPO
 from tests.helpers.imports import circles, import_graph
@@ -130,7 +131,8 @@ def test_bench_modules_import_no_circle_and_no_private_name():
 
 def test_loaders_end_to_end(tmp_path, photo_data, capsys):
     out = tmp_path / "out"
-    rc = main(["loaders", "--data-dir", str(photo_data), "--backends", "imagefolder,dali-gpu", "--batch-size", "4",
+    rc = main(["loaders", "--data-dir", str(photo_data), "--backends", "imagefolder,imagefolder-whole,dali-gpu",
+               "--batch-size", "4",
                "--num-workers", "0", "--work-dir", str(tmp_path / "work"), "--out", str(out),
                "--note", "test run"])
     assert rc == 0
@@ -144,6 +146,14 @@ def test_loaders_end_to_end(tmp_path, photo_data, capsys):
         assert r["images_s"] > 0 and r["mb_s"] > 0
         assert r["bottleneck"] in ("IO", "CPU decode", "around decoding")
         assert r["decode_frac"] > 0 and r["pil_frac"] >= r["decode_frac"]  # the fastest decoder's ceiling
+    # the row beside it decodes every image whole (region decode: datamodules/sample/region.py)
+    assert rows[("ImageFolder, whole decode", "warm")]["status"] == "ok"
+    assert "whole decode (region decode off)" in rows[("ImageFolder, whole decode", "warm")]["note"]
+    on = "region decode" if region.available() else "nvImageCodec not installed"
+    assert on in rows[("ImageFolder", "warm")]["note"]
+    by_region, whole = rows[("ImageFolder", "warm")]["extra"]["region_whole"]
+    assert (by_region > 0 and whole == 0) if region.available() else by_region == 0
+    assert rows[("ImageFolder, whole decode", "warm")]["extra"]["region_whole"][0] == 0
     assert rows[("ImageFolder", "cold")]["io_frac"] > 0
     assert rows[("ImageFolder", "warm")]["io_frac"] is None
     assert data["ceilings"]["io"]["tree"]["mb_s"] > 0 and all(

@@ -19,8 +19,10 @@ from bench.loaders.prepared import Prepared, Settings, Skip, datamodule_kwargs
 from bench.loaders.streaming import streaming_local, streaming_s3
 from datamodules.base import BUILTIN_ROOT, REPO_ROOT
 
-BACKENDS = ("imagefolder", "lmdb", "downscaled", "dali-cpu", "dali-gpu", "streaming-local", "streaming-s3")
-LABELS = {"imagefolder": "ImageFolder", "lmdb": "LMDB", "downscaled": "Downscaled",
+BACKENDS = ("imagefolder", "imagefolder-whole", "lmdb", "lmdb-whole", "downscaled", "dali-cpu", "dali-gpu",
+            "streaming-local", "streaming-s3")
+LABELS = {"imagefolder": "ImageFolder", "imagefolder-whole": "ImageFolder, whole decode", "lmdb": "LMDB",
+          "lmdb-whole": "LMDB, whole decode", "downscaled": "Downscaled",
           "dali-cpu": "DALI CPU", "dali-gpu": "DALI GPU (mixed)", "streaming-local": "Streaming (folder)",
           "streaming-s3": "Streaming (S3)"}
 
@@ -136,9 +138,29 @@ def _dali(s: Settings, gpu: bool) -> Prepared:
     return Prepared(dm, files, _mean_size(files), "tree", "original", gpu_decode=gpu, note=note)
 
 
+def _region_note(p: Prepared) -> Prepared:
+    """The row's region decode (datamodules/sample/region.py) in its note: on, or off for want of nvImageCodec."""
+    from datamodules.sample import region
+
+    on = region.available() and p.datamodule.decode == "cpu"
+    words = "region decode" if on else "whole decode (nvImageCodec not installed)" if p.datamodule.decode == "cpu" \
+        else ""
+    p.note = "; ".join(w for w in (p.note, words) if w)
+    return p
+
+
+def _whole(p: Prepared) -> Prepared:
+    """The same backend with every image decoded whole: the row beside its region-decode row."""
+    p.datamodule.region_decode = False
+    p.note = "; ".join(w for w in (p.note, "whole decode (region decode off)") if w)
+    return p
+
+
 FACTORIES: dict[str, Callable[[Settings], Prepared]] = {
-    "imagefolder": _imagefolder,
-    "lmdb": _lmdb,
+    "imagefolder": lambda s: _region_note(_imagefolder(s)),
+    "imagefolder-whole": lambda s: _whole(_imagefolder(s)),
+    "lmdb": lambda s: _region_note(_lmdb(s)),
+    "lmdb-whole": lambda s: _whole(_lmdb(s)),
     "downscaled": _downscaled,
     "dali-cpu": lambda s: _dali(s, gpu=False),
     "dali-gpu": lambda s: _dali(s, gpu=True),

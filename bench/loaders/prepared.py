@@ -21,6 +21,7 @@ class Settings:
     batch_size: int = 64
     num_workers: int = 2
     image_size: int = 224
+    min_scale: float = 0.25  # the train crop's smallest area (the DataModule's default; ImageNet recipes: 0.08)
     downscale_size: int = 160
     warm_epochs: int = 2
     rounds: int = 3
@@ -55,7 +56,7 @@ def datamodule_kwargs(cls: type, s: Settings, **extra: Any) -> dict[str, Any]:
     """The init args every backend shares (datamodules/base.py) plus whichever of ``extra`` the class accepts."""
     params = inspect.signature(cls.__init__).parameters
     kw = {"data_dir": str(s.root), "batch_size": s.batch_size, "num_workers": s.num_workers,
-          "image_size": s.image_size, "decode": s.decode}
+          "image_size": s.image_size, "min_scale": s.min_scale, "decode": s.decode}
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     kw.update({k: v for k, v in extra.items() if k in params or takes_any})
     return {k: v for k, v in kw.items() if k in params or takes_any}

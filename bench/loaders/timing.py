@@ -186,6 +186,12 @@ def measure(settings: Settings, backends: list[str], measure_ceilings: bool = Tr
                 p.close()
 
 
+def _region_whole(dm: Any) -> list[int] | None:
+    """Train images decoded by region and whole over the whole run (datamodules/sample/region.py), if counted."""
+    counts = getattr((getattr(dm, "datasets", None) or {}).get("train"), "decode_counts", None)
+    return counts.table.sum(0).tolist() if counts is not None else None
+
+
 def _measure(settings: Settings, backends: list[str], measure_ceilings: bool, ceiling_images: int,
              opened: list[Prepared]) -> dict[str, Any]:
     """Time every backend in ``BACKENDS`` (those not in ``backends`` become 'not selected' rows).
@@ -252,7 +258,8 @@ def _measure(settings: Settings, backends: list[str], measure_ceilings: bool, ce
             rows.append(Row(label, cache, images=images, seconds=seconds, images_s=ips,
                             mb_s=ips * p.image_bytes / 1e6, note=p.note,
                             extra={"storage": p.storage, "images_key": p.images, "gpu_decode": p.gpu_decode,
-                                   "rounds_images_s": [round(r[2], 1) for r in rounds]}))
+                                   "rounds_images_s": [round(r[2], 1) for r in rounds],
+                                   "region_whole": _region_whole(p.datamodule)}))
 
     # ceilings: io[storage] (cold reads); decode[images][decoder][cache] (all cores, every decoder, cold and warm)
     ceil: dict[str, dict] = {"io": {}, "decode": {}}

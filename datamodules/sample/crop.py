@@ -90,7 +90,14 @@ class TrainCrop:
         return CropPlan(top, left, h, w, size, size, 0, 0, rng.random() < 0.5)
 
     def __call__(self, image: torch.Tensor, size: int, rng: random.Random) -> torch.Tensor:
-        top, left, h, w, *_, flip = self.plan(image.shape[-2], image.shape[-1], size, rng)
+        return self.cut(image, self.plan(image.shape[-2], image.shape[-1], size, rng), rng)
+
+    def cut(self, image: torch.Tensor, plan: CropPlan, rng: random.Random, origin: tuple[int, int] = (0, 0)
+            ) -> torch.Tensor:
+        """The sample of `plan` (drawn from `rng`, which the augment draws from next) out of `image`: the whole
+        image, or a region of it whose top-left pixel is the image's `origin` (region decode: sample/region.py)."""
+        top, left, h, w, size, _, _, _, flip = plan
+        top, left = top - origin[0], left - origin[1]
         crop = image[:, top:top + h, left:left + w]
         # Flipping commutes with the resize (its sampling grid is symmetric), so flip whichever of the
         # crop and the output has fewer pixels: for ImageNet-size images at 224 px that is the output

@@ -37,7 +37,9 @@ from torch.utils.data import Dataset, get_worker_info
 from datamodules.errors import DataError
 from datamodules.index import Index, IndexPaths
 from datamodules.sample.batches import RING_SLOTS, RingBatch, fill_batch, new_batch, warm_ring
+from datamodules.sample.crop import TrainCrop
 from datamodules.sample.decode import decode, pil_decode
+from datamodules.sample.region import RegionCounts, decode_box
 
 SAMPLE_THREADS = 4  # per process: enough reads in flight to hide a local disk's latency on a cold cache
 Encoded = bytes | bytearray | memoryview | torch.Tensor
@@ -141,12 +143,14 @@ class SampleDataset(Dataset):
 
     decode_threads = SAMPLE_THREADS
     ring_slots = RING_SLOTS
+    region_decode = True  # a TrainCrop's JPEGs decode only the box's region (region.py); False: always whole
 
     def __init__(self, source: Source, labels: Sequence[int], crop: Callable, size: int | torch.Tensor) -> None:
         self.source = source
         self.labels = torch.as_tensor(list(labels), dtype=torch.int64)
         self.crop = crop
         self._size = size
+        self.decode_counts = RegionCounts() if isinstance(crop, TrainCrop) else None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -157,13 +161,21 @@ class SampleDataset(Dataset):
     def sample(self, i: int, size: int, rng: random.Random | None = None,
                data: Encoded | Exception | None = None) -> torch.Tensor:
         """Sample i as a uint8 CHW tensor of size x size; `data`: its bytes (or read error) if already read."""
+        rng = rng or random.Random(int(torch.randint(2**62, ())))
         try:
             if isinstance(data, Exception):
                 raise data
-            image = decode(self.source.read(i) if data is None else data)
+            data = self.source.read(i) if data is None else data
+            box = None
+            if self.decode_counts is not None:  # a TrainCrop: the box first, then only its region (region.py)
+                box = decode_box(data, self.crop, size, rng) if self.region_decode else None
+                self.decode_counts.count(i, box is not None and box.by_region)
+            image = decode(data) if box is None else box.pixels
         except Exception as e:
             raise DataError(self.source.describe(i, e)) from e
-        return self.crop(image, size, rng or random.Random(int(torch.randint(2**62, ()))))
+        if box is not None:
+            return self.crop.cut(image, box.plan, rng, box.origin)
+        return self.crop(image, size, rng)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         return self.sample(i, self.size()), int(self.labels[i])
@@ -189,6 +201,9 @@ class SampleDataset(Dataset):
         else:
             self._fill_here(images, indices, size, seeds)
         labels = self.labels[list(indices)]
+        if self.decode_counts is not None:
+            worker = get_worker_info()
+            self.decode_counts.flush(0 if worker is None else worker.id + 1)
         return RingBatch((images, labels)) if get_worker_info() is not None else (images, labels)
 
     def warm_up(self) -> None:

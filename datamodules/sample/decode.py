@@ -47,6 +47,8 @@ class JpegFrame(NamedTuple):
     exif: bool  # an EXIF APP1 segment
     orientation: int  # its orientation tag (1 when absent)
     xmp: bool  # an XMP packet before the frame header (PIL may take an orientation from it)
+    mcu_height: int = 8  # the MCU: 8 x 8 for one component, 8 x the largest sampling factors for several
+    mcu_width: int = 8
 
 
 def jpeg_frame(data: bytes | bytearray | memoryview) -> JpegFrame | None:
@@ -72,10 +74,15 @@ def jpeg_frame(data: bytes | bytearray | memoryview) -> JpegFrame | None:
             continue
         length = (mv[i + 2] << 8) | mv[i + 3]
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a frame header (SOFn)
-            if i + 10 > n:
+            components = mv[i + 9] if i + 10 <= n else 0
+            if i + 10 + 3 * components > n:
                 return None
-            return JpegFrame(marker, mv[i + 4], mv[i + 9], (mv[i + 5] << 8) | mv[i + 6],
-                             (mv[i + 7] << 8) | mv[i + 8], exif, orientation, xmp)
+            factors = [mv[i + 11 + 3 * c] for c in range(components)]  # (horizontal << 4) | vertical
+            many = components > 1  # a single component's MCU is one block, whatever its factors (ITU T.81, A.2.2)
+            return JpegFrame(marker, mv[i + 4], components, (mv[i + 5] << 8) | mv[i + 6],
+                             (mv[i + 7] << 8) | mv[i + 8], exif, orientation, xmp,
+                             8 * max(f & 15 for f in factors) if many else 8,
+                             8 * max(f >> 4 for f in factors) if many else 8)
         if marker == 0xE1:
             head = bytes(mv[i + 4:i + 4 + len(_XMP)])
             if head.startswith(b"Exif\x00"):

@@ -128,6 +128,9 @@ class EncodedDataset(SampleDataset):
         for j, (k, data) in enumerate(here):  # a failure raises a DataError naming the file, as on the CPU path
             pixels[j].copy_(self.sample(indices[k], size, random.Random(seeds[k]), data))
         done = time.perf_counter()
+        if self.decode_counts is not None:
+            worker = get_worker_info()
+            self.decode_counts.flush(0 if worker is None else worker.id + 1)
         costs = torch.tensor([len(indices), decoding - began, len(here), done - decoding, cannot],  # balance.COSTS
                              dtype=torch.float64)
         return EncodedBatch(

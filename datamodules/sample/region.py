@@ -1,0 +1,179 @@
+"""Region decode: a train sample from only the rows and columns of its JPEG that the crop's box needs.
+
+A RandomResizedCrop keeps a part of the image (a quarter to all of it at min_scale 0.25, on average about 60%),
+yet a full decode computes every pixel. Here the box is drawn first, from the JPEG's frame header and the
+sample's own `random.Random` (`TrainCrop.plan`, the same draws in the same order as on a decoded image, so
+crops, flips and a resumed run are unchanged), then only the box's region is decoded, and the crop is cut
+from that region (`TrainCrop.cut`, by the caller: dataset.py).
+
+The decoder is nvImageCodec's CPU backend (the `nvidia.nvimgcodec` module of the `nvidia-nvimgcodec-cu13`
+or `-cu12` wheel; DALI installs it), which runs libjpeg-turbo with the defaults of torchvision's and PIL's
+decoders (islow IDCT, fancy upsampling), so a region's pixels are the full decode's pixels. How a region
+is made exact (nvImageCodec 0.9, extensions/libjpeg_turbo/jpeg_mem.cpp, `UncompressLow`): it asks
+libjpeg-turbo for one column more on each inner side than the region (`left_cor`, `right_cor`), so the chroma
+upsampling reads the same neighbours as in the full image; `jpeg_crop_scanline` starts the decode at an MCU
+boundary, and `jpeg_skip_scanlines` keeps the context rows of the vertical upsampling (any first and last row
+is exact: tests/test_region_decode.py). What it leaves to the caller: libjpeg-turbo picks its plain upsampler
+instead of the fancy one for a component only 1 or 2 samples wide (jdsample.c, `jinit_upsampler`, on
+`downsampled_width`), so a 1-pixel-wide box at an image's left or right border in 4:2:0 would differ. This
+module grows the box's columns outward to the MCU grid (`region_of`), which makes every region at least one
+MCU wide, or as wide as the image, and costs next to nothing: libjpeg-turbo computes whole blocks anyway.
+
+Only baseline and extended sequential 8-bit JPEGs with 1 or 3 components and no EXIF rotation or XMP packet
+take this path (`region_takes`). The rest, and every file when the module is not installed or it refuses a
+file, take the full decode (decode.py); `RegionCounts` counts both for the end-of-run line. A progressive JPEG
+gains nothing: every scan must be decoded before any pixel is known.
+"""
+from __future__ import annotations
+
+import os
+import random
+import threading
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from datamodules.sample.crop import CropPlan, TrainCrop
+from datamodules.sample.decode import JpegFrame, decode, jpeg_frame
+
+_REGION_SOF = (0xC0, 0xC1)  # baseline and extended sequential Huffman
+PIP_LINE = "pip install nvidia-nvimgcodec-cu13"  # -cu12 beside a CUDA 12 torch (DALI's requirements bring it)
+
+nvimgcodec: Any = None  # the module, once `available()` has imported it (0.2 s, so not before a train crop needs it)
+_looked = False
+
+
+def available() -> bool:
+    """Whether nvImageCodec is installed here (then the region path is on); imports it on the first call."""
+    global nvimgcodec, _looked
+    if not _looked:
+        # A file it refuses (a truncated JPEG) takes the full decode, which decodes it or names the error, and is
+        # counted: its own error and warning on stderr for each such file would only repeat that (read on import).
+        os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
+        try:
+            from nvidia import nvimgcodec as module
+        except ImportError:  # optional: every file takes the full decode (said once at the end of a run)
+            module = None
+        nvimgcodec, _looked = module, True
+    return nvimgcodec is not None
+
+
+def region_takes(frame: JpegFrame | None) -> bool:
+    """Whether the region decode gives this file the full decode's pixels (decode.py's JPEGs, minus progressive
+    ones and those whose pixels the decoder turns: an EXIF rotation, an XMP packet)."""
+    return (frame is not None and frame.sof in _REGION_SOF and frame.precision == 8
+            and frame.components in (1, 3) and frame.orientation == 1 and not frame.xmp
+            and frame.height > 0 and frame.width > 0)
+
+
+def region_of(frame: JpegFrame, top: int, left: int, height: int, width: int) -> tuple[int, int, int, int]:
+    """(top, left, bottom, right) of the region decoded for a box: its columns grown outward to the MCU grid
+    (clipped to the image), its rows as they are (the vertical upsampling is exact at any row: module doc)."""
+    mw = frame.mcu_width
+    return top, (left // mw) * mw, top + height, min(frame.width, -(-(left + width) // mw) * mw)
+
+
+_local = threading.local()
+
+
+def _decoder() -> Any:
+    """This thread's CPU-only decoder. It decodes on the calling thread (it starts none: a worker forked after
+    the training process decoded keeps using it); one per thread, as nothing says one may serve two at once."""
+    decoder = getattr(_local, "decoder", None)
+    if decoder is None:
+        decoder = _local.decoder = nvimgcodec.Decoder(
+            device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,
+            backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)])
+    return decoder
+
+
+_PARAMS: Any = None
+
+
+def decode_region(data: bytes | bytearray | memoryview | torch.Tensor, region: tuple[int, int, int, int]
+                  ) -> torch.Tensor | None:
+    """RGB uint8 CHW (a view of HWC memory, as decode.py's) of `region` (top, left, bottom, right), or None
+    when nvImageCodec refuses the file (the full decode then decides: it decodes it or names the error)."""
+    global _PARAMS
+    if _PARAMS is None:
+        _PARAMS = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.SRGB,
+                                          sample_format=nvimgcodec.I_RGB)
+    array = data.numpy() if isinstance(data, torch.Tensor) else np.frombuffer(data, np.uint8)
+    stream = nvimgcodec.CodeStream(array).get_sub_code_stream(region=nvimgcodec.Region(*region))
+    image = _decoder().decode(stream, params=_PARAMS)
+    if image is None:
+        return None
+    # the host image's array interface (no copy; DLPack would ask the CUDA runtime, absent on a CPU-only machine)
+    return torch.from_numpy(np.asarray(image)).permute(2, 0, 1)
+
+
+class RegionCounts:
+    """Train images decoded by region and whole, per process that decoded them, in shared memory: a loader worker
+    adds its own row after each batch, and the training process reads the sum at the end of the run (`line`).
+
+    Counted per sample index, so a sample built twice (the idle helper's, built again by the worker that did
+    not wait for it: dataset.py) counts once in its batch; if the helper finishes it after the batch has left,
+    it counts once more with the next batch (rare, and only what the end-of-run line says)."""
+
+    ROWS = 512  # the training process and its loader workers (worker k writes row k + 1, modulo)
+
+    def __init__(self) -> None:
+        self.table = torch.zeros((self.ROWS, 2), dtype=torch.int64).share_memory_()
+        self._pending: dict[int, bool] = {}
+
+    def count(self, i: int, region: bool) -> None:
+        """Sample i, by region or whole (from any sample thread: one dict store); `flush` adds them to a row."""
+        self._pending[i] = region
+
+    def flush(self, row: int) -> None:
+        pending, self._pending = self._pending, {}
+        if pending:
+            by_region = sum(pending.values())
+            self.table[row % self.ROWS] += torch.tensor([by_region, len(pending) - by_region])
+
+    def __getstate__(self) -> dict:
+        return {"table": self.table}  # the shared table; what a process has not flushed yet stays its own
+
+    def __setstate__(self, state: dict) -> None:
+        self.table = state["table"]
+        self._pending = {}
+
+    def line(self) -> str | None:
+        """The end-of-run words, or None when no image was counted."""
+        region, whole = (int(v) for v in self.table.sum(0))
+        if region + whole == 0:
+            return None
+        if not available():
+            return (f"region decode off: nvImageCodec is not installed ({PIP_LINE}), so all {whole:,} train "
+                    "images were decoded whole (docs/data.md, \"Region decode\")")
+        return (f"region decode: {region:,} train images, {whole:,} decoded whole (progressive, CMYK, "
+                "EXIF-rotated, not JPEG or refused)")
+
+
+class Box(NamedTuple):
+    """A train sample's pixels with the crop plan drawn for it: the plan's region (`by_region`) or, for a file
+    nvImageCodec refuses, the whole image; `origin` is their top-left pixel in the image (what `TrainCrop.cut`
+    takes)."""
+
+    pixels: torch.Tensor
+    plan: CropPlan
+    origin: tuple[int, int]
+    by_region: bool
+
+
+def decode_box(data: bytes | bytearray | memoryview | torch.Tensor, crop: TrainCrop, size: int,
+               rng: random.Random) -> Box | None:
+    """The crop plan `crop.plan` draws from `rng` for `data`, and the pixels it needs; None, with `rng` untouched,
+    when this file takes the full decode and its crop (`region_takes`, or no nvImageCodec)."""
+    if not available():
+        return None
+    frame = jpeg_frame(data if not isinstance(data, torch.Tensor) else memoryview(data.numpy()))
+    if not region_takes(frame):
+        return None
+    plan = crop.plan(frame.height, frame.width, size, rng)
+    region = region_of(frame, plan.top, plan.left, plan.height, plan.width)
+    pixels = decode_region(data, region)
+    if pixels is None:  # refused (a truncated file): the full decode decodes it or names the error
+        return Box(decode(data), plan, (0, 0), False)
+    return Box(pixels, plan, region[:2], True)
