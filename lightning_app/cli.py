@@ -34,7 +34,7 @@ from lightning_app.errors import silence_known_noise
 from lightning_app.module import ImageClassifier
 from lightning_app.preflight import check_before_building
 from lightning_app.runs.flags_over_checkpoint import network_settings
-from lightning_app.runs.guard import use_atomic_checkpoints
+from lightning_app.runs.guard import RunGuard, use_atomic_checkpoints
 from lightning_app.runs.identity import training_settings
 from lightning_app.runs.plan import discard_evaluation_folder
 from lightning_app.strategies import STRATEGY_HELP  # registers --trainer.strategy dp, ddp
@@ -137,12 +137,13 @@ class ClassifierCLI(LightningCLI):
         root = Path(config.get("default_root_dir") or "logs")
         plan = self.plan = self._plan_run(root)
         if plan is not None:
-            runs.announce(plan)
+            for line in plan.lines:
+                rank_zero_info(line)
             if self.subcommand == "fit" and plan.run_dir is not None:
                 # what Lightning writes by itself (SLURM's hpc_ckpt_K.ckpt on requeue) goes into the run too
                 kwargs["default_root_dir"] = str(plan.run_dir)
-            if plan.guard is not None:
-                self.trainer_defaults["callbacks"].append(plan.guard)
+            if plan.agreement is not None:  # every rank on the same run (runs/guard.py)
+                self.trainer_defaults["callbacks"].append(RunGuard(**plan.agreement))
         if config.get("logger") in (None, True):
             kwargs["logger"] = self._trackers(self.tracker_names, plan, root)
         if config.get("enable_progress_bar", True) is not False:

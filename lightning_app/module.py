@@ -43,9 +43,10 @@ class ImageClassifier(pl.LightningModule):
         arch_kwargs: extra backbone arguments, e.g. {width: 64} for conv11.
         lr: learning rate per 256 images; the optimiser uses lr * global batch / 256.
         momentum, nesterov: SGD's. weight_decay: either optimiser's (none on norms and biases).
-        optimizer: sgd or adamw. lr, weight_decay and optimizer left null take the arch family's recipe
-            (models/recipes.py: SGD 0.1 for CNNs, AdamW 2.5e-4 for transformers and ConvNeXt, ...), said at the
-            start of a fit; configs/default.yaml leaves them null.
+        optimizer: sgd or adamw. lr, weight_decay and optimizer left null (the default, here as in
+            configs/default.yaml) take the arch family's recipe (models/recipes.py: SGD 0.1 for CNNs, AdamW
+            5e-4 at 512 images for transformers, ...), said at the start of a fit: a module built in Python trains
+            with what the CLI gives.
         warmup_epochs: linear warm-up from ~0 to the scaled rate, then cosine decay to 0.
         label_smoothing: cross-entropy label smoothing.
         channels_last: NHWC memory format for the model and inputs (faster convs with AMP on tensor cores).
@@ -82,11 +83,11 @@ class ImageClassifier(pl.LightningModule):
         image_size: int = 224,
         global_batch_size: int = 256,
         arch_kwargs: dict | None = None,
-        lr: float | None = 0.1,
+        lr: float | None = None,
         momentum: float = 0.9,
         nesterov: bool = True,
-        weight_decay: float | None = 5e-5,
-        optimizer: str | None = "sgd",
+        weight_decay: float | None = None,
+        optimizer: str | None = None,
         warmup_epochs: float = 1.0,
         label_smoothing: float = 0.1,
         channels_last: bool = False,

@@ -41,6 +41,17 @@ def recipe_line(hparams, setting_sources: dict[str, str]) -> str:
             "what the recipe gives.")
 
 
+def described(hparams) -> str:
+    """`SGD, lr 0.4 per 256 images, weight decay 0.0005 (conv11's recipe: ...)`: the optimiser a fit of these settings
+    runs, in one phrase (bench gpu's trainer rows name it)."""
+    name, lr, weight_decay, family = resolved(hparams)
+    words = f"{OPTIMIZER_NAMES.get(name, name)}, lr {lr:g} per 256 images, weight decay {weight_decay:g}"
+    if family is None:
+        return words
+    every = all(hparams.get(key) is None for key in ("optimizer", "lr", "weight_decay"))
+    return words + f" ({'' if every else 'the unset values from '}{hparams.arch}'s recipe: {family.source})"
+
+
 def scaled_lr(hparams, accumulate: int = 1) -> float:
     """lr per 256 images scaled to the global batch: linearly for SGD, by the square root for AdamW
     (models/recipes.py, batch_scale)."""

@@ -86,3 +86,26 @@ def test_a_recipe_trains_at_its_published_rate_at_its_published_batch(arch, batc
     model = ImageClassifier(arch=arch, num_classes=10, global_batch_size=batch, pictures=[], optimizer=None, lr=None,
                             weight_decay=None)  # unset, as configs/default.yaml leaves them
     assert model.scaled_lr == pytest.approx(published, rel=1e-12)
+
+
+def test_a_module_built_in_python_trains_with_the_recipe_the_cli_gives():
+    """ImageClassifier's optimizer, lr and weight_decay default to None, as configs/default.yaml leaves them, so code
+    that builds the module in Python (bench gpu's trainer rows, the tests) trains with what a CLI fit of that arch
+    gets. Before, their signature defaults, SGD at 0.1 with weight decay 5e-5, went to every arch, a ViT included."""
+    import inspect
+
+    import yaml
+
+    from lightning_app.cli import DEFAULT_CONFIG
+    from lightning_app.module import ImageClassifier
+    from models.recipes import recipe
+
+    signature = inspect.signature(ImageClassifier).parameters
+    configured = yaml.safe_load(DEFAULT_CONFIG.read_text())["model"]
+    for key in ("optimizer", "lr", "weight_decay"):
+        assert signature[key].default is None and configured[key] is None, key
+    for arch in ("conv11", "resnet18", "vgg11", "timm/convnext_atto"):
+        model = ImageClassifier(arch=arch, num_classes=10, image_size=32, pictures=[])
+        family = recipe(arch)
+        assert model.optim == (family.optimizer, family.lr, family.weight_decay, family), arch
+    assert recipe("timm/convnext_atto").optimizer == "adamw"  # one family off SGD

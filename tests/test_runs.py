@@ -283,3 +283,18 @@ def test_resume_or_fail_stops_a_fit_that_finds_no_run_to_resume(tiny_data, tmp_p
     assert err.startswith(f"--ckpt_path last: no run under {tmp_path} has this config's training settings. "
                           "--resume_or_fail true: ") and "starting a fresh run" not in err, err
     assert not list(tmp_path.iterdir())  # no fresh run
+
+
+def test_runs_loads_no_torch_and_imports_nothing_from_callbacks():
+    """runs/ is file logic (folders, run.json, locks, checkpoints' bytes): a script that only resolves or inspects
+    runs (scripts/chaos_requeue.py) must not pay for torch and Lightning, and no arrow runs back up to callbacks/
+    (the result file's name, predictions.csv, lives in runs/folders.py)."""
+    from tests.helpers.imports import import_graph
+
+    code = ("import sys, lightning_app.runs; "
+            "print(sorted(m for m in ('torch', 'pytorch_lightning', 'lightning_fabric') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    upward = {m: sorted(t for t in targets if t.startswith("lightning_app.callbacks"))
+              for m, targets in import_graph(("lightning_app",)).items() if m.startswith("lightning_app.runs")}
+    assert not {m: targets for m, targets in upward.items() if targets}

@@ -1,6 +1,7 @@
 """`bench gpu --groups trainer`: the template's own training step, timed under a Lightning Trainer.
 
-Each row fits `ImageClassifier` (its fused SGD on CUDA, its warm-up + cosine schedule) with a plain
+Each row fits `ImageClassifier` (the optimiser of the arch's recipe, as a CLI fit gets it, fused on CUDA; its
+warm-up + cosine schedule; each row names the optimiser it times) with a plain
 `pl.Trainer` for `warmup + steps` steps and times the last `steps` (synchronised at both ends): images/s,
 the host syncs per step in that window (CUDA's sync debug mode warns at every synchronising call; the
 window has no logging step) and the peak memory. The synthetic rows feed one uint8 batch that is already on
@@ -94,6 +95,7 @@ class StepClock(pl.Callback):
         self.seconds: float | None = None
         self.syncs = 0
         self.peak_bytes = 0
+        self.optimizer = ""  # the optimiser the fit steps, in words (optimization.described)
         self._caught: list | None = None
         self._catcher: warnings.catch_warnings | None = None
 
@@ -127,6 +129,7 @@ def fit_rate(w: Workload, datamodule: pl.LightningDataModule, precision: str, ch
              compile: bool, callbacks: list[pl.Callback] | None = None) -> StepClock:
     """A fit of warmup + steps steps of ImageClassifier on `datamodule` (with `callbacks` too); its clock."""
     from lightning_app.module import ImageClassifier
+    from lightning_app.optimization import described
 
     pl.seed_everything(0, verbose=False)
     model = ImageClassifier(arch=w.arch, num_classes=NUM_CLASSES, image_size=w.image_size,
@@ -138,6 +141,7 @@ def fit_rate(w: Workload, datamodule: pl.LightningDataModule, precision: str, ch
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                          log_every_n_steps=10**6, benchmark=True, callbacks=[clock, *(callbacks or [])])
+    clock.optimizer = described(model.hparams)
     trainer.fit(model, datamodule=datamodule)
     if clock.seconds is None:
         raise RuntimeError(f"the fit ended after {trainer.global_step} steps, before the timed window closed")
@@ -146,9 +150,10 @@ def fit_rate(w: Workload, datamodule: pl.LightningDataModule, precision: str, ch
 
 def _check(name: str, w: Workload, clock: StepClock, verdict: str) -> Check:
     images_s = w.batch_size * w.steps / clock.seconds
-    return Check(GROUP, name, "ok", verdict, images_s, f"{images_s:,.0f} img/s",
-                 {"syncs_per_step": clock.syncs / w.steps, "peak_memory_gib": clock.peak_bytes / 2**30,
-                  "batch_size": w.batch_size, "image_size": w.image_size, "steps": w.steps, "warmup": w.warmup})
+    return Check(GROUP, name, "ok", f"{verdict}; {clock.optimizer}", images_s, f"{images_s:,.0f} img/s",
+                 {"optimizer": clock.optimizer, "syncs_per_step": clock.syncs / w.steps,
+                  "peak_memory_gib": clock.peak_bytes / 2**30, "batch_size": w.batch_size, "image_size": w.image_size,
+                  "steps": w.steps, "warmup": w.warmup})
 
 
 def trainer_rows(w: Workload, root: Path, num_workers: int, ceiling_only: bool = False,

@@ -1,7 +1,8 @@
 """The hand-written PyTorch loop `bench train` compares the template with: same model, data, batch and precision.
 
 Run by `bench train` as `python -m bench.train.plain_loop SPEC.json`; it writes its per-epoch
-times as JSON to the file named by $BENCH_EPOCH_TIMES.
+times as JSON to the file named by $BENCH_EPOCH_TIMES. It is also the one-page twin of a fit's step
+(docs/design.md, "One step in one page"): the template's Index, dataset and batches, and a plain loop.
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ def plain_loop(spec: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0, images, wait, steps = time.perf_counter(), 0, 0.0, 0
+        loss_sum = torch.zeros((), device=device)  # read once, at the epoch's end: no host sync per step
         it = iter(loader)
         while True:
             t_wait = time.perf_counter()
@@ -89,12 +91,14 @@ def plain_loop(spec: dict) -> dict:
                 loss.backward()
                 opt.step()
             sched.step()
+            loss_sum += loss.detach().float()
             images += x.shape[0]
             steps += 1
             report_step(f"epoch {epoch + 1}/{spec['epochs']}, step {steps}/{len(loader)}")
         if device.type == "cuda":
             torch.cuda.synchronize()
-        epochs.append({"seconds": time.perf_counter() - t0, "wait": wait, "images": images})
+        epochs.append({"seconds": time.perf_counter() - t0, "wait": wait, "images": images,
+                       "loss": float(loss_sum) / max(1, steps)})
         if not math.isfinite(float(loss)):
             raise RuntimeError("the hand-written loop diverged (loss is not finite)")
     return {"epochs": epochs, "world_size": 1}

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from datamodules.base import BUILTIN_ROOT, REPO_ROOT, ImageDataModule
+from datamodules.credentials import redact
 from datamodules.errors import DataError
 from datamodules.index import SPLITS, find_classes
 from datamodules.processes.loader_workers import WorkerInit, end_stuck_workers_at_exit
@@ -33,7 +34,7 @@ from datamodules.shards.loader import (
     ShardLoader,
 )
 from datamodules.shards.pack_store import open_store
-from datamodules.shards.s3_clients import endpoint_of, is_remote, redact
+from datamodules.shards.s3_clients import endpoint_of, is_remote
 
 if TYPE_CHECKING:
     from datamodules.sample.decode_stage import DecodeStage

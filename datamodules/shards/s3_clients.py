@@ -17,7 +17,8 @@ Two library defaults would turn an unreachable store into a hang, and are replac
   `http://` endpoint. `obstore_store` builds that store from the same boto3 client with `allow_http`
   exactly when the endpoint is plain HTTP, and with bounded retries and timeouts (downloader.py uses it).
 
-Credentials are never written anywhere: `redact` replaces them in whatever is saved or logged.
+Credentials are never written anywhere: `redact` (datamodules/credentials.py) replaces them in whatever is
+saved or logged.
 """
 from __future__ import annotations
 
@@ -26,9 +27,6 @@ import os
 from typing import Any
 from urllib.parse import urlparse
 
-SECRET_KEYS = frozenset({"aws_access_key_id", "aws_secret_access_key", "aws_session_token", "password", "token",
-                         "secret", "key", "access_key", "secret_key", "session_token"})
-REDACTED = "<redacted>"
 CONNECT_TIMEOUT_S = 5
 READ_TIMEOUT_S = 60
 ATTEMPTS = 3  # boto3 attempts per request; obstore gets ATTEMPTS - 1 retries within RETRY_WINDOW
@@ -43,20 +41,6 @@ def split_url(url: str) -> tuple[str, str]:
     """s3://bucket/a/b -> ("bucket", "a/b")."""
     parsed = urlparse(url)
     return parsed.netloc, parsed.path.strip("/")
-
-
-def is_secret(key: str) -> bool:
-    key = str(key).lower()
-    return key in SECRET_KEYS or key.endswith(("_secret", "_token", "_password", "secret_access_key"))
-
-
-def redact(value: Any) -> Any:
-    """A copy of `value` with every credential replaced by "<redacted>" (dicts and lists, recursively)."""
-    if isinstance(value, dict):
-        return {k: (REDACTED if is_secret(k) and v is not None else redact(v)) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(redact(v) for v in value)
-    return value
 
 
 def client_settings(storage_options: dict | None) -> dict:

@@ -29,8 +29,9 @@ from pytorch_lightning.callbacks import BasePredictionWriter
 from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_app.callbacks.prediction_rows import GATHER_EVERY, RowGather, shared_by_every_rank
+from lightning_app.runs.folders import PREDICTIONS_CSV
 
-FILENAME = "predictions.csv"
+FILENAME = PREDICTIONS_CSV  # the name lives in runs/, which finds an evaluation's result by it
 TOP_K = 5
 TEXT = {"encoding": "utf-8", "errors": "surrogateescape", "newline": ""}  # any file name round-trips
 

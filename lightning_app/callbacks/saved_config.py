@@ -2,14 +2,14 @@
 
 LightningCLI's SaveConfigCallback writes the parsed configuration as it is, so a secret given in
 `--data.storage_options` would land in logs/version_N/config.yaml. This subclass writes a copy in
-which every value under a key that names a credential (datamodules/shards/s3_clients.py, `is_secret`)
+which every value under a key that names a credential (datamodules/credentials.py, `is_secret`)
 reads "<redacted>". The run keeps the real values; `--print_config` shows the parsed ones.
 """
 from __future__ import annotations
 
 from pytorch_lightning.cli import SaveConfigCallback
 
-from datamodules.shards.s3_clients import REDACTED, is_secret, redact
+from datamodules.credentials import REDACTED, is_secret, redact
 
 
 def redacted(config):

@@ -17,6 +17,7 @@ RUN_PATTERN = re.compile(r"^version_(\d+)$")
 CHECKPOINTS = "checkpoints"
 LAST = "last.ckpt"
 HPC_GLOB = "hpc_ckpt_*.ckpt"  # Lightning's SLURM requeue save (checkpoint_connector.hpc_save_path)
+PREDICTIONS_CSV = "predictions.csv"  # predict's result in its folder (lightning_app/callbacks/predictions.py writes it)
 
 
 def run_dirs(root: str | os.PathLike) -> list[tuple[int, Path]]:

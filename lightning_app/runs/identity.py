@@ -186,8 +186,8 @@ def is_requeued(job: dict) -> bool:
 
 def command_line() -> str:
     """This process's command, with every argument that carries a credential written as <redacted>: one that
-    names a credential key (datamodules/shards/s3_clients.py, is_secret) and the value of --data.storage_options."""
-    from datamodules.shards.s3_clients import REDACTED, is_secret
+    names a credential key (datamodules/credentials.py, is_secret) and the value of --data.storage_options."""
+    from datamodules.credentials import REDACTED, is_secret
 
     words, hide_next = [], False
     for arg in sys.argv:

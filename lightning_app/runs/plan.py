@@ -12,14 +12,11 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from pytorch_lightning.utilities import rank_zero_info
-
-from lightning_app.callbacks.predictions import FILENAME as RESULT_FILE
 from lightning_app.errors import UserError
 from lightning_app.runs import identity
-from lightning_app.runs.folders import RUN_PATTERN, new_run, new_subfolder, run_root_writable
-from lightning_app.runs.guard import RunGuard
+from lightning_app.runs.folders import PREDICTIONS_CSV, RUN_PATTERN, new_run, new_subfolder, run_root_writable
 from lightning_app.runs.leftovers import remove_dead_writers_files
 from lightning_app.runs.lock import RunLock
 from lightning_app.runs.ranks import is_launch_rank_zero
@@ -36,8 +33,9 @@ class RunPlan:
     purge_step: int | None = None  # a run started again: TensorBoard drops all its stopped attempt logged
     lock: RunLock | None = None
     made_here: bool = False  # a fresh run this process made (removed again if it fails before a checkpoint)
-    guard: RunGuard | None = None
-    lines: list[str] = field(default_factory=list)
+    # what every rank must have resolved alike, for the run guard (lightning_app/runs/guard.py, RunGuard(**agreement))
+    agreement: dict[str, Any] | None = None
+    lines: list[str] = field(default_factory=list)  # said once, by rank 0, before the trainer is made
     evaluation_folder: Path | None = None  # validate/test/predict's own <subcommand>_K, made by this process
 
 
@@ -96,11 +94,12 @@ def _plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict
                 plan.lock.release()
             shutil.rmtree(plan.run_dir, ignore_errors=True)
             raise
-    plan.guard = RunGuard(
-        resolved.checkpoint,
-        fingerprint(resolved.checkpoint) if resolved.checkpoint and os.path.isfile(resolved.checkpoint) else None,
-        os.path.realpath(plan.run_dir) if plan.run_dir else None, (record or {}).get("run_id"), plan.made_here,
-        resumed=bool(resolved.checkpoint and resolved.run_dir))
+    plan.agreement = {
+        "checkpoint": resolved.checkpoint,
+        "fingerprint": (fingerprint(resolved.checkpoint) if resolved.checkpoint and os.path.isfile(resolved.checkpoint)
+                        else None),
+        "run_dir": os.path.realpath(plan.run_dir) if plan.run_dir else None, "run_id": (record or {}).get("run_id"),
+        "made_here": plan.made_here, "resumed": bool(resolved.checkpoint and resolved.run_dir)}
     return plan
 
 
@@ -108,7 +107,7 @@ def discard_evaluation_folder(plan: RunPlan, logged_metrics: bool) -> None:
     """Remove the folder a failed validate/test/predict made unless it holds a result: logged metrics or
     predictions.csv. config.yaml, hparams.yaml and an events file are written before the loop starts."""
     folder = plan.evaluation_folder
-    if folder is None or logged_metrics or (folder / RESULT_FILE).exists():
+    if folder is None or logged_metrics or (folder / PREDICTIONS_CSV).exists():
         return
     shutil.rmtree(folder, ignore_errors=True)
     plan.evaluation_folder = None
@@ -127,7 +126,3 @@ def _lock(run_dir: Path, lines: list[str]) -> RunLock:
 def _what(checkpoint: str | None) -> str:
     return f"checkpoint {checkpoint}" if checkpoint else "no checkpoint"
 
-
-def announce(plan: RunPlan) -> None:
-    for line in plan.lines:
-        rank_zero_info(line)

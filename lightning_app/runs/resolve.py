@@ -14,11 +14,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightning_app.checkpoint_files import damage
 from lightning_app.errors import UserError
 from lightning_app.runs import identity
 from lightning_app.runs.folders import CHECKPOINTS, HPC_GLOB, LAST, run_dirs, run_of_checkpoint
 from lightning_app.runs.signature import load_light
-from lightning_app.weights import damage
 
 
 @dataclass

@@ -8,11 +8,13 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
+from lightning_app.checkpoint_files import damage
 from lightning_app.errors import UserError
-from lightning_app.weights import damage
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -70,6 +72,8 @@ def check_compatible(ckpt_path: str | os.PathLike, config: ModelSignature) -> No
 
 def load_light(path: str | os.PathLike) -> dict:
     """The checkpoint's dict, weights memory-mapped (not read); UserError when it cannot be read."""
+    import torch  # here, not at the top: `import lightning_app.runs` loads no torch (tests/test_runs.py)
+
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
