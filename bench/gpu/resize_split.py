@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-MODES = ("dense", "banded")
+MODES = ("dense", "banded", "auto")
 
 
 def resize_split(root: Path, device: str = "cpu", batches: int = 4, batch_size: int = 64, size: int = 224,
