@@ -20,7 +20,10 @@ have no such mode.
 Why this on a CPU rather than `banded_groups`: there a tap is a gather and a multiply-add, two passes over a
 group's memory a tap, about 15 ops a group and a tap; here a crop is 4 ops and the batch about 20 besides, and
 on a CPU each op is a parallel region of the intra-op pool, which on a loaded machine can cost a scheduler
-slice. `python -m bench.gpu.resize_split` measures both.
+slice. `python -m bench.gpu.resize_split` measures both. The working memory (about 100 MB for 64 crops at 224 px)
+is the caller's, kept from batch to batch: a fresh tensor of that size costs its page faults, which took about
+twice the time of the products themselves (MKL's sparse product into a kept 38 MB output: 11 ms; `torch.mm`,
+which allocates it: 55 ms, on the 2-core VM).
 """
 from __future__ import annotations
 
@@ -53,10 +56,14 @@ def csr_parts(first: torch.Tensor, steps: torch.Tensor, rounding: torch.Tensor) 
     return [pointers, columns[kept], steps[kept].float().mul_(1.0 / 65536.0), pointers[:, -1].cumsum(0)]
 
 
-def csr_resize(images: list[torch.Tensor], table: torch.Tensor, size: int) -> torch.Tensor:
-    """(n, size, size, 3) uint8, a sample per `table` row (crop_table.py's columns, as literals: TorchScript
-    reads no globals), from the decoded (3, H, W) uint8 `images`, which the column PLACE indexes. Written for
-    TorchScript (device_resize.py scripts it)."""
+def csr_resize(images: list[torch.Tensor], table: torch.Tensor, size: int, floats: torch.Tensor,
+               pixels: torch.Tensor) -> list[torch.Tensor]:
+    """The resized crops, (n, size, size, 3) uint8, a sample per `table` row (crop_table.py's columns, as
+    literals: TorchScript reads no globals), from the decoded (3, H, W) uint8 `images`, which the column PLACE
+    indexes; and the working memory, float32 and uint8, for the next call: `floats` and `pixels` where they were
+    large enough, else larger ones. The memory is the caller's to keep: a fresh tensor of this size costs its
+    page faults, more than the products (module doc). Written for TorchScript (device_resize.py scripts it)."""
+    n = table.shape[0]
     height, width, resize_h, resize_w = table[:, 2], table[:, 3], table[:, 4], table[:, 5]
     window_top, window_left, flip = table[:, 6], table[:, 7], table[:, 8]
     first_x, steps_x = band_weights(width, resize_w, window_left, size, int(table[:, 13].max()), flip)  # TAPS_X
@@ -65,11 +72,17 @@ def csr_resize(images: list[torch.Tensor], table: torch.Tensor, size: int) -> to
     rows: list[list[int]] = table[:, :13].tolist()
     ends: list[int] = ends_x.tolist()
     device = table.device
-    wide = torch.empty((int(height.sum()) + 1, 3 * size), dtype=torch.float32, device=device)
-    # one buffer each for the crops and their products, reused: no allocation a crop (addmm with beta = 0
-    # ignores what its input holds, NaN included: torch.addmm's documentation)
-    crops = torch.empty(int(((width + 1) * height).max()) * 3, dtype=torch.float32, device=device)
-    products = torch.empty(size * 3 * int(height.max()), dtype=torch.float32, device=device)
+    # the working memory, in one tensor: `wide` (the crops' rows, size x 3, and a row of ones), the vertical
+    # pass's sums, one crop transposed (and a row of ones), one crop's horizontal sums
+    crop_rows, lanes = int(height.sum()), 3 * size
+    sizes = [(crop_rows + 1) * lanes, n * size * lanes, int(((width + 1) * height).max()) * 3,
+             size * 3 * int(height.max())]
+    if floats.numel() < sum(sizes):
+        floats = torch.empty(sum(sizes), dtype=torch.float32, device=device)
+    if pixels.numel() < n * size * lanes:
+        pixels = torch.empty(n * size * lanes, dtype=torch.uint8, device=device)
+    wide, tall, crops, products = floats[:sum(sizes)].split(sizes)
+    wide = wide.view(crop_rows + 1, lanes)
     row = 0
     for k in range(len(rows)):
         top, left, h, w, place = rows[k][0], rows[k][1], rows[k][2], rows[k][3], rows[k][12]
@@ -80,6 +93,7 @@ def csr_resize(images: list[torch.Tensor], table: torch.Tensor, size: int) -> to
         weights = torch.sparse_csr_tensor(pointers_x[k], columns_x[begin:ends[k]], values_x[begin:ends[k]],
                                           [size, w + 1])
         product = products[:size * 3 * h].view(size, 3 * h)
+        # beta = 0: what `product` held is ignored, NaN included (torch.addmm's documentation)
         torch.addmm(product, weights, crop, beta=0.0, out=product)
         torch.floor(product.view(3 * size, h).t(), out=wide[row:row + h])  # (size, 3, h) -> (h, size, 3)
         row += h
@@ -94,9 +108,11 @@ def csr_resize(images: list[torch.Tensor], table: torch.Tensor, size: int) -> to
     counts = pointers_y[:, -1]
     pointers = torch.cat([(pointers_y[:, :-1] + (ends_y - counts)[:, None]).reshape(-1), ends_y[-1:]])
     columns = columns_y + torch.repeat_interleave(starts, counts)
-    weights = torch.sparse_csr_tensor(pointers, columns, values_y, [len(rows) * size, row + 1])
-    tall = torch.empty((len(rows) * size, 3 * size), dtype=torch.float32, device=device)
+    weights = torch.sparse_csr_tensor(pointers, columns, values_y, [n * size, row + 1])
+    tall = tall.view(n * size, lanes)
     torch.addmm(tall, weights, wide, beta=0.0, out=tall)
     if int(steps_y.sum(-1).max()) > 65664:
         tall.clamp_(max=255.0)
-    return tall.to(torch.uint8).view(len(rows), size, size, 3)  # a positive float's conversion: its floor
+    resized = pixels[:n * size * lanes].view(n, size, size, 3)
+    resized.copy_(tall.view(n, size, size, 3))  # a positive float made uint8: its floor
+    return [resized, floats, pixels]
