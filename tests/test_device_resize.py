@@ -126,14 +126,15 @@ def test_the_scripted_call_gives_the_eager_ops_pixels(monkeypatch):
 
 
 def test_auto_picks_the_sparse_form_on_a_cpu_only(monkeypatch):
-    """On a CPU the default is the sparse form; on CUDA the kernels (or the banded form without
+    """On a CPU the default is the sparse form, scripted; on CUDA the kernels (or the banded form without
     triton), and FIC_DEVICE_RESIZE=sparse there says once that the banded form runs (the GPU memory probe counts
     the banded forms' groups, not the sparse form's buffers). Choosing makes no tensor: no GPU is needed."""
     from datamodules.sample import device_resize, resize_kernel
 
     monkeypatch.setattr(device_resize, "_SAID", set())
     monkeypatch.delenv("FIC_DEVICE_RESIZE", raising=False)
-    assert inspect.unwrap(device_resize.build_on_device("cpu")) is device_resize.assemble_sparse
+    sparse = device_resize._scripted(device_resize.assemble_sparse)
+    assert inspect.unwrap(device_resize.build_on_device("cpu")) is sparse
     kernels = resize_kernel.runs_on(torch.device("cuda"))
     banded = device_resize._scripted(device_resize.assemble)
     assert device_resize.build_on_device("cuda") is (device_resize.assemble_kernel if kernels else banded)

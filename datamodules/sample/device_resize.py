@@ -8,8 +8,8 @@ The steps, per batch (`build_on_device(device)`'s call, after the JPEG decode):
    (banded_resize.py), work that grows with output pixels x taps. Where it runs:
    - on CUDA, two Triton kernels (resize_kernel.py) read the crops in place and write the batch's slots;
    - on a CPU (tests, a CPU run of --data.decode gpu), the taps as sparse CSR matrices, in MKL's sparse products
-     (sparse_resize.py: 4 ops a crop and about 20 a batch), scripted by TorchScript, on one intra-op thread
-     (`_on_one_thread`: it runs beside the step);
+     (sparse_resize.py: about 8 ops a crop), scripted by TorchScript, on one intra-op thread (`_on_one_thread`:
+     it runs beside the step);
    - on CUDA with a torch without triton, the same arithmetic in torch ops (`banded_groups`: gathered taps and
      integer multiply-adds), per group of crops of similar size padded together (crop_table.py), scripted;
 3. the workers' decoded samples take their slots in the batch.
@@ -29,7 +29,6 @@ Python (the copies, two launches and one scripted call making the weights, per c
 from __future__ import annotations
 
 import os
-import threading
 import warnings
 from collections.abc import Callable
 
@@ -46,7 +45,7 @@ from datamodules.sample.crop_table import (  # noqa: F401 - importable from here
     resize_plan,
 )
 from datamodules.sample.dense_resize import resize_groups
-from datamodules.sample.sparse_resize import csr_resize
+from datamodules.sample.sparse_resize import csr_resize_into
 
 # bytes a group holds per element of its largest tensor, at most (the GPU memory probe's figure; the sparse form
 # runs on a CPU only, where the probe adds no decode buffers). The banded torch form, 16: the crops' gather
@@ -104,14 +103,10 @@ def assemble(images: list[torch.Tensor], table: torch.Tensor, spans: list[list[i
 def assemble_sparse(images: list[torch.Tensor], table: torch.Tensor, spans: list[list[int]], size: int,
                     out: torch.Tensor, slots: torch.Tensor, pixels: torch.Tensor, pixel_slots: torch.Tensor,
                     labels: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`assemble` with the CPU form's resize (sparse_resize.py, scripted), whose working memory this thread keeps
-    from batch to batch (2.7 kB a crop row and 15 bytes an output pixel at 224 px: about 100 MB for 64 crops)."""
+    """`assemble` with the CPU form's resize (sparse_resize.py)."""
     table, slots, pixels, pixel_slots, labels = to_device(table, slots, pixels, pixel_slots, labels, device)
-    if images:
-        memory = _WORKING_MEMORY
-        resized, memory.floats, memory.pixels = _scripted(csr_resize)(
-            images, table, size, getattr(memory, "floats", _NONE_FLOAT), getattr(memory, "pixels", _NONE_UINT8))
-        out[slots[table[:, PLACE]]] = resized.permute(0, 3, 1, 2)
+    if len(images) > 0:
+        csr_resize_into(images, table, size, out, slots[table[:, 12]])  # each row's slot (column PLACE)
     if pixel_slots.numel() > 0:
         out[pixel_slots] = pixels
     return labels
@@ -153,8 +148,6 @@ def resize_mode() -> str:
     return mode
 
 
-_WORKING_MEMORY = threading.local()  # the sparse form's: a thread's own, never shared by two decodes
-_NONE_FLOAT, _NONE_UINT8 = torch.empty(0), torch.empty(0, dtype=torch.uint8)
 _SCRIPTED: dict[Callable, Callable] = {}
 _ONE_THREAD: dict[Callable, Callable] = {}
 _SAID: set[str] = set()
@@ -183,7 +176,7 @@ def _chosen(mode: str, device: torch.device) -> Callable[..., torch.Tensor]:
         _say_once("sparse", f"FIC_DEVICE_RESIZE=sparse: the sparse form is the CPU's (its memory is not counted by "
                   f"the GPU memory probe); on {device} the banded form runs (the same pixels)")
     if mode in ("auto", "sparse") and cpu:
-        return assemble_sparse
+        return _scripted(assemble_sparse)
     kernels = resize_kernel.runs_on(device)
     if mode == "triton" and not kernels:
         _say_once("triton", "FIC_DEVICE_RESIZE=triton: the kernels need triton and a CUDA device (or "

@@ -2,10 +2,10 @@
 torch hands to MKL's sparse BLAS (aten/src/ATen/native/mkl/SparseBlasImpl.cpp; torch's own loop without MKL).
 
 A pass is one product: weights (size x length: a row an output pixel, holding its taps) @ pixels (a row a pixel
-along the pass). The horizontal pass goes crop by crop: the crop copied transposed and made float in one copy,
-(width, 3 x height), times its weights; the (size, 3, height) result goes transposed into `wide`, (crop rows
-of the whole batch, size x 3), rounded as it goes. The vertical pass is one product for the batch, with a
-block-diagonal matrix (a block a crop), whose (n x size, size x 3) result is the batch's channels-last layout.
+along the pass). A crop at a time, so that what it goes through stays in the caches: the crop copied transposed
+and made float in one copy, (width, 3 x height); times its horizontal weights; the (size, 3, height) sums
+rounded as they are transposed to (height, size x 3); times its vertical weights, whose (size, size x 3) sums
+are the slot's channels-last layout, made uint8 as they are copied there. About 8 ops a crop.
 
 Exact in float32: the values are the steps x 2^-16 (the steps integers 0 .. 2^16, never negative: the triangle
 filter is clamped at 0 in `band_weights`), the pixels integers 0 .. 255, so every product and partial sum of a
@@ -18,12 +18,10 @@ at "medium" oneDNN computes those in bf16 on a CPU that has it (8 bits of a 16-b
 have no such mode.
 
 Why this on a CPU rather than `banded_groups`: there a tap is a gather and a multiply-add, two passes over a
-group's memory a tap, about 15 ops a group and a tap; here a crop is 4 ops and the batch about 20 besides, and
-on a CPU each op is a parallel region of the intra-op pool, which on a loaded machine can cost a scheduler
-slice. `python -m bench.gpu.resize_split` measures both. The working memory (about 100 MB for 64 crops at 224 px)
-is the caller's, kept from batch to batch: a fresh tensor of that size costs its page faults, which took about
-twice the time of the products themselves (MKL's sparse product into a kept 38 MB output: 11 ms; `torch.mm`,
-which allocates it: 55 ms, on the 2-core VM).
+group's memory a tap, about 15 ops a group and a tap; and on a CPU each op is a parallel region of the intra-op
+pool, which on a loaded machine can cost a scheduler slice. The working memory is a few MB (the largest
+crop's), reused from crop to crop: a batch-sized buffer (100 MB for 64 crops at 224 px) cost its page faults and
+its trips to memory, 20% more CPU time on the 2-core VM. `python -m bench.gpu.resize_split` measures the forms.
 """
 from __future__ import annotations
 
@@ -56,63 +54,50 @@ def csr_parts(first: torch.Tensor, steps: torch.Tensor, rounding: torch.Tensor) 
     return [pointers, columns[kept], steps[kept].float().mul_(1.0 / 65536.0), pointers[:, -1].cumsum(0)]
 
 
-def csr_resize(images: list[torch.Tensor], table: torch.Tensor, size: int, floats: torch.Tensor,
-               pixels: torch.Tensor) -> list[torch.Tensor]:
-    """The resized crops, (n, size, size, 3) uint8, a sample per `table` row (crop_table.py's columns, as
-    literals: TorchScript reads no globals), from the decoded (3, H, W) uint8 `images`, which the column PLACE
-    indexes; and the working memory, float32 and uint8, for the next call: `floats` and `pixels` where they were
-    large enough, else larger ones. The memory is the caller's to keep: a fresh tensor of this size costs its
-    page faults, more than the products (module doc). Written for TorchScript (device_resize.py scripts it)."""
-    n = table.shape[0]
+def csr_resize_into(images: list[torch.Tensor], table: torch.Tensor, size: int, out: torch.Tensor,
+                    places: torch.Tensor) -> None:
+    """Each crop of `table` (crop_table.py's columns, as literals: TorchScript reads no globals) from the decoded
+    (3, H, W) uint8 `images` (the column PLACE indexes them), resized and flipped into out[places[row]], `out` a
+    (n, 3, size, size) uint8 batch (channels-last in training). A crop at a time, both passes, so that what it
+    goes through stays in the caches. Written for TorchScript (device_resize.py scripts it)."""
     height, width, resize_h, resize_w = table[:, 2], table[:, 3], table[:, 4], table[:, 5]
     window_top, window_left, flip = table[:, 6], table[:, 7], table[:, 8]
     first_x, steps_x = band_weights(width, resize_w, window_left, size, int(table[:, 13].max()), flip)  # TAPS_X
     first_y, steps_y = band_weights(height, resize_h, window_top, size, int(table[:, 14].max()), None)  # TAPS_Y
-    pointers_x, columns_x, values_x, ends_x = csr_parts(first_x, steps_x, width)  # the ones: the crop's last row
+    # each pass's rounding column: the row of ones after the crop's last pixel along it
+    pointers_x, columns_x, values_x, ends_x = csr_parts(first_x, steps_x, width)
+    pointers_y, columns_y, values_y, ends_y = csr_parts(first_y, steps_y, height)
+    # clip8's clamp, needed only where a row's steps pass 65664 (255 x 65665 + 2^15 >= 2^24: taps past 256)
+    clamp_x, clamp_y = int(steps_x.sum(-1).max()) > 65664, int(steps_y.sum(-1).max()) > 65664
     rows: list[list[int]] = table[:, :13].tolist()
-    ends: list[int] = ends_x.tolist()
-    device = table.device
-    # the working memory, in one tensor: `wide` (the crops' rows, size x 3, and a row of ones), the vertical
-    # pass's sums, one crop transposed (and a row of ones), one crop's horizontal sums
-    crop_rows, lanes = int(height.sum()), 3 * size
-    sizes = [(crop_rows + 1) * lanes, n * size * lanes, int(((width + 1) * height).max()) * 3,
-             size * 3 * int(height.max())]
-    if floats.numel() < sum(sizes):
-        floats = torch.empty(sum(sizes), dtype=torch.float32, device=device)
-    if pixels.numel() < n * size * lanes:
-        pixels = torch.empty(n * size * lanes, dtype=torch.uint8, device=device)
-    wide, tall, crops, products = floats[:sum(sizes)].split(sizes)
-    wide = wide.view(crop_rows + 1, lanes)
-    row = 0
+    ends: list[list[int]] = torch.stack([ends_x, ends_y], 1).tolist()
+    slots: list[int] = places.tolist()
+    device, lanes, tallest = table.device, 3 * size, int(height.max())
+    # one buffer each, for the largest crop: the crop transposed (and a row of ones), its horizontal sums, those
+    # rounded and transposed (and a row of ones), its vertical sums
+    crops = torch.empty(int(((width + 1) * height).max()) * 3, dtype=torch.float32, device=device)
+    products = torch.empty(size * 3 * tallest, dtype=torch.float32, device=device)
+    wides = torch.empty((tallest + 1) * lanes, dtype=torch.float32, device=device)
+    tall = torch.empty((size, lanes), dtype=torch.float32, device=device)
     for k in range(len(rows)):
         top, left, h, w, place = rows[k][0], rows[k][1], rows[k][2], rows[k][3], rows[k][12]
+        begin_x, begin_y = (ends[k - 1][0], ends[k - 1][1]) if k > 0 else (0, 0)
         crop = crops[:(w + 1) * 3 * h].view(w + 1, 3 * h)
         crop[:w].view(w, 3, h).copy_(images[place][:, top:top + h, left:left + w].permute(2, 0, 1))
         crop[w].fill_(1.0)
-        begin = ends[k - 1] if k > 0 else 0
-        weights = torch.sparse_csr_tensor(pointers_x[k], columns_x[begin:ends[k]], values_x[begin:ends[k]],
-                                          [size, w + 1])
+        weights = torch.sparse_csr_tensor(pointers_x[k], columns_x[begin_x:ends[k][0]],
+                                          values_x[begin_x:ends[k][0]], [size, w + 1])
         product = products[:size * 3 * h].view(size, 3 * h)
-        # beta = 0: what `product` held is ignored, NaN included (torch.addmm's documentation)
+        # beta = 0: what the output held is ignored, NaN included (torch.addmm's documentation)
         torch.addmm(product, weights, crop, beta=0.0, out=product)
-        torch.floor(product.view(3 * size, h).t(), out=wide[row:row + h])  # (size, 3, h) -> (h, size, 3)
-        row += h
-    # clip8's clamp, needed only where a row's steps pass 65664 (255 x 65665 + 2^15 >= 2^24: taps past 256)
-    if int(steps_x.sum(-1).max()) > 65664:
-        wide[:row].clamp_(max=255.0)
-    wide[row].fill_(1.0)
-    # one block-diagonal matrix: sample k's rows from k x size, its columns from its first row in `wide`, its
-    # rounding's column the last row (of ones)
-    starts = height.cumsum(0) - height
-    pointers_y, columns_y, values_y, ends_y = csr_parts(first_y, steps_y, row - starts)
-    counts = pointers_y[:, -1]
-    pointers = torch.cat([(pointers_y[:, :-1] + (ends_y - counts)[:, None]).reshape(-1), ends_y[-1:]])
-    columns = columns_y + torch.repeat_interleave(starts, counts)
-    weights = torch.sparse_csr_tensor(pointers, columns, values_y, [n * size, row + 1])
-    tall = tall.view(n * size, lanes)
-    torch.addmm(tall, weights, wide, beta=0.0, out=tall)
-    if int(steps_y.sum(-1).max()) > 65664:
-        tall.clamp_(max=255.0)
-    resized = pixels[:n * size * lanes].view(n, size, size, 3)
-    resized.copy_(tall.view(n, size, size, 3))  # a positive float made uint8: its floor
-    return [resized, floats, pixels]
+        wide = wides[:(h + 1) * lanes].view(h + 1, lanes)
+        torch.floor(product.view(lanes, h).t(), out=wide[:h])  # (size, 3, h) -> (h, size, 3)
+        if clamp_x:
+            wide[:h].clamp_(max=255.0)
+        wide[h].fill_(1.0)
+        weights = torch.sparse_csr_tensor(pointers_y[k], columns_y[begin_y:ends[k][1]],
+                                          values_y[begin_y:ends[k][1]], [size, h + 1])
+        torch.addmm(tall, weights, wide, beta=0.0, out=tall)  # (size, size, 3): the slot's channels-last layout
+        if clamp_y:
+            tall.clamp_(max=255.0)
+        out[slots[k]].permute(1, 2, 0).copy_(tall.view(size, size, 3))  # a positive float made uint8: its floor
