@@ -97,16 +97,18 @@ def _covers_every_kind(plans: torch.Tensor, size: int) -> None:
     assert (plans[:, 6] > 0).any() and (plans[:, 7] > 0).any()  # windows of a larger resize
 
 
-def test_the_banded_torch_form_gives_the_dense_references_pixels_on_256_real_crops(monkeypatch):
-    """The fallback (torch ops, scripted, as on a CPU run): 0 pixels apart from the dense form."""
+@pytest.mark.parametrize("mode", ["banded", "sparse"])
+def test_the_torch_forms_give_the_dense_references_pixels_on_256_real_crops(monkeypatch, mode):
+    """The fallback (banded: gathered taps, scripted) and the CPU's form (sparse: CSR products, what auto picks
+    on a CPU): 0 pixels apart from the dense form."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     images, plans = crops(real_images(16), 16, SIZE)
     assert len(plans) >= 256
     _covers_every_kind(plans, SIZE)
-    banded = resized(images, plans, SIZE, "banded")
+    got = resized(images, plans, SIZE, mode)
     dense = resized(images, plans, SIZE, "dense")
-    assert banded.shape == (len(plans), 3, SIZE, SIZE) and banded.is_contiguous(memory_format=torch.channels_last)
-    assert int((banded != dense).sum()) == 0
+    assert got.shape == (len(plans), 3, SIZE, SIZE) and got.is_contiguous(memory_format=torch.channels_last)
+    assert int((got != dense).sum()) == 0
 
 
 def test_the_kernels_give_the_dense_references_pixels():

@@ -2,6 +2,7 @@
 same code and arithmetic run on the device."""
 from __future__ import annotations
 
+import inspect
 import random
 
 import pytest
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from datamodules.sample.crop import TrainCrop, ValCrop, resize
 from datamodules.sample.dense_resize import resize_weights
 from datamodules.sample.device_resize import (
+    _PER_THREAD_COUNT,
     GROUP_ELEMENTS,
     PAD_WASTE,
     crop_resize_flip,
@@ -109,18 +111,57 @@ def test_groups_bound_padding_and_memory():
 
 
 def test_the_scripted_call_gives_the_eager_ops_pixels(monkeypatch):
-    """The torch form runs as one TorchScript call (no GIL taken op by op: on a CPU by default, anywhere with
-    FIC_DEVICE_RESIZE=banded); FIC_DEVICE_RESIZE=eager runs the same function op by op: the same pixels."""
+    """The torch form runs as one TorchScript call (no GIL taken op by op: anywhere with FIC_DEVICE_RESIZE=banded);
+    FIC_DEVICE_RESIZE=eager runs the same function op by op: the same pixels."""
     from datamodules.sample import device_resize
 
     images, plans = _images_and_plans(20, seed=2)
     monkeypatch.setattr(device_resize, "_SCRIPTED", {})
     monkeypatch.setenv("FIC_DEVICE_RESIZE", "banded")
-    assert isinstance(device_resize.build_on_device(), torch.jit.ScriptFunction)
+    assert isinstance(inspect.unwrap(device_resize.build_on_device("cpu")), torch.jit.ScriptFunction)
     scripted = crop_resize_flip(images, torch.tensor(plans), SIZE)
     monkeypatch.setenv("FIC_DEVICE_RESIZE", "eager")
-    assert device_resize.build_on_device() is device_resize.assemble
+    assert inspect.unwrap(device_resize.build_on_device("cpu")) is device_resize.assemble
     assert torch.equal(crop_resize_flip(images, torch.tensor(plans), SIZE), scripted)
+
+
+def test_auto_picks_the_sparse_form_on_a_cpu_only(monkeypatch):
+    """On a CPU the default is the sparse form, scripted; on CUDA the kernels (or the banded form without
+    triton), and FIC_DEVICE_RESIZE=sparse there says once that the banded form runs (the GPU memory probe counts
+    the banded forms' groups, not the sparse form's buffers). Choosing makes no tensor: no GPU is needed."""
+    from datamodules.sample import device_resize, resize_kernel
+
+    monkeypatch.setattr(device_resize, "_SAID", set())
+    monkeypatch.delenv("FIC_DEVICE_RESIZE", raising=False)
+    sparse = device_resize._scripted(device_resize.assemble_sparse)
+    assert inspect.unwrap(device_resize.build_on_device("cpu")) is sparse
+    kernels = resize_kernel.runs_on(torch.device("cuda"))
+    banded = device_resize._scripted(device_resize.assemble)
+    assert device_resize.build_on_device("cuda") is (device_resize.assemble_kernel if kernels else banded)
+    monkeypatch.setenv("FIC_DEVICE_RESIZE", "sparse")
+    with pytest.warns(UserWarning, match="FIC_DEVICE_RESIZE=sparse: the sparse form is the CPU's"):
+        assert device_resize.build_on_device("cuda:0") is banded
+
+
+@pytest.mark.skipif(not _PER_THREAD_COUNT, reason="torch's native thread pool has one thread count for the process")
+def test_the_cpu_resize_runs_on_one_thread_and_puts_the_count_back(monkeypatch):
+    """On a CPU the resize runs beside the step: with one intra-op thread, the caller's count put back after."""
+    from datamodules.sample import device_resize
+
+    seen = []
+
+    def resize(*args):
+        seen.append(torch.get_num_threads())
+        return "labels"
+
+    monkeypatch.setattr(device_resize, "_ONE_THREAD", {})
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert device_resize._on_one_thread(resize)() == "labels"
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_torch_that_cannot_script_gets_the_eager_ops_said_once(monkeypatch):
@@ -134,13 +175,13 @@ def test_a_torch_that_cannot_script_gets_the_eager_ops_said_once(monkeypatch):
     monkeypatch.setenv("FIC_DEVICE_RESIZE", "banded")
     monkeypatch.setattr(torch.jit, "script", refuse)
     with pytest.warns(UserWarning, match="TorchScript could not compile the device resize"):
-        assert device_resize.build_on_device() is device_resize.assemble
-    assert device_resize.build_on_device() is device_resize.assemble  # decided once: no second warning
+        assert inspect.unwrap(device_resize.build_on_device("cpu")) is device_resize.assemble
+    assert inspect.unwrap(device_resize.build_on_device("cpu")) is device_resize.assemble  # decided once: no warning
 
 
 def test_a_mode_that_does_not_exist_is_named_with_the_ones_that_do(monkeypatch):
     monkeypatch.setenv("FIC_DEVICE_RESIZE", "fast")
     from datamodules.sample import device_resize
 
-    with pytest.raises(ValueError, match=r"FIC_DEVICE_RESIZE='fast'.*auto, triton, banded, eager, dense"):
-        device_resize.build_on_device()
+    with pytest.raises(ValueError, match=r"FIC_DEVICE_RESIZE='fast'.*auto, triton, sparse, banded, eager, dense"):
+        device_resize.build_on_device("cpu")

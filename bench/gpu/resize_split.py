@@ -1,13 +1,21 @@
 """The device decode's time split, JPEG decode against crop and resize, for each device resize, side by side.
 
     python -m bench.gpu.resize_split [--data-dir DIR] [--device cuda] [--batches 4] [--batch-size 64]
+                                     [--modes dense,banded,auto]
 
 `DeviceDecode` (datamodules/sample/device_decode.py) over the same batches of real JPEGs (by default the built-in
 data's ImageNet-sized preset, about 470 x 390 px, written to a temporary folder) at 224 px with the ImageNet
 recipes' crops, with a decoder per FIC_DEVICE_RESIZE mode, the modes in turn on each batch; for each, the seconds
 its `Waits` counted in the JPEG decode and in the crop and resize, and the crop's share of the two: what the
-end-of-run line (decode_line) says. On a CPU the decode is libjpeg-turbo and the resize the torch forms (the
-kernels need CUDA). On CUDA the crop's seconds are its launches (the kernels run on after them).
+end-of-run line (decode_line) says. `auto` is the default form: on a CPU the sparse CSR products
+(sparse_resize.py), on CUDA the Triton kernels. On a CPU the decode is libjpeg-turbo and every resize runs on one
+intra-op thread (device_resize.py, `_on_one_thread`). On CUDA the crop's seconds are its launches (the kernels
+run on after them).
+
+On the shared 2-core VM (Intel Xeon, 2026-12-02, load 6 to 11; bench/results/cpu-2c-intel-xeon.resize-split.md),
+`--batches 3 --batch-size 64`, three runs: the crop and resize 19 to 26% of the two with auto (sparse), 63 to 74%
+banded, 67 to 72% dense; before the sparse form and the one thread, the banded form's were 79 to 82% (1.8 s a
+batch against 0.4 s of JPEG decode).
 """
 from __future__ import annotations
 
@@ -19,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-MODES = ("dense", "banded")
+MODES = ("dense", "banded", "auto")
 
 
 def resize_split(root: Path, device: str = "cpu", batches: int = 4, batch_size: int = 64, size: int = 224,

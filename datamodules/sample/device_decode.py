@@ -164,8 +164,8 @@ class DeviceDecode:
             self.streams.wait(self.resize_stream, decoded_at)
             self.streams.reads(self.resize_stream, key)
             self.streams.writes(self.resize_stream, slot.key)
-            labels = build_on_device()(images, table, spans, size, out, batch.slots, batch.pixels, batch.pixel_slots,
-                                       batch.labels, self.device)
+            labels = build_on_device(self.device)(images, table, spans, size, out, batch.slots, batch.pixels,
+                                                  batch.pixel_slots, batch.labels, self.device)
             ready = self.streams.record(self.resize_stream)
         self.in_flight.append((ready, images, key))
         if slots:
