@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -245,12 +246,15 @@ class ImageClassifier(pl.LightningModule):
         return body_modules(self.backbone)
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        """What this model's settings ask for: fine-tuning, TensorBoard pictures, predictions.csv, the HPARAMS tab."""
+        """What this model's settings ask for: fine-tuning, TensorBoard pictures, the HPARAMS tab; predictions.csv in
+        predict only (Lightning sets trainer.state.fn before it asks: trainer/trainer.py, predict then _run)."""
         callbacks: list[pl.Callback] = []
         if self.hparams.get("freeze_backbone_epochs"):
             callbacks.append(FreezeBackboneEpochs(self.hparams.freeze_backbone_epochs))
         callbacks += picture_callbacks(self.hparams)
-        callbacks += [PredictionsCSV(), HparamsWithMetric(metric="val/acc1")]
+        if self._trainer is not None and self.trainer.state.fn == TrainerFn.PREDICTING:
+            callbacks.append(PredictionsCSV())
+        callbacks.append(HparamsWithMetric(metric="val/acc1"))
         return callbacks
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

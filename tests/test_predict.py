@@ -295,3 +295,17 @@ def test_scoring_a_checkpoint_on_data_of_other_classes_is_one_paragraph(cli_run,
     assert stopped.value.code == 2 and "\n" not in err and "Traceback" not in err, err
     assert f"{subcommand}: the data's" in err and "--data.predict_dir" in err, err
     assert not list((tmp_path / "logs").rglob("predictions.csv"))
+
+
+@pytest.mark.parametrize("fn, attached", [("fit", False), ("validate", False), ("predict", True)])
+def test_predictions_csv_is_attached_to_predict_only(fn, attached):
+    import pytorch_lightning as pl
+    from pytorch_lightning.trainer.states import TrainerFn
+
+    from lightning_app.module import ImageClassifier
+
+    model = ImageClassifier(arch="conv11", num_classes=2, image_size=32, global_batch_size=4, arch_kwargs={"width": 4})
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, accelerator="cpu")
+    model.trainer = trainer
+    trainer.state.fn = TrainerFn(fn)
+    assert any(isinstance(c, PredictionsCSV) for c in model.configure_callbacks()) == attached
