@@ -9,17 +9,18 @@ batches; the save that follows is a collective (a barrier; PowerSGD's state), an
 until the timeout. Its SLURM handler saves a checkpoint from inside the signal handler.
 
 Here (`StopSignals`, which takes the trainer's `_signal_connector` seat):
-- the handlers of SIGTERM, SIGINT (Ctrl-C; a second one stops at once), and of SLURM's requeue signal (SIGUSR1)
-  under SLURM with auto-requeue (in a sweep's trial under SLURM, a stop as SIGTERM is), record the signal and do
-  nothing else;
+- the handlers of SIGTERM, SIGINT (Ctrl-C; a second one ends the process at once, exit status 130), and of
+  SLURM's requeue signal (SIGUSR1) under SLURM with auto-requeue (in a sweep's trial under SLURM, a stop as
+  SIGTERM is), record the signal and do nothing else;
 - the ranks agree with one `all_reduce(MAX)` of their flags on the steps that already sync for logging
   (`trainer.log_every_n_steps`; every 50 steps when logging is off) and at the end of every training epoch;
 - `trainer.received_sigterm` is the *agreed* flag, so Lightning's own checks raise SIGTERMException on every rank
   at the same batch; `CheckpointOnSigterm` then saves on every rank together (one `last.ckpt`, or for the requeue
   signal one `hpc_ckpt_K.ckpt` and `scontrol requeue`) and the run exits 0 (130 after Ctrl-C);
-- Lightning's per-batch broadcast is switched off (the epoch loop's `_broadcast_sigterm_tensor`).
+- Lightning's per-batch broadcast is switched off (the epoch loop's `_broadcast_sigterm_tensor`);
+- a validation inside the fit is never cut: the stop follows its end, so every epoch is scored once.
 
-With one process the flag is the decision, at the end of the running batch, as in Lightning.
+With one process the flag is the decision, at the end of the running training batch, as in Lightning.
 """
 from __future__ import annotations
 
@@ -61,10 +62,14 @@ class StopSignals(_SignalConnector):
     # Lightning's loops read trainer.received_sigterm (this connector's attribute) to decide to stop
     @property
     def received_sigterm(self) -> bool:
-        # With several processes a validation inside the fit is never cut: its ranks may run different numbers of
-        # batches (DALI's per-rank val slices) and its end is a collective; the stop follows it, where Lightning's
-        # epoch loop checks the flag again (loops/training_epoch_loop.py, on_advance_end).
-        if self.trainer.world_size > 1 and self.trainer.validating and self._fitting():
+        # A validation inside the fit is never cut. Cut, its epoch would never be scored: the checkpoint holds the
+        # val loop part-way, and the resumed run does not run it again (Lightning goes back into a validation only
+        # from inside a batch: loops/training_epoch_loop.py `advance`, `restarted_mid_evaluation`), so the
+        # best-checkpoint callback never sees that epoch. With several processes its ranks may also run different
+        # numbers of batches (DALI's per-rank val slices), and its end is a collective. The stop follows it, where
+        # Lightning's loops check the flag again (training_epoch_loop.py and fit_loop.py, on_advance_end): after
+        # the epoch-end save of the best checkpoint (docs/clusters.md, "Preemption and requeue", says how long).
+        if self.trainer.validating and self._fitting():
             return False
         return self.decision != NONE
 
@@ -109,19 +114,35 @@ class StopSignals(_SignalConnector):
 
     def _note(self, signum: int, _frame: FrameType | None) -> None:
         if signum == signal.SIGINT:
-            if self.requested == INTERRUPT:  # the second Ctrl-C: stop at once, without a checkpoint (Python's own)
-                launcher = self.trainer.strategy.launcher  # the ranks it started may wait in a collective: end them
-                if launcher is not None:
-                    launcher.kill(signal.SIGKILL)
-                raise KeyboardInterrupt
+            if self.requested == INTERRUPT:  # the second Ctrl-C
+                self._stop_at_once()
             if self.requested == NONE and self.trainer.global_rank == 0:
                 # os.write: a handler may interrupt a print of the main thread, and print is not reentrant
-                os.write(2, b"\nCtrl-C: the run stops at the next step every process agrees on and saves last.ckpt;"
-                            b" press Ctrl-C again to stop at once without saving.\n")
+                os.write(2, b"\nCtrl-C: the run stops at the next step every process agrees on (after the running "
+                            b"validation, if any) and saves last.ckpt; press Ctrl-C again to stop at once without "
+                            b"saving.\n")
             asked = INTERRUPT
         else:
             asked = REQUEUE if signum == self.requeue_signal() else STOP
         self.requested = max(self.requested, asked)
+
+    def _stop_at_once(self) -> None:
+        """The second Ctrl-C: end this process now, with exit status 130, saving nothing.
+
+        Not by raising KeyboardInterrupt, as Python's own handler does: Lightning catches it for a "graceful
+        shutdown" (trainer/call.py, `_call_and_handle_interrupt`: the exception hooks, a teardown that joins the
+        loader workers, exit status 1), and raised from a handler it can land where it is swallowed (an
+        `__del__`, a `finally` that raises again), so the run went on to its agreed stop and saved anyway. The
+        ranks Lightning's launcher started are SIGKILLed (they may wait in a collective); loader workers end with
+        this process (datamodules/processes/loader_workers.py). A checkpoint save under way is cut: its temp file
+        is removed by the next run (lightning_app/runs/leftovers.py) and last.ckpt stays the previous one."""
+        launcher = self.trainer.strategy.launcher
+        if launcher is not None:
+            launcher.kill(signal.SIGKILL)
+        if self.trainer.global_rank == 0:
+            os.write(2, b"\nCtrl-C again: stopped at once, without saving; --ckpt_path last resumes from the last "
+                        b"checkpoint saved.\n")
+        os._exit(130)
 
     def agree(self) -> int:
         """Every rank calls this at the same step: the largest request of any rank becomes the decision."""

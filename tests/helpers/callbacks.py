@@ -301,15 +301,18 @@ class KeepCheckpointAt(pl.Callback):
 
 
 class SignalDuringValidation(pl.Callback):
-    """Sends a real signal to this process when validation batch `batch` starts (not in the sanity check)."""
+    """Sends a real signal to this process when validation batch `batch` starts (not in the sanity check): in the
+    validation of `epoch` (any if -1), on the process with global rank `rank` (all if -1); and again when batch
+    `again` starts (-1: never), as a second Ctrl-C."""
 
     changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
 
-    def __init__(self, batch: int = 1, sig: str = "SIGTERM") -> None:
-        self.batch, self.sig = batch, sig
+    def __init__(self, batch: int = 1, sig: str = "SIGTERM", epoch: int = -1, rank: int = -1, again: int = -1) -> None:
+        self.batch, self.sig, self.epoch, self.rank, self.again = batch, sig, epoch, rank, again
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
-        if batch_idx == self.batch and not trainer.sanity_checking:
+        if (batch_idx in (self.batch, self.again) and not trainer.sanity_checking and
+                self.epoch in (-1, trainer.current_epoch) and self.rank in (-1, trainer.global_rank)):
             print(f"SignalDuringValidation: sending {self.sig} at validation batch {batch_idx}", flush=True)
             os.kill(os.getpid(), getattr(signal, self.sig))
 
