@@ -22,6 +22,7 @@ from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from datamodules.processes import dead_workers
 from lightning_app import disk_full, parse_errors, runs, trackers
 from lightning_app.callbacks import finite_loss, stop_signals
 from lightning_app.callbacks.checkpoints import CheckpointOnSigterm, ResumableCheckpoint
@@ -346,6 +347,9 @@ def main(args=None) -> ClassifierCLI:
     except finite_loss.NonFiniteTraining as diverged:
         _say_diverged(str(diverged))
     except Exception as error:
+        if dead_workers.unsaved_paragraph(error):  # a loader worker died where no stop could save
+            print(dead_workers.unsaved_paragraph(error), file=sys.stderr, flush=True)
+            raise SystemExit(dead_workers.EXIT_WORKER_DIED) from None
         user_error = find_user_error(error)
         if user_error is not None:
             if show_traceback():

@@ -18,7 +18,10 @@ Here (`StopSignals`, which takes the trainer's `_signal_connector` seat):
   at the same batch; `CheckpointOnSigterm` then saves on every rank together (one `last.ckpt`, or for the requeue
   signal one `hpc_ckpt_K.ckpt` and `scontrol requeue`) and the run exits 0 (130 after Ctrl-C);
 - Lightning's per-batch broadcast is switched off (the epoch loop's `_broadcast_sigterm_tensor`);
-- a validation inside the fit is never cut: the stop follows its end, so every epoch is scored once.
+- a validation inside the fit is never cut: the stop follows its end, so every epoch is scored once;
+- a train loader worker that died (datamodules/processes/dead_workers.py) is a request too, WORKER_DIED: the loader
+  goes on with new workers to the agreement, then every rank stops and saves as on SIGTERM, and the run exits
+  with EXIT_WORKER_DIED and a paragraph naming the worker.
 
 With one process the flag is the decision, at the end of the running training batch, as in Lightning.
 """
@@ -35,19 +38,25 @@ from lightning_fabric.plugins.environments import SLURMEnvironment
 from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnector
 from pytorch_lightning.trainer.states import TrainerFn
 
+from datamodules.processes import dead_workers
 from lightning_app.runs.identity import sweep_trial
 
 AGREE_EVERY_WITHOUT_LOGGING = 50  # steps between agreements when trainer.log_every_n_steps is 0
-NONE, INTERRUPT, STOP, REQUEUE = 0, 1, 2, 3  # what a rank asks for (Ctrl-C, SIGTERM, requeue); the largest wins
-NAMES = {INTERRUPT: "Ctrl-C (SIGINT)", STOP: "SIGTERM", REQUEUE: "SLURM requeue signal"}
+# what a rank asks for (Ctrl-C, SIGTERM, a dead loader worker, requeue); the largest wins
+NONE, INTERRUPT, STOP, WORKER_DIED, REQUEUE = 0, 1, 2, 3, 4
+NAMES = {INTERRUPT: "Ctrl-C (SIGINT)", STOP: "SIGTERM", WORKER_DIED: "A dead loader worker",
+         REQUEUE: "SLURM requeue signal"}
 last_decision, last_saved = NONE, False  # what stopped this process's last run, and whether it saved (cli.main)
 
 
 def exit_status() -> int:
     """A fit stopped and saved: 0 (130 after Ctrl-C, so a shell's `fit && test` does not go on); an evaluation
-    stopped: 128 + the signal, as the shell reports a process a signal ended."""
+    stopped: 128 + the signal, as the shell reports a process a signal ended; a fit a dead loader worker stopped:
+    EXIT_WORKER_DIED, saved or not."""
     if last_decision == INTERRUPT:
         return 130
+    if last_decision == WORKER_DIED:
+        return dead_workers.EXIT_WORKER_DIED
     return 0 if last_saved else 128 + signal.SIGTERM
 
 
@@ -85,8 +94,14 @@ class StopSignals(_SignalConnector):
         """NONE, STOP or REQUEUE: what every rank does. With one process, or outside a fit (nothing is saved, so
         a rank that stops alone leaves no collective behind it but the lost-peer error), what this one was asked."""
         if self.trainer.world_size == 1 or not self._fitting():
-            return self.requested
+            return self.asked()
         return self._agreed
+
+    def asked(self) -> int:
+        """What this process asks for: its signals, and in a fit a loader worker that died (datamodules/processes/
+        dead_workers.py: the train loader went on with new workers to this point)."""
+        died = WORKER_DIED if dead_workers.recorded and self._fitting() else NONE
+        return max(self.requested, died)
 
     def requeue_signal(self) -> signal.Signals | None:
         env = self.trainer._accelerator_connector.cluster_environment
@@ -96,6 +111,7 @@ class StopSignals(_SignalConnector):
 
     def register_signal_handlers(self) -> None:
         self._agreed, self.requested = NONE, NONE
+        dead_workers.forget()
         self._original_handlers = self._get_current_signal_handlers()
         if self.trainer.state.fn != TrainerFn.PREDICTING:  # Lightning's predict loop never reads the flag
             self._register_signal(signal.SIGTERM, self._note)
@@ -147,7 +163,7 @@ class StopSignals(_SignalConnector):
     def agree(self) -> int:
         """Every rank calls this at the same step: the largest request of any rank becomes the decision."""
         if self.trainer.world_size > 1:
-            self._agreed = max(self._agreed, largest_of_all_ranks(self.trainer, self.requested))
+            self._agreed = max(self._agreed, largest_of_all_ranks(self.trainer, self.asked()))
         return self.decision
 
     def teardown(self) -> None:

@@ -256,6 +256,22 @@ class SignalAt(pl.Callback):
                 os.kill(os.getpid(), getattr(signal, self.sig))
 
 
+class KillLoaderWorkerAt(pl.Callback):
+    """SIGKILLs train loader worker 0 of the process with global rank `rank` (all if -1) when training batch `batch`
+    of `epoch` starts, as the kernel's OOM killer would; prints its pid."""
+
+    changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
+
+    def __init__(self, epoch: int, batch: int, rank: int = -1) -> None:
+        self.epoch, self.batch, self.rank = epoch, batch, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if (trainer.current_epoch, batch_idx) == (self.epoch, self.batch) and self.rank in (-1, trainer.global_rank):
+            pid = trainer.train_dataloader._iterator._workers[0].pid
+            print(f"KillLoaderWorkerAt: SIGKILL to loader worker pid {pid} of rank {trainer.global_rank}", flush=True)
+            os.kill(pid, signal.SIGKILL)
+
+
 class NanBatchAt(pl.Callback):
     """Turns the images of training batch `batch` of `epoch` into NaN (after the normalisation on the device) on the
     process with global rank `rank` (all if -1): that step's loss is NaN there, as a real divergence makes it."""
