@@ -125,12 +125,12 @@ class ResumableLoader(StatefulDataLoader):
                 batch = next(batches)
             except StopIteration:
                 return
-            except RuntimeError as error:
+            except (RuntimeError, OSError) as error:
                 iterator = self._iterator
-                if not dead_workers.died_pids(error) or iterator is None or restarts >= \
-                        dead_workers.RESTARTS_PER_ITERATOR:
+                workers = list(getattr(iterator, "_workers", []))
+                if iterator is None or restarts >= dead_workers.RESTARTS_PER_ITERATOR or \
+                        not dead_workers.record(error, workers):
                     raise
-                dead_workers.record(error, list(getattr(iterator, "_workers", [])))
                 restarts += 1
                 batches = self._started_again(iterator)
                 continue

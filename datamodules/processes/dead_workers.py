@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 from dataclasses import dataclass
 
 EXIT_WORKER_DIED = 4  # docs/clusters.md, "Faults": beside a bad setting (2), a diverged run (3), a lost peer (1)
 RESTARTS_PER_ITERATOR = 3  # a worker that dies again at once (a crash on one sample) ends the run unsaved
+READ_ERROR_WAIT_S = 5.0  # torch's own interval of worker checks (torch/utils/data/_utils/__init__.py)
 # the two messages of torch (see the module doc)
 _DIED = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:exited unexpectedly|is killed by signal)")
 
@@ -62,9 +64,24 @@ def died_pids(error: BaseException) -> list[int]:
     return [int(pid) for pid in found.group(1).replace(" ", "").split(",") if pid] if found else []
 
 
-def record(error: BaseException, workers: list) -> list[DeadWorker]:
-    """The workers (multiprocessing Process objects of a loader's iterator) named by `error`, recorded."""
+def record(error: BaseException, workers: list, wait_s: float = READ_ERROR_WAIT_S) -> list[DeadWorker]:
+    """The workers (multiprocessing Process objects of a loader's iterator) that `error` shows dead, recorded; []
+    when it shows none.
+
+    torch's message names them. An error reading a batch (ConnectionError, or another OSError) may too: a batch's
+    shared memory travels as a file descriptor that the training process fetches from the worker that made it
+    (torch/multiprocessing/reductions.py, `rebuild_storage_fd` -> multiprocessing/resource_sharer.py), and a
+    worker killed after it queued the batch no longer answers; torch raises that error as it is when the worker's
+    death is not known yet (dataloader.py, `_try_get_data`: the server reports it a moment later); with pinned
+    memory the pin thread, which reads the batches, ends on it, and torch says "Pin memory thread exited
+    unexpectedly" (dataloader.py, `_get_data`). So for an error without a pid the workers are watched for up
+    to `wait_s` seconds for one that ended."""
     pids = set(died_pids(error))
+    deadline = time.monotonic() + wait_s
+    while not pids and time.monotonic() < deadline:
+        pids = {w.pid for w in workers if not w.is_alive()}
+        if not pids:
+            time.sleep(0.1)
     dead = [DeadWorker(w.pid, w.exitcode) for w in workers if w.pid in pids]
     dead = dead or [DeadWorker(pid, None) for pid in sorted(pids)]
     recorded.extend(dead)
