@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,29 @@ def test_a_killed_loader_worker_saves_on_every_rank_names_itself_and_exits_4(tin
     code, out = _fit(_args(tiny_data, tmp_path, devices, "--ckpt_path", "last"))
     assert code == 0 and "Done: best val/acc1" in out, out[-5000:]
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 3 * STEPS
+
+
+def test_the_train_loader_names_a_killed_worker_and_goes_on_from_its_last_batch():
+    """In-process, a forkserver ResumableLoader of 2 workers: worker 0 SIGKILLed after 3 batches; the loader
+    records its pid and signal (the fork server's report) and delivers the rest of the epoch from new workers,
+    the same batches in the same order as an uninterrupted loader, none replayed, none skipped."""
+    from datamodules.processes import dead_workers
+    from datamodules.resume import EpochSampler, ResumableLoader
+
+    data = list(range(64))
+
+    def loader(workers: int) -> ResumableLoader:
+        sampler = EpochSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True)
+        context = {"multiprocessing_context": "forkserver"} if workers else {}
+        return ResumableLoader(data, batch_size=4, sampler=sampler, num_workers=workers, **context)
+
+    dead_workers.forget()
+    killed = loader(2)
+    batches = iter(killed)
+    got = [next(batches).tolist() for _ in range(3)]
+    pid = killed._iterator._workers[0].pid
+    os.kill(pid, signal.SIGKILL)
+    got += [batch.tolist() for batch in batches]
+    assert got == [batch.tolist() for batch in loader(0)]
+    assert [(d.pid, d.how()) for d in dead_workers.recorded] == [(pid, "was killed by SIGKILL")]
+    dead_workers.forget()
