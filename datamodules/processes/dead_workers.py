@@ -95,7 +95,8 @@ def stamp(epoch: int, step: int) -> None:
             dead.epoch, dead.step = epoch, step
 
 
-def paragraph(deaths: list[DeadWorker], num_workers: int | None, world_size: int, saved: str | None) -> str:
+def paragraph(deaths: list[DeadWorker], num_workers: int | None, world_size: int, saved: str | None,
+              loader: str = "training loader") -> str:
     """The one paragraph a fit stopped by dead loader workers ends with."""
     which = "; ".join(
         f"pid {d.pid}{f' (rank {d.rank})' if world_size > 1 else ''} {d.how()}"
@@ -110,7 +111,7 @@ def paragraph(deaths: list[DeadWorker], num_workers: int | None, world_size: int
     ranks = f" (all {world_size} processes stopped at the step they agreed on)" if world_size > 1 else ""
     kept = (f"The run saved {saved}{ranks} and stopped; resume with --ckpt_path last." if saved else
             "Nothing was saved; --ckpt_path last resumes from the last checkpoint on disk.")
-    return (f"A training loader worker died: {which}. {cause}Lower --data.num_workers{workers} or --data.batch_size, "
+    return (f"A {loader} worker died: {which}. {cause}Lower --data.num_workers{workers} or --data.batch_size, "
             f"or give the job more memory. {kept}")
 
 
@@ -123,7 +124,7 @@ def unsaved_paragraph(error: BaseException) -> str | None:
         pids = died_pids(e)
         if pids:
             deaths = [d for d in recorded if d.pid in pids] or [DeadWorker(pid, _signal_said(str(e))) for pid in pids]
-            return paragraph(deaths, None, 1, None)
+            return paragraph(deaths, None, 1, None, "loader")
         e = e.__cause__ or e.__context__
     return None
 
