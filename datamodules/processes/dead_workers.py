@@ -88,6 +88,14 @@ def record(error: BaseException, workers: list, wait_s: float = READ_ERROR_WAIT_
     return dead
 
 
+def record_ended(workers: list) -> None:
+    """Records the workers of a loader's iterator found ended and not yet recorded: at a stop, a death the loader
+    has not met yet (it meets one only when it awaits that worker's next batch)."""
+    known = {d.pid for d in recorded}  # exit status 0: a worker its loader shut down (an epoch's end)
+    recorded.extend(DeadWorker(w.pid, w.exitcode) for w in workers
+                    if w.pid not in known and w.exitcode not in (None, 0))
+
+
 def stamp(epoch: int, step: int) -> None:
     """Gives the deaths not yet placed the epoch and step (from 1) the training process is about to run."""
     for dead in recorded:

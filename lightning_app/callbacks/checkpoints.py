@@ -96,6 +96,8 @@ class CheckpointOnSigterm(pl.Callback):
 
 def all_dead_workers(trainer: pl.Trainer) -> list[dead_workers.DeadWorker]:
     """The loader workers that died on every rank (every rank calls this together: one all_gather_object)."""
+    dead_workers.record_ended(list(getattr(getattr(trainer.train_dataloader, "_iterator", None), "_workers", [])))
+    dead_workers.stamp(trainer.current_epoch + 1, trainer.global_step)
     mine = [dataclasses.replace(d, rank=trainer.global_rank) for d in dead_workers.recorded]
     if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         return mine
