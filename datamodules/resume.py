@@ -47,6 +47,7 @@ from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
+from datamodules.processes import dead_workers
 from datamodules.sample.batches import given_back
 
 # How often (in batches) the loader asks its workers for their state. Every batch: a worker's state is its
@@ -112,7 +113,37 @@ class ResumableLoader(StatefulDataLoader):
             super().__init__(*args, **kwargs)
 
     def __iter__(self):
-        return given_back(super().__iter__())
+        return given_back(self._through_dead_workers(super().__iter__()))
+
+    def _through_dead_workers(self, batches: Iterator) -> Iterator:
+        """`batches`; where a worker has died (datamodules/processes/dead_workers.py), recorded, and the rest from
+        workers started again from the loader's state as of the last batch it yielded (torchdata updates that state
+        only as it yields a batch: stateful_dataloader.py, `_process_data`), exactly as a resume would go on."""
+        restarts = 0
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except (RuntimeError, OSError) as error:
+                iterator = self._iterator
+                workers = list(getattr(iterator, "_workers", []))
+                if iterator is None or restarts >= dead_workers.RESTARTS_PER_ITERATOR or \
+                        not dead_workers.record(error, workers):
+                    raise
+                restarts += 1
+                batches = self._started_again(iterator)
+                continue
+            yield batch
+
+    def _started_again(self, iterator) -> Iterator:
+        state = copy.deepcopy(iterator.state_dict())
+        iterator._shutdown_workers()
+        for worker in getattr(iterator, "_workers", []):
+            if worker.is_alive():  # torch's shutdown ends a stuck worker with SIGTERM, which ours ignore
+                worker.kill()
+        StatefulDataLoader.load_state_dict(self, state)
+        return StatefulDataLoader.__iter__(self)
 
     def loader_state(self) -> dict[str, Any]:
         """This rank's state as of the batches the loader itself has yielded (a copy: torchdata updates its own)."""

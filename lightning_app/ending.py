@@ -9,6 +9,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_only
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from datamodules.processes import dead_workers
 from lightning_app import trackers
 from lightning_app.callbacks import finite_loss, stop_signals
 from lightning_app.callbacks.throughput import TrainSpeedMonitor
@@ -58,6 +59,10 @@ def exit_for(error: BaseException) -> None:
         say_diverged(str(error))
     if not isinstance(error, Exception):
         return
+    unsaved = dead_workers.unsaved_paragraph(error)
+    if unsaved:  # a loader worker died where no stop could save
+        print(unsaved, file=sys.stderr, flush=True)
+        raise SystemExit(dead_workers.EXIT_WORKER_DIED) from None
     user_error = find_user_error(error)
     if user_error is not None:
         if show_traceback():

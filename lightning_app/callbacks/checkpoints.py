@@ -1,16 +1,20 @@
 """Checkpoints a run can resume from: last.ckpt on SIGTERM, and a best checkpoint that holds its weights."""
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 import time
 
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from datamodules.processes import dead_workers
 from lightning_app.callbacks import finite_loss, stop_signals
 
 
@@ -21,6 +25,8 @@ class CheckpointOnSigterm(pl.Callback):
       stops at the same batch and `last.ckpt` is saved, so `--ckpt_path last` resumes from it.
     - SLURM's requeue signal (SIGUSR1, `--signal=SIGUSR1@120` in scripts/slurm/train.sbatch): the same stop,
       saved as the run's `hpc_ckpt_K.ckpt`; then rank 0 runs `scontrol requeue`.
+    - A train loader worker that died (datamodules/processes/dead_workers.py): the same stop, saving `last.ckpt`,
+      then rank 0 prints the paragraph naming every rank's dead workers and the run exits with EXIT_WORKER_DIED.
 
     Lightning 2.6 raises SIGTERMException once `trainer.received_sigterm` is true (here: the agreed flag) but
     saves nothing. Only a fit saves: an interrupted evaluation never replaces last.ckpt (docs/design.md,
@@ -32,6 +38,10 @@ class CheckpointOnSigterm(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         stop_signals.install(trainer)  # before Trainer._run registers the signal handlers
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        if dead_workers.recorded:  # a loader worker died fetching this batch: the step it was in, for its paragraph
+            dead_workers.stamp(trainer.current_epoch + 1, trainer.global_step + 1)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch,
                            batch_idx: int) -> None:
@@ -65,6 +75,7 @@ class CheckpointOnSigterm(pl.Callback):
                 rank_zero_info("Requeued the SLURM job." if status == 0 else
                                f"`scontrol requeue` failed (exit status {status}): the job is not requeued.")
             return
+        deaths = all_dead_workers(trainer) if decision == stop_signals.WORKER_DIED else []
         ckpt = trainer.checkpoint_callback
         dirpath = ckpt.dirpath if isinstance(ckpt, ModelCheckpoint) and ckpt.dirpath else os.path.join(
             trainer.default_root_dir, "checkpoints")
@@ -72,12 +83,27 @@ class CheckpointOnSigterm(pl.Callback):
         trainer.save_checkpoint(path, weights_only=False)
         self._say(trainer, stop_signals.NAMES.get(decision, "SIGTERM"), path)
         stop_signals.last_saved = True
+        if deaths and trainer.is_global_zero:  # the run's last word, on stderr as the other fault paragraphs
+            workers = getattr(trainer.train_dataloader, "num_workers", None)
+            print(dead_workers.paragraph(deaths, workers, trainer.world_size, path), file=sys.stderr, flush=True)
 
     @staticmethod
     def _say(trainer: pl.Trainer, what: str, path: str) -> None:
         ranks = f" (all {trainer.world_size} processes stopped at this step)" if trainer.world_size > 1 else ""
         rank_zero_info(f"{what}: saved {path} in epoch {trainer.current_epoch + 1}, step {trainer.global_step}"
                        f"{ranks}; resume with --ckpt_path last.")
+
+
+def all_dead_workers(trainer: pl.Trainer) -> list[dead_workers.DeadWorker]:
+    """The loader workers that died on every rank (every rank calls this together: one all_gather_object)."""
+    dead_workers.record_ended(list(getattr(getattr(trainer.train_dataloader, "_iterator", None), "_workers", [])))
+    dead_workers.stamp(trainer.current_epoch + 1, trainer.global_step)
+    mine = [dataclasses.replace(d, rank=trainer.global_rank) for d in dead_workers.recorded]
+    if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return mine
+    ranks: list = [None] * trainer.world_size
+    dist.all_gather_object(ranks, mine)
+    return [d for rank in ranks for d in rank]
 
 
 class ResumableCheckpoint(ModelCheckpoint):

@@ -9,17 +9,21 @@ batches; the save that follows is a collective (a barrier; PowerSGD's state), an
 until the timeout. Its SLURM handler saves a checkpoint from inside the signal handler.
 
 Here (`StopSignals`, which takes the trainer's `_signal_connector` seat):
-- the handlers of SIGTERM, SIGINT (Ctrl-C; a second one stops at once), and of SLURM's requeue signal (SIGUSR1)
-  under SLURM with auto-requeue (in a sweep's trial under SLURM, a stop as SIGTERM is), record the signal and do
-  nothing else;
+- the handlers of SIGTERM, SIGINT (Ctrl-C; a second one ends the process at once, exit status 130), and of
+  SLURM's requeue signal (SIGUSR1) under SLURM with auto-requeue (in a sweep's trial under SLURM, a stop as
+  SIGTERM is), record the signal and do nothing else;
 - the ranks agree with one `all_reduce(MAX)` of their flags on the steps that already sync for logging
   (`trainer.log_every_n_steps`; every 50 steps when logging is off) and at the end of every training epoch;
 - `trainer.received_sigterm` is the *agreed* flag, so Lightning's own checks raise SIGTERMException on every rank
   at the same batch; `CheckpointOnSigterm` then saves on every rank together (one `last.ckpt`, or for the requeue
   signal one `hpc_ckpt_K.ckpt` and `scontrol requeue`) and the run exits 0 (130 after Ctrl-C);
-- Lightning's per-batch broadcast is switched off (the epoch loop's `_broadcast_sigterm_tensor`).
+- Lightning's per-batch broadcast is switched off (the epoch loop's `_broadcast_sigterm_tensor`);
+- a validation inside the fit is never cut: the stop follows its end, so every epoch is scored once;
+- a train loader worker that died (datamodules/processes/dead_workers.py) is a request too, WORKER_DIED: the loader
+  goes on with new workers to the agreement, then every rank stops and saves as on SIGTERM, and the run exits
+  with EXIT_WORKER_DIED and a paragraph naming the worker.
 
-With one process the flag is the decision, at the end of the running batch, as in Lightning.
+With one process the flag is the decision, at the end of the running training batch, as in Lightning.
 """
 from __future__ import annotations
 
@@ -34,19 +38,25 @@ from lightning_fabric.plugins.environments import SLURMEnvironment
 from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnector
 from pytorch_lightning.trainer.states import TrainerFn
 
+from datamodules.processes import dead_workers
 from lightning_app.runs.identity import sweep_trial
 
 AGREE_EVERY_WITHOUT_LOGGING = 50  # steps between agreements when trainer.log_every_n_steps is 0
-NONE, INTERRUPT, STOP, REQUEUE = 0, 1, 2, 3  # what a rank asks for (Ctrl-C, SIGTERM, requeue); the largest wins
-NAMES = {INTERRUPT: "Ctrl-C (SIGINT)", STOP: "SIGTERM", REQUEUE: "SLURM requeue signal"}
+# what a rank asks for (Ctrl-C, SIGTERM, a dead loader worker, requeue); the largest wins
+NONE, INTERRUPT, STOP, WORKER_DIED, REQUEUE = 0, 1, 2, 3, 4
+NAMES = {INTERRUPT: "Ctrl-C (SIGINT)", STOP: "SIGTERM", WORKER_DIED: "A dead loader worker",
+         REQUEUE: "SLURM requeue signal"}
 last_decision, last_saved = NONE, False  # what stopped this process's last run, and whether it saved (cli.main)
 
 
 def exit_status() -> int:
     """A fit stopped and saved: 0 (130 after Ctrl-C, so a shell's `fit && test` does not go on); an evaluation
-    stopped: 128 + the signal, as the shell reports a process a signal ended."""
+    stopped: 128 + the signal, as the shell reports a process a signal ended; a fit a dead loader worker stopped:
+    EXIT_WORKER_DIED, saved or not."""
     if last_decision == INTERRUPT:
         return 130
+    if last_decision == WORKER_DIED:
+        return dead_workers.EXIT_WORKER_DIED
     return 0 if last_saved else 128 + signal.SIGTERM
 
 
@@ -61,10 +71,14 @@ class StopSignals(_SignalConnector):
     # Lightning's loops read trainer.received_sigterm (this connector's attribute) to decide to stop
     @property
     def received_sigterm(self) -> bool:
-        # With several processes a validation inside the fit is never cut: its ranks may run different numbers of
-        # batches (DALI's per-rank val slices) and its end is a collective; the stop follows it, where Lightning's
-        # epoch loop checks the flag again (loops/training_epoch_loop.py, on_advance_end).
-        if self.trainer.world_size > 1 and self.trainer.validating and self._fitting():
+        # A validation inside the fit is never cut. Cut, its epoch would never be scored: the checkpoint holds the
+        # val loop part-way, and the resumed run does not run it again (Lightning goes back into a validation only
+        # from inside a batch: loops/training_epoch_loop.py `advance`, `restarted_mid_evaluation`), so the
+        # best-checkpoint callback never sees that epoch. With several processes its ranks may also run different
+        # numbers of batches (DALI's per-rank val slices), and its end is a collective. The stop follows it, where
+        # Lightning's loops check the flag again (training_epoch_loop.py and fit_loop.py, on_advance_end): after
+        # the epoch-end save of the best checkpoint (docs/clusters.md, "Preemption and requeue", says how long).
+        if self.trainer.validating and self._fitting():
             return False
         return self.decision != NONE
 
@@ -80,8 +94,14 @@ class StopSignals(_SignalConnector):
         """NONE, STOP or REQUEUE: what every rank does. With one process, or outside a fit (nothing is saved, so
         a rank that stops alone leaves no collective behind it but the lost-peer error), what this one was asked."""
         if self.trainer.world_size == 1 or not self._fitting():
-            return self.requested
+            return self.asked()
         return self._agreed
+
+    def asked(self) -> int:
+        """What this process asks for: its signals, and in a fit a loader worker that died (datamodules/processes/
+        dead_workers.py: the train loader went on with new workers to this point)."""
+        died = WORKER_DIED if dead_workers.recorded and self._fitting() else NONE
+        return max(self.requested, died)
 
     def requeue_signal(self) -> signal.Signals | None:
         env = self.trainer._accelerator_connector.cluster_environment
@@ -91,6 +111,7 @@ class StopSignals(_SignalConnector):
 
     def register_signal_handlers(self) -> None:
         self._agreed, self.requested = NONE, NONE
+        dead_workers.forget()
         self._original_handlers = self._get_current_signal_handlers()
         if self.trainer.state.fn != TrainerFn.PREDICTING:  # Lightning's predict loop never reads the flag
             self._register_signal(signal.SIGTERM, self._note)
@@ -109,24 +130,40 @@ class StopSignals(_SignalConnector):
 
     def _note(self, signum: int, _frame: FrameType | None) -> None:
         if signum == signal.SIGINT:
-            if self.requested == INTERRUPT:  # the second Ctrl-C: stop at once, without a checkpoint (Python's own)
-                launcher = self.trainer.strategy.launcher  # the ranks it started may wait in a collective: end them
-                if launcher is not None:
-                    launcher.kill(signal.SIGKILL)
-                raise KeyboardInterrupt
+            if self.requested == INTERRUPT:  # the second Ctrl-C
+                self._stop_at_once()
             if self.requested == NONE and self.trainer.global_rank == 0:
                 # os.write: a handler may interrupt a print of the main thread, and print is not reentrant
-                os.write(2, b"\nCtrl-C: the run stops at the next step every process agrees on and saves last.ckpt;"
-                            b" press Ctrl-C again to stop at once without saving.\n")
+                os.write(2, b"\nCtrl-C: the run stops at the next step every process agrees on (after the running "
+                            b"validation, if any) and saves last.ckpt; press Ctrl-C again to stop at once without "
+                            b"saving.\n")
             asked = INTERRUPT
         else:
             asked = REQUEUE if signum == self.requeue_signal() else STOP
         self.requested = max(self.requested, asked)
 
+    def _stop_at_once(self) -> None:
+        """The second Ctrl-C: end this process now, with exit status 130, saving nothing.
+
+        Not by raising KeyboardInterrupt, as Python's own handler does: Lightning catches it for a "graceful
+        shutdown" (trainer/call.py, `_call_and_handle_interrupt`: the exception hooks, a teardown that joins the
+        loader workers, exit status 1), and raised from a handler it can land where it is swallowed (an
+        `__del__`, a `finally` that raises again), so the run went on to its agreed stop and saved anyway. The
+        ranks Lightning's launcher started are SIGKILLed (they may wait in a collective); loader workers end with
+        this process (datamodules/processes/loader_workers.py). A checkpoint save under way is cut: its temp file
+        is removed by the next run (lightning_app/runs/leftovers.py) and last.ckpt stays the previous one."""
+        launcher = self.trainer.strategy.launcher
+        if launcher is not None:
+            launcher.kill(signal.SIGKILL)
+        if self.trainer.global_rank == 0:
+            os.write(2, b"\nCtrl-C again: stopped at once, without saving; --ckpt_path last resumes from the last "
+                        b"checkpoint saved.\n")
+        os._exit(130)
+
     def agree(self) -> int:
         """Every rank calls this at the same step: the largest request of any rank becomes the decision."""
         if self.trainer.world_size > 1:
-            self._agreed = max(self._agreed, largest_of_all_ranks(self.trainer, self.requested))
+            self._agreed = max(self._agreed, largest_of_all_ranks(self.trainer, self.asked()))
         return self.decision
 
     def teardown(self) -> None:

@@ -256,6 +256,22 @@ class SignalAt(pl.Callback):
                 os.kill(os.getpid(), getattr(signal, self.sig))
 
 
+class KillLoaderWorkerAt(pl.Callback):
+    """SIGKILLs train loader worker 0 of the process with global rank `rank` (all if -1) when training batch `batch`
+    of `epoch` starts, as the kernel's OOM killer would; prints its pid."""
+
+    changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
+
+    def __init__(self, epoch: int, batch: int, rank: int = -1) -> None:
+        self.epoch, self.batch, self.rank = epoch, batch, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if (trainer.current_epoch, batch_idx) == (self.epoch, self.batch) and self.rank in (-1, trainer.global_rank):
+            pid = trainer.train_dataloader._iterator._workers[0].pid
+            print(f"KillLoaderWorkerAt: SIGKILL to loader worker pid {pid} of rank {trainer.global_rank}", flush=True)
+            os.kill(pid, signal.SIGKILL)
+
+
 class NanBatchAt(pl.Callback):
     """Turns the images of training batch `batch` of `epoch` into NaN (after the normalisation on the device) on the
     process with global rank `rank` (all if -1): that step's loss is NaN there, as a real divergence makes it."""
@@ -301,15 +317,18 @@ class KeepCheckpointAt(pl.Callback):
 
 
 class SignalDuringValidation(pl.Callback):
-    """Sends a real signal to this process when validation batch `batch` starts (not in the sanity check)."""
+    """Sends a real signal to this process when validation batch `batch` starts (not in the sanity check): in the
+    validation of `epoch` (any if -1), on the process with global rank `rank` (all if -1); and again when batch
+    `again` starts (-1: never), as a second Ctrl-C."""
 
     changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
 
-    def __init__(self, batch: int = 1, sig: str = "SIGTERM") -> None:
-        self.batch, self.sig = batch, sig
+    def __init__(self, batch: int = 1, sig: str = "SIGTERM", epoch: int = -1, rank: int = -1, again: int = -1) -> None:
+        self.batch, self.sig, self.epoch, self.rank, self.again = batch, sig, epoch, rank, again
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
-        if batch_idx == self.batch and not trainer.sanity_checking:
+        if (batch_idx in (self.batch, self.again) and not trainer.sanity_checking and
+                self.epoch in (-1, trainer.current_epoch) and self.rank in (-1, trainer.global_rank)):
             print(f"SignalDuringValidation: sending {self.sig} at validation batch {batch_idx}", flush=True)
             os.kill(os.getpid(), getattr(signal, self.sig))
 

@@ -1,0 +1,98 @@
+"""A train loader worker SIGKILLed (as the kernel's OOM killer does) while the training process is healthy: the
+loader goes on with new workers to the next step where the ranks agree, every rank stops there and saves last.ckpt,
+and the run exits 4 with one paragraph naming the worker's pid, the signal, the likely cause, the epoch and the step
+(datamodules/processes/dead_workers.py, lightning_app/callbacks/stop_signals.py).
+
+Before, the run ended in a 121-line traceback ending "DataLoader worker (pid(s) N) exited unexpectedly" (under the
+fork server, torch never learns the signal), and with several processes the rank whose worker died left its peers
+waiting in a collective; the progress since the last checkpoint was lost.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.cli import quick_args
+from tests.helpers.processes import finish, start_main
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+STEPS = 15  # per epoch: 240 tiny training images at a global batch of 16
+LOG_EVERY = 5  # the ranks agree on stops at these steps and at each epoch's end
+
+
+def _args(data: Path, root: Path, devices: int, *extra: str) -> list[str]:
+    ddp = ["--config", "configs/ddp.yaml", "--trainer.devices", "2"] if devices == 2 else []
+    return ["fit", *ddp, *quick_args(data, root, epochs=3, batch=16), "--data.num_workers", "2",
+            "--trainer.num_sanity_val_steps", "0", "--trainer.log_every_n_steps", str(LOG_EVERY),
+            "--model.pictures", "[]", *extra]
+
+
+def _kill_worker(rank: int) -> list[str]:
+    return ["--trainer.callbacks+=tests.helpers.callbacks.KillLoaderWorkerAt", "--trainer.callbacks.epoch=1",
+            "--trainer.callbacks.batch=2", f"--trainer.callbacks.rank={rank}"]
+
+
+def _env() -> dict[str, str]:
+    slurm = {k for k in os.environ if k.startswith("SLURM_")} | {"RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"}
+    return {**{k: v for k, v in os.environ.items() if k not in slurm}, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+            "FIC_DDP_TIMEOUT_S": "60"}
+
+
+def _fit(args: list[str]) -> tuple[int, str]:
+    return finish(start_main(args, _env()), timeout=600)
+
+
+@pytest.mark.parametrize(("devices", "rank"), [(1, 0), (2, 1), (2, -1)],
+                         ids=["one-process", "two-processes-rank-1", "two-processes-both"])
+def test_a_killed_loader_worker_saves_on_every_rank_names_itself_and_exits_4(tiny_data, tmp_path, devices, rank):
+    code, out = _fit(_args(tiny_data, tmp_path, devices, *_kill_worker(rank)))
+    assert code == 4, out[-5000:]
+    assert "Traceback" not in out and "exited unexpectedly" not in out, out[-5000:]
+    killed = re.findall(r"SIGKILL to loader worker pid (\d+) of rank (\d+)", out)
+    assert len(killed) == (2 if rank == -1 else 1), out[-5000:]
+    said = [line for line in out.splitlines() if line.startswith("A training loader worker died:")]
+    assert len(said) == 1, out[-5000:]  # once, from rank 0, whichever rank's worker died
+    for pid, its_rank in killed:
+        where = f" (rank {its_rank})" if devices == 2 else ""
+        assert f"pid {pid}{where} was killed by SIGKILL in epoch 2, at step " in said[0], said[0]
+    assert "out-of-memory killer" in said[0] and "dmesg" in said[0] and "--data.num_workers (2 per process now)" \
+        in said[0], said[0]
+    last = tmp_path / "version_0" / "checkpoints" / "last.ckpt"
+    step = torch.load(last, map_location="cpu", weights_only=False)["global_step"]
+    assert STEPS + 2 < step <= 2 * STEPS, step  # after the kill, in its epoch
+    if devices == 2:  # at a step the ranks agree on: every rank stopped there
+        assert step % LOG_EVERY == 0 and "(all 2 processes stopped at the step they agreed on)" in said[0], said[0]
+    code, out = _fit(_args(tiny_data, tmp_path, devices, "--ckpt_path", "last"))
+    assert code == 0 and "Done: best val/acc1" in out, out[-5000:]
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 3 * STEPS
+
+
+def test_the_train_loader_names_a_killed_worker_and_goes_on_from_its_last_batch():
+    """In-process, a forkserver ResumableLoader of 2 workers: worker 0 SIGKILLed after 3 batches; the loader
+    records its pid and signal (the fork server's report) and delivers the rest of the epoch from new workers,
+    the same batches in the same order as an uninterrupted loader, none replayed, none skipped."""
+    from datamodules.processes import dead_workers
+    from datamodules.resume import EpochSampler, ResumableLoader
+
+    data = list(range(64))
+
+    def loader(workers: int) -> ResumableLoader:
+        sampler = EpochSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True)
+        context = {"multiprocessing_context": "forkserver"} if workers else {}
+        return ResumableLoader(data, batch_size=4, sampler=sampler, num_workers=workers, **context)
+
+    dead_workers.forget()
+    killed = loader(2)
+    batches = iter(killed)
+    got = [next(batches).tolist() for _ in range(3)]
+    pid = killed._iterator._workers[0].pid
+    os.kill(pid, signal.SIGKILL)
+    got += [batch.tolist() for batch in batches]
+    assert got == [batch.tolist() for batch in loader(0)]
+    assert [(d.pid, d.how()) for d in dead_workers.recorded] == [(pid, "was killed by SIGKILL")]
+    dead_workers.forget()
