@@ -33,7 +33,8 @@ import torch
 
 from datamodules.errors import DataError
 from datamodules.processes.locks import file_lock
-from datamodules.sample.images import check_file, is_image_name
+from datamodules.sample.images import check_file, check_image, is_image_name
+from datamodules.sample.pixel_limit import PILLOW_MAX_IMAGE_PIXELS, above_warning
 
 SPLITS = ("train", "val")
 CACHE_VERSION = 4  # 4: val interleaved by class
@@ -112,6 +113,7 @@ class Index:
         self.name_ends = np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)))
         self.label_array = np.asarray(labels, dtype=np.int32).reshape(-1)
         self._shared: tuple[torch.Tensor, ...] | None = None
+        self.large_files: list[tuple[str, int]] = []  # (relative path, pixels) above the pixel limit
 
     @property
     def samples(self) -> Samples:
@@ -165,7 +167,7 @@ class Index:
         """The JSON form of the scan cache (what `dataclasses.asdict` gave)."""
         return {"root": self.root, "split": self.split, "classes": self.classes,
                 "samples": [list(s) for s in self.samples], "bad_files": [list(b) for b in self.bad_files],
-                "empty_classes": self.empty_classes}
+                "empty_classes": self.empty_classes, "large_files": [list(f) for f in self.large_files]}
 
     # -- pickled to a worker: the arrays in shared memory ----------------------------------------------------------
     def __reduce__(self):
@@ -245,14 +247,15 @@ def load_index(
     *,
     check: bool = True,
     cache: bool = True,
+    max_pixels: int | None = PILLOW_MAX_IMAGE_PIXELS,
 ) -> Index:
     """The Index of one split, from the cache when the tree has not changed since."""
     root = os.path.abspath(root)
     classes = classes if classes is not None else find_classes(root)
-    key = _cache_key(root, split, classes, check)
+    key = _cache_key(root, split, classes, check) | {"max_pixels": max_pixels}
     cache_file = _cache_dir() / f"{hashlib.sha1(f'{root}:{split}'.encode()).hexdigest()}.json"
     if not cache:
-        return _checked(scan_split(root, split, classes, check), root, split)
+        return _checked(scan_split(root, split, classes, check, max_pixels=max_pixels), root, split)
     cached = _valid_cache(cache_file, key, root)
     if cached is not None:
         return cached
@@ -266,7 +269,7 @@ def load_index(
             return cached
         split_dir = os.path.join(root, split)
         folders = {split_dir: os.stat(split_dir).st_mtime_ns}  # each folder is stat'ed before it is listed
-        index = _checked(scan_split(root, split, classes, check, folders=folders), root, split)
+        index = _checked(scan_split(root, split, classes, check, folders=folders, max_pixels=max_pixels), root, split)
         _write_cache(cache_file, key, index, folders)
         return index
 
@@ -274,16 +277,18 @@ def load_index(
 def _valid_cache(cache_file: Path, key: dict, root: str) -> Index | None:
     cached = _read_cache(cache_file, key, root)
     # A bad file repaired in place does not change its folder's mtime: re-check those.
-    if cached is not None and all(check_file(os.path.join(root, p)) for p, _ in cached.bad_files):
+    if cached is not None and all(check_file(os.path.join(root, p), max_pixels=key.get("max_pixels"))
+                                  for p, _ in cached.bad_files):
         return cached
     return None
 
 
 def _checked(index: Index, root: str, split: str) -> Index:
     if not index.samples:
+        first = f", e.g. {index.bad_files[0][0]}: {index.bad_files[0][1]}" if index.bad_files else ""
         raise DataError(
             f"{os.path.join(root, split)} holds no usable image files "
-            f"({len(index.bad_files)} unreadable). {LAYOUT_HELP}"
+            f"({len(index.bad_files)} unreadable{first}). {LAYOUT_HELP}"
         )
     return index
 
@@ -298,7 +303,8 @@ def _class_folders(split_dir: Path) -> list[str]:
 
 
 def scan_split(root: str, split: str, classes: list[str], check: bool, threads: int = SCAN_THREADS,
-               progress: bool | None = None, folders: dict[str, int] | None = None) -> Index:
+               progress: bool | None = None, folders: dict[str, int] | None = None,
+               max_pixels: int | None = PILLOW_MAX_IMAGE_PIXELS) -> Index:
     """List every class folder, then check every file (head and tail), both on `threads` threads.
     `folders` gets {folder: mtime_ns} of every folder entered (the cache's key)."""
     t0 = time.perf_counter()
@@ -308,22 +314,25 @@ def scan_split(root: str, split: str, classes: list[str], check: bool, threads: 
                                  classes))
         paths = [p for files in listings for p in files]
         reasons: list[str | None] = [None] * len(paths)
+        pixels: list[int | None] = [None] * len(paths)
         if check:
             with _progress(len(paths), f"index {split}/", progress) as bar:
                 def check_chunk(start: int) -> None:
                     for k in range(start, min(start + SCAN_CHUNK, len(paths))):
-                        reasons[k] = check_file(paths[k])
+                        reasons[k], pixels[k] = check_image(paths[k], max_pixels=max_pixels)
                     bar.update(min(SCAN_CHUNK, len(paths) - start))
 
                 list(pool.map(check_chunk, range(0, len(paths), SCAN_CHUNK)))
     per_class: list[list[tuple[str, int]]] = []
-    bad, empty, k = [], [], 0
+    bad, empty, large, k = [], [], [], 0
     for label, (name, files) in enumerate(zip(classes, listings, strict=False)):
         if not files:
             empty.append(name)
         kept = []
         for path in files:
             rel = os.path.relpath(path, root).replace(os.sep, "/")
+            if above_warning(pixels[k], max_pixels):
+                large.append((rel, pixels[k]))
             if reasons[k]:
                 bad.append((rel, reasons[k]))
             else:
@@ -335,7 +344,9 @@ def scan_split(root: str, split: str, classes: list[str], check: bool, threads: 
     if check and seconds > 5 and not _tty(progress):  # one line in a log instead of a bar
         print(f"indexed {len(paths)} files of {os.path.join(root, split)} in {seconds:.0f} s "
               f"({len(paths) / seconds:,.0f} files/s, {threads} threads)", file=sys.stderr)
-    return Index(root, split, list(classes), samples, bad, empty)
+    index = Index(root, split, list(classes), samples, bad, empty)
+    index.large_files = large
+    return index
 
 
 def interleave(per_class: list[list[tuple[str, int]]]) -> list[tuple[str, int]]:
@@ -392,10 +403,12 @@ def _read_cache(path: Path, key: dict, root: str) -> Index | None:
         except OSError:
             return None
     idx = data["index"]
-    return Index(
+    index = Index(
         idx["root"], idx["split"], idx["classes"],
         [tuple(s) for s in idx["samples"]], [tuple(b) for b in idx["bad_files"]], idx["empty_classes"],
     )
+    index.large_files = [tuple(f) for f in idx.get("large_files", [])]
+    return index
 
 
 def _write_cache(path: Path, key: dict, index: Index, folders: dict[str, int]) -> None:
