@@ -13,6 +13,7 @@ from lightning_app import timm_weights
 from lightning_app import weights as weights_lib
 from lightning_app.callbacks.freeze import FreezeBackboneEpochs
 from lightning_app.callbacks.hparams import HparamsWithMetric
+from lightning_app.callbacks.norm_window import NormStatisticsPerEpoch
 from lightning_app.callbacks.pictures import picture_callbacks
 from lightning_app.callbacks.predictions import PredictionsCSV
 from lightning_app.errors import UserError
@@ -324,12 +325,13 @@ class ImageClassifier(pl.LightningModule):
                 and n not in heads and not n.startswith(tuple(h + "." for h in heads))]
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        """What this model's settings ask for: fine-tuning, TensorBoard pictures, predictions.csv, the HPARAMS tab."""
+        """What this model's settings ask for: fine-tuning, TensorBoard pictures, predictions.csv, the HPARAMS tab, and
+        BatchNorm statistics that keep up with a short epoch (callbacks/norm_window.py)."""
         callbacks: list[pl.Callback] = []
         if self.hparams.get("freeze_backbone_epochs"):
             callbacks.append(FreezeBackboneEpochs(self.hparams.freeze_backbone_epochs))
         callbacks += picture_callbacks(self.hparams)
-        callbacks += [PredictionsCSV(), HparamsWithMetric(metric="val/acc1")]
+        callbacks += [PredictionsCSV(), HparamsWithMetric(metric="val/acc1"), NormStatisticsPerEpoch()]
         return callbacks
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
