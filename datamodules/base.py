@@ -29,6 +29,7 @@ from datamodules.sample.crop import Augment, TrainCrop, ValCrop
 from datamodules.sample.dataset import SampleDataset, Source
 from datamodules.sample.device_decode import DeviceDecode
 from datamodules.sample.encoded import EncodedDataset
+from datamodules.sample.pixel_limit import PILLOW_MAX_IMAGE_PIXELS, use_in_pillow, warn_large_files
 from datamodules.sample.transforms import normalize
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +83,9 @@ class ImageDataModule(LoaderSizing, Loaders, pl.LightningDataModule):
             from the training process (on Python 3.10/3.11 it can hang a worker: a start-up warning says
             how). spawn: a fresh interpreter per worker. Never the interpreter's default, which Python 3.14
             changed to forkserver.
+        max_image_pixels: an image above this many pixels (by its header) is named in a warning at start-up, one
+            above twice it is refused as an unreadable file is; every decoder keeps to it (Pillow's limits by
+            default; null: no limit; datamodules/sample/pixel_limit.py).
     """
 
     def __init__(
@@ -106,6 +110,7 @@ class ImageDataModule(LoaderSizing, Loaders, pl.LightningDataModule):
         decode: Literal["cpu", "gpu"] = "cpu",
         cpu_decode_share: float | None = 0.0,
         worker_start: WorkerStart = DEFAULT_START,
+        max_image_pixels: int | None = PILLOW_MAX_IMAGE_PIXELS,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -123,6 +128,7 @@ class ImageDataModule(LoaderSizing, Loaders, pl.LightningDataModule):
                 "data.decode gpu crops on the device, where the per-sample data.auto_augment and "
                 "data.random_erasing do not run. Use --data.decode cpu with them, or leave them off.")
         check_start(worker_start)
+        use_in_pillow(max_image_pixels)
         if not 0 < min_scale <= 1:
             raise DataError(f"data.min_scale must be in (0, 1], got {min_scale}.")
         for name, value in (("pinned", pinned_budget_gib), ("shm", shm_budget_gib), ("host", host_budget_gib)):
@@ -150,6 +156,7 @@ class ImageDataModule(LoaderSizing, Loaders, pl.LightningDataModule):
         self.decode = decode
         self.cpu_decode_share = cpu_decode_share
         self.worker_start = worker_start
+        self.max_image_pixels = max_image_pixels
         self.device_decoders: dict[str, DeviceDecode] = {}  # per split, when batches are decoded on the device
         self._said_cpu_decode = False  # the start-up warning of --data.decode gpu without CUDA, once
         # per-sample hook after crop+flip (may be replaced before setup())
@@ -167,7 +174,7 @@ class ImageDataModule(LoaderSizing, Loaders, pl.LightningDataModule):
         return find_classes(self.root)
 
     def load_indexes(self) -> dict[str, Index]:
-        return load_indexes(self.root)
+        return load_indexes(self.root, max_pixels=self.max_image_pixels)
 
     def make_dataset(self, split: str, index: Index) -> Dataset:
         raise NotImplementedError
@@ -244,6 +251,7 @@ class ImageDataModule(LoaderSizing, Loaders, pl.LightningDataModule):
         self.start_worker_server()
         indexes = self.load_indexes()
         for split, index in indexes.items():
+            warn_large_files(index.root, split, index.large_files, self.max_image_pixels)
             if index.bad_files:
                 if not self.skip_invalid:
                     index.raise_if_bad()

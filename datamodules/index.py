@@ -29,6 +29,7 @@ from datamodules.errors import DataError
 from datamodules.index_cache import cache_key
 from datamodules.processes.locks import file_lock
 from datamodules.sample.images import check_file
+from datamodules.sample.pixel_limit import PILLOW_MAX_IMAGE_PIXELS
 from datamodules.scan import SCAN_THREADS, scan_files
 
 SPLITS = ("train", "val")
@@ -103,6 +104,7 @@ class Index:
         self.name_ends = np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)))
         self.label_array = np.asarray(labels, dtype=np.int32).reshape(-1)
         self._shared: tuple[torch.Tensor, ...] | None = None
+        self.large_files: list[tuple[str, int]] = []  # (relative path, pixels) above the pixel limit
 
     @property
     def samples(self) -> Samples:
@@ -156,7 +158,7 @@ class Index:
         """The JSON form of the scan cache (what `dataclasses.asdict` gave)."""
         return {"root": self.root, "split": self.split, "classes": self.classes,
                 "samples": [list(s) for s in self.samples], "bad_files": [list(b) for b in self.bad_files],
-                "empty_classes": self.empty_classes}
+                "empty_classes": self.empty_classes, "large_files": [list(f) for f in self.large_files]}
 
     # -- pickled to a worker: the arrays in shared memory ----------------------------------------------------------
     def __reduce__(self):
@@ -236,14 +238,15 @@ def load_index(
     *,
     check: bool = True,
     cache: bool = True,
+    max_pixels: int | None = PILLOW_MAX_IMAGE_PIXELS,
 ) -> Index:
     """The Index of one split, from the cache when the tree has not changed since."""
     root = os.path.abspath(root)
     classes = classes if classes is not None else find_classes(root)
-    key = cache_key(root, split, classes, check)
+    key = cache_key(root, split, classes, check) | {"max_pixels": max_pixels}
     cache_file = index_cache.cache_file(root, split)
     if not cache:
-        return _checked(scan_split(root, split, classes, check), root, split)
+        return _checked(scan_split(root, split, classes, check, max_pixels=max_pixels), root, split)
     cached = _valid_cache(cache_file, key, root)
     if cached is not None:
         return cached
@@ -257,7 +260,7 @@ def load_index(
             return cached
         split_dir = os.path.join(root, split)
         folders = {split_dir: os.stat(split_dir).st_mtime_ns}  # each folder is stat'ed before it is listed
-        index = _checked(scan_split(root, split, classes, check, folders=folders), root, split)
+        index = _checked(scan_split(root, split, classes, check, folders=folders, max_pixels=max_pixels), root, split)
         index_cache.write_cache(cache_file, key, index.as_dict(), folders)
         return index
 
@@ -267,17 +270,21 @@ def _valid_cache(cache_file: Path, key: dict, root: str) -> Index | None:
     cached = None if fields is None else Index(
         fields["root"], fields["split"], fields["classes"], [tuple(s) for s in fields["samples"]],
         [tuple(b) for b in fields["bad_files"]], fields["empty_classes"])
+    if cached is not None:
+        cached.large_files = [tuple(f) for f in fields.get("large_files", [])]
     # A bad file repaired in place does not change its folder's mtime: re-check those.
-    if cached is not None and all(check_file(os.path.join(root, p)) for p, _ in cached.bad_files):
+    if cached is not None and all(check_file(os.path.join(root, p), max_pixels=key.get("max_pixels"))
+                                  for p, _ in cached.bad_files):
         return cached
     return None
 
 
 def _checked(index: Index, root: str, split: str) -> Index:
     if not index.samples:
+        first = f", e.g. {index.bad_files[0][0]}: {index.bad_files[0][1]}" if index.bad_files else ""
         raise DataError(
             f"{os.path.join(root, split)} holds no usable image files "
-            f"({len(index.bad_files)} unreadable). {LAYOUT_HELP}"
+            f"({len(index.bad_files)} unreadable{first}). {LAYOUT_HELP}"
         )
     return index
 
@@ -292,8 +299,11 @@ def _class_folders(split_dir: Path) -> list[str]:
 
 
 def scan_split(root: str, split: str, classes: list[str], check: bool, threads: int = SCAN_THREADS,
-               progress: bool | None = None, folders: dict[str, int] | None = None) -> Index:
+               progress: bool | None = None, folders: dict[str, int] | None = None,
+               max_pixels: int | None = PILLOW_MAX_IMAGE_PIXELS) -> Index:
     """The Index of ROOT/split, scanned now (datamodules/scan.py). `folders` gets {folder: mtime_ns} of every folder
-    entered (the cache's key)."""
-    samples, bad, empty = scan_files(root, split, classes, check, threads, progress, folders)
-    return Index(root, split, list(classes), samples, bad, empty)
+    entered (the cache's key); files above `max_pixels`' warning go to Index.large_files."""
+    samples, bad, empty, large = scan_files(root, split, classes, check, threads, progress, folders, max_pixels)
+    index = Index(root, split, list(classes), samples, bad, empty)
+    index.large_files = large
+    return index

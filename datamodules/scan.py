@@ -9,7 +9,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from datamodules.sample.images import check_file, is_image_name
+from datamodules.sample.images import check_image, is_image_name
+from datamodules.sample.pixel_limit import PILLOW_MAX_IMAGE_PIXELS, above_warning
 
 # Reads in flight: a local disk gains little past 4 and more threads contend for the GIL; 8 keeps a
 # deeper queue for network storage, whose latency threads hide (python -m bench.scanbench measures yours).
@@ -19,9 +20,12 @@ SCAN_CHUNK = 256  # files per thread task: per-file futures would cost more than
 
 def scan_files(root: str, split: str, classes: list[str], check: bool, threads: int = SCAN_THREADS,
                progress: bool | None = None, folders: dict[str, int] | None = None,
-               ) -> tuple[list[tuple[str, int]], list[tuple[str, str]], list[str]]:
-    """(samples, bad files with their reasons, empty classes) of ROOT/split: every class folder listed, then every
-    file checked, both on `threads` threads; train/ class by class, val/ interleaved by class.
+               max_pixels: int | None = PILLOW_MAX_IMAGE_PIXELS,
+               ) -> tuple[list[tuple[str, int]], list[tuple[str, str]], list[str], list[tuple[str, int]]]:
+    """(samples, bad files with their reasons, empty classes, files above the pixel limit's warning with their pixels)
+    of ROOT/split: every class folder listed, then every file checked (its pixels read from its header against
+    `max_pixels`: datamodules/sample/pixel_limit.py), both on `threads` threads; train/ class by class, val/
+    interleaved by class.
     `folders` gets {folder: mtime_ns} of every folder entered (the cache's key)."""
     t0 = time.perf_counter()
     folders = {} if folders is None else folders
@@ -30,22 +34,25 @@ def scan_files(root: str, split: str, classes: list[str], check: bool, threads: 
                                  classes))
         paths = [p for files in listings for p in files]
         reasons: list[str | None] = [None] * len(paths)
+        pixels: list[int | None] = [None] * len(paths)
         if check:
             with _progress(len(paths), f"index {split}/", progress) as bar:
                 def check_chunk(start: int) -> None:
                     for k in range(start, min(start + SCAN_CHUNK, len(paths))):
-                        reasons[k] = check_file(paths[k])
+                        reasons[k], pixels[k] = check_image(paths[k], max_pixels=max_pixels)
                     bar.update(min(SCAN_CHUNK, len(paths) - start))
 
                 list(pool.map(check_chunk, range(0, len(paths), SCAN_CHUNK)))
     per_class: list[list[tuple[str, int]]] = []
-    bad, empty, k = [], [], 0
+    bad, empty, large, k = [], [], [], 0
     for label, (name, files) in enumerate(zip(classes, listings, strict=False)):
         if not files:
             empty.append(name)
         kept = []
         for path in files:
             rel = os.path.relpath(path, root).replace(os.sep, "/")
+            if above_warning(pixels[k], max_pixels):
+                large.append((rel, pixels[k]))
             if reasons[k]:
                 bad.append((rel, reasons[k]))
             else:
@@ -57,7 +64,7 @@ def scan_files(root: str, split: str, classes: list[str], check: bool, threads: 
     if check and seconds > 5 and not _tty(progress):  # one line in a log instead of a bar
         print(f"indexed {len(paths)} files of {os.path.join(root, split)} in {seconds:.0f} s "
               f"({len(paths) / seconds:,.0f} files/s, {threads} threads)", file=sys.stderr)
-    return samples, bad, empty
+    return samples, bad, empty, large
 
 
 def interleave(per_class: list[list[tuple[str, int]]]) -> list[tuple[str, int]]:

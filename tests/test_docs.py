@@ -106,7 +106,7 @@ def clone(tmp_path, tiny_data) -> tuple[Path, dict[str, str]]:
         "/data/imagenet.lmdb": str(work / "imagenet.lmdb"), "/data/imagenet-160": str(work / "imagenet-160"),
         "/path/to/root": str(tiny_data), "/path/to/imagenet": str(tiny_data), "/data/imagenet": str(tiny_data),
         "/data/my_classes": str(tiny_data), "path/to/images": str(tiny_data / "val"),
-        "/tmp/scan-tree": str(work / "scan-tree"),
+        "/tmp/scan-tree": str(work / "scan-tree"), "/path/to/300-images": str(tiny_data),
     }
     return work, places
 

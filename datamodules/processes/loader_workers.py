@@ -58,8 +58,8 @@ def leave_stop_signals_to_the_trainer(worker_id: int | None = None) -> None:
 
 
 class WorkerInit:
-    """The `worker_init_fn` of every loader the datamodules make: the training process's environment as of the
-    loader's making, then `leave_stop_signals_to_the_trainer`.
+    """The `worker_init_fn` of every loader the datamodules make: the training process's environment and Pillow
+    pixel limit as of the loader's making, then `leave_stop_signals_to_the_trainer`.
 
     A worker forked from the fork server (--data.worker_start forkserver) inherits the server's environment, which
     is the training process's as of the server's start (datamodules/processes/start.py), not as of the loader's: a
@@ -67,12 +67,18 @@ class WorkerInit:
     """
 
     def __init__(self) -> None:
+        from PIL import Image
+
         self.environ = dict(os.environ)
+        self.max_image_pixels = Image.MAX_IMAGE_PIXELS  # --data.max_image_pixels (datamodules/sample/pixel_limit.py)
 
     def __call__(self, worker_id: int | None = None) -> None:
+        from PIL import Image
+
         if os.environ != self.environ:
             os.environ.clear()
             os.environ.update(self.environ)
+        Image.MAX_IMAGE_PIXELS = self.max_image_pixels
         leave_stop_signals_to_the_trainer(worker_id)
 
 

@@ -31,6 +31,7 @@ import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from datamodules.sample.images import decode_rgb
+from datamodules.sample.pixel_limit import refused_by_pillow
 
 _SOF_FAST = (0xC0, 0xC1, 0xC2)  # baseline, extended sequential, progressive (Huffman)
 _XMP = b"http://ns.adobe.com/xap/1.0/"
@@ -124,7 +125,8 @@ def fast_jpeg(data: bytes | bytearray | memoryview) -> tuple[bool, bool]:
         return False, False
     if frame.xmp:
         return False, frame.exif  # PIL may take an orientation from XMP
-    ok = frame.sof in _SOF_FAST and frame.precision == 8 and frame.components in (1, 3)
+    ok = (frame.sof in _SOF_FAST and frame.precision == 8 and frame.components in (1, 3)
+          and not refused_by_pillow(frame.width, frame.height))  # PIL raises its DecompressionBombError
     return ok, frame.exif
 
 

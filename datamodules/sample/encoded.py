@@ -27,6 +27,7 @@ from datamodules.sample.batches import batch_layout
 from datamodules.sample.crop import CropPlan, TrainCrop, ValCrop
 from datamodules.sample.dataset import Encoded, SampleDataset, read_ahead, sample_pool
 from datamodules.sample.decode import JpegFrame, jpeg_frame
+from datamodules.sample.pixel_limit import refused_by_pillow
 
 _GPU_SOF = (0xC0, 0xC1)  # baseline and extended sequential Huffman: what nvJPEG's hardware engine decodes
 
@@ -66,6 +67,8 @@ def gpu_takes(frame: JpegFrame | None, data: Encoded) -> bool:
     if frame is None or frame.sof not in _GPU_SOF or frame.precision != 8 or frame.components != 3:
         return False
     if frame.xmp or frame.orientation != 1 or frame.height < 1 or frame.width < 1:
+        return False
+    if refused_by_pillow(frame.width, frame.height):  # the workers' PIL raises its DecompressionBombError
         return False
     tail = memoryview(data)[-2:] if not isinstance(data, torch.Tensor) else data[-2:].tolist()
     return len(tail) == 2 and tail[0] == 0xFF and tail[1] == 0xD9

@@ -11,6 +11,8 @@ import os
 import numpy as np
 from PIL import Image, ImageOps
 
+from datamodules.sample.pixel_limit import PILLOW_MAX_IMAGE_PIXELS, header_pixels, over_limit
+
 IMAGE_EXTENSIONS = frozenset(
     {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 )
@@ -62,8 +64,16 @@ def check_bytes(head: bytes, tail: bytes, size: int) -> str | None:
     return None
 
 
-def check_file(path: str | os.PathLike, probe: int = 1024) -> str | None:
-    """`check_bytes` on a file, reading only its first and last `probe` bytes."""
+def check_file(path: str | os.PathLike, probe: int = 1024,
+               max_pixels: int | None = PILLOW_MAX_IMAGE_PIXELS) -> str | None:
+    """`check_bytes` on a file, reading only its first and last `probe` bytes, then its pixel count from the header
+    against twice `max_pixels` (datamodules/sample/pixel_limit.py)."""
+    return check_image(path, probe, max_pixels)[0]
+
+
+def check_image(path: str | os.PathLike, probe: int = 1024,
+                max_pixels: int | None = PILLOW_MAX_IMAGE_PIXELS) -> tuple[str | None, int | None]:
+    """(`check_file`'s reason or None, the pixel count its header gives or None)."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -74,8 +84,12 @@ def check_file(path: str | os.PathLike, probe: int = 1024) -> str | None:
             else:
                 tail = head
     except OSError as e:
-        return f"unreadable ({e.strerror or e})"
-    return check_bytes(head, tail, size)
+        return f"unreadable ({e.strerror or e})", None
+    reason = check_bytes(head, tail, size)
+    if reason is not None:
+        return reason, None
+    pixels = header_pixels(path, head, sniff_format(head)) if max_pixels is not None else None
+    return over_limit(pixels, max_pixels), pixels
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
