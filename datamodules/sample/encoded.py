@@ -26,7 +26,7 @@ from torch.utils.data import get_worker_info
 from datamodules.sample.batches import batch_layout
 from datamodules.sample.crop import CropPlan, TrainCrop, ValCrop
 from datamodules.sample.dataset import Encoded, SampleDataset, read_ahead, sample_pool
-from datamodules.sample.decode import JpegFrame, jpeg_frame
+from datamodules.sample.jpeg_header import JpegFrame, jpeg_frame
 from datamodules.sample.pixel_limit import refused_by_pillow
 
 _GPU_SOF = (0xC0, 0xC1)  # baseline and extended sequential Huffman: what nvJPEG's hardware engine decodes

@@ -19,6 +19,8 @@ import warnings
 
 from PIL import Image
 
+from datamodules.sample.jpeg_header import jpeg_frame
+
 PILLOW_MAX_IMAGE_PIXELS: int | None = Image.MAX_IMAGE_PIXELS  # Pillow's default, read before any change
 _PILLOW_FORMATS = {"jpeg": "JPEG", "png": "PNG", "gif": "GIF", "bmp": "BMP", "tiff": "TIFF", "ppm": "PPM",
                    "webp": "WEBP"}
@@ -28,8 +30,6 @@ _JPEG_HEADER_READ = 256 * 1024  # an EXIF block (thumbnail included) and an ICC 
 def header_pixels(path: str | os.PathLike, head: bytes, fmt: str) -> int | None:
     """Width x height from the header of the image file at `path` (`head`: its first bytes, `fmt`: its sniffed
     format), or None when the header does not say (the decode will tell)."""
-    from datamodules.sample.decode import jpeg_frame
-
     if fmt == "jpeg":
         frame = jpeg_frame(head)
         if frame is None:  # the frame header lies past the first bytes read

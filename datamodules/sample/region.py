@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from datamodules.sample.crop import CropPlan, TrainCrop
-from datamodules.sample.decode import JpegFrame, decode, jpeg_frame
+from datamodules.sample.decode import decode
+from datamodules.sample.jpeg_header import JpegFrame, jpeg_frame
 
 _REGION_SOF = (0xC0, 0xC1)  # baseline and extended sequential Huffman
 PIP_LINE = "pip install nvidia-nvimgcodec-cu13"  # -cu12 beside a CUDA 12 torch (DALI's requirements bring it)
