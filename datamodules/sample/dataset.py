@@ -219,6 +219,8 @@ class SampleDataset(Dataset):
                 for size in (8, 64):
                     self.crop(image, size, random.Random(seed))
             image[:, 0:image.shape[1], 0:image.shape[2]]  # a crop of the whole image: an alias (THPVariable_getitem)
+        if self.decode_counts is not None and self.region_decode:  # a TrainCrop: nvImageCodec's import (a C++
+            decode_box(jpeg, self.crop, 8, random.Random(0))  # library's static destructors) and first decode too
         torch.randint(2**62, (1,)).tolist()
         self.labels[[]]
         warm_ring(self.crop(decode(jpeg), self.size(), random.Random(0)))
