@@ -108,16 +108,18 @@ def native_cpu_bf16() -> bool:
 
 
 def cpu_precision(precision: object, accelerator: object) -> str | None:
-    """`32-true` for a `16-mixed` run on a CPU without native bfloat16; None to leave the precision alone.
+    """What a `16-mixed` run trains in on a CPU: `32-true` without native bfloat16, `bf16-mixed` with it; None to
+    leave the precision alone.
 
-    Lightning runs 16-mixed on a CPU as bf16-mixed (pytorch_lightning/trainer/connectors/accelerator_connector.py),
-    and without AVX512-BF16 or AMX every bf16 op is emulated: the quickstart trained at about 22 images/s in
-    bf16-mixed and about 360 in 32-true on a 2-core AVX2-only AMD EPYC VM (2026-11-27). An explicit bf16-mixed
-    is left as asked.
+    Lightning runs 16-mixed on a CPU as bf16-mixed, with its own warning naming its Trainer arguments
+    (pytorch_lightning/trainer/connectors/accelerator_connector.py); asked for here, that warning never comes and
+    preflight.py says it naming --trainer.precision. Without AVX512-BF16 or AMX every bf16 op is emulated: the
+    quickstart trained at about 22 images/s in bf16-mixed and about 360 in 32-true on a 2-core AVX2-only AMD EPYC
+    VM (2026-11-27). An explicit bf16-mixed is left as asked.
     """
     import torch
 
     on_cpu = str(accelerator).lower() == "cpu" or (str(accelerator).lower() == "auto" and not torch.cuda.is_available())
-    if not on_cpu or str(precision) not in ("16-mixed", "16") or native_cpu_bf16():
+    if not on_cpu or str(precision) not in ("16-mixed", "16"):
         return None
-    return "32-true"
+    return "bf16-mixed" if native_cpu_bf16() else "32-true"

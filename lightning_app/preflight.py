@@ -37,10 +37,15 @@ def check_before_building(subcommand: str | None, model, data, trainer, ckpt_pat
         refuse_unusable_gpu(accelerator)
         hide_gpus_from_a_cpu_run(accelerator)
         instead = cpu_precision(trainer.get("precision"), accelerator) if trainer else None
-        if instead:
+        if instead == "bf16-mixed":
+            rank_zero_info(f"--trainer.precision {trainer.get('precision')} on this CPU: float16 autocast is CUDA's; "
+                           "this CPU computes bfloat16 natively (AVX512-BF16 or AMX), so this run trains in "
+                           "bf16-mixed.")
+        elif instead:
             rank_zero_info(f"--trainer.precision {trainer.get('precision')} on this CPU: it has no native "
                            "bfloat16 (AVX512-BF16 or AMX), where bf16 autocast runs many times slower than "
                            f"float32, so this run trains in {instead}; --trainer.precision bf16-mixed insists.")
+        if instead:
             trainer["precision"] = instead
     # jsonargparse reports an error raised inside a strategy's __init__ as "Does not validate against any
     # of the Union subtypes" chained to the str subtype's error, not ours: check our settings first
