@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from lightning_app.cli import ClassifierCLI, main
+from lightning_app.runs.identity import read_run
 from tests.helpers import REPO
 from tests.helpers.cli import quick_args
 
@@ -52,6 +53,8 @@ def test_every_callback_a_plain_fit_attaches_is_named_in_the_config_it_read(tiny
     assert by_code <= added_by_settings(), f"attached in code but named nowhere in {LIST_FILE}: " \
                                            f"{sorted(by_code - added_by_settings())}"
     assert "PredictionsCSV" not in attached  # it writes in predict only
+    # none of the list is a training setting `--ckpt_path last` compares: runs made before the list record none
+    assert read_run(tmp_path / "version_0")["training"]["trainer"]["callbacks"] == []
 
 
 def test_dropping_a_callback_from_the_list_drops_it_from_the_run(tiny_data, tmp_path):
