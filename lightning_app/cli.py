@@ -22,12 +22,10 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from lightning_app import disk_full, parse_errors, runs, trackers
 from lightning_app.callbacks import finite_loss
-from lightning_app.callbacks.checkpoints import CheckpointOnSigterm, ResumableCheckpoint
-from lightning_app.callbacks.memory_probe import MemoryProbe
+from lightning_app.callbacks.checkpoints import ResumableCheckpoint
 from lightning_app.callbacks.progress import progress_callback
-from lightning_app.callbacks.reseed import ReseedEveryEpoch
+from lightning_app.callbacks.required import refuse_dropped_safety
 from lightning_app.callbacks.saved_config import RedactedSaveConfigCallback
-from lightning_app.callbacks.throughput import TrainSpeedMonitor
 from lightning_app.cli_parser import ClassifierArgumentParser
 from lightning_app.ending import done_line, exit_for
 from lightning_app.errors import silence_known_noise
@@ -59,8 +57,6 @@ class ClassifierCLI(LightningCLI):
             parser_kwargs=default_config_kwargs(run),
             save_config_callback=RedactedSaveConfigCallback,  # no credentials in config.yaml
             save_config_kwargs={"overwrite": True},
-            trainer_defaults={"callbacks": [TrainSpeedMonitor(), CheckpointOnSigterm(), ReseedEveryEpoch(),
-                                            MemoryProbe(), finite_loss.StopOnNonFiniteLoss()]},
             parser_class=ClassifierArgumentParser,
             args=args,
             run=run,
@@ -73,23 +69,11 @@ class ClassifierCLI(LightningCLI):
         parser.link_arguments("data.batch_size", "model.global_batch_size", apply_on="instantiate")
         strategy = next(a for a in parser._actions if a.dest == "trainer.strategy")
         strategy.help = STRATEGY_HELP + (strategy.help or "")
-        parser.add_lightning_class_args(ResumableCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(ResumableCheckpoint, "checkpoint")  # its settings: configs/default.yaml
         parser.add_argument("--resume_or_fail", type=bool, default=False,
                             help="With --ckpt_path last (or hpc): when no run of this config is found, stop with exit "
                                  "status 2 instead of starting a fresh run (for a scheduler's restart).")
         trackers.add_arguments(parser)
-        parser.set_defaults({
-            "checkpoint.monitor": "val/acc1",
-            "checkpoint.mode": "max",
-            "checkpoint.save_last": True,
-            "checkpoint.save_top_k": 1,
-            "checkpoint.filename": "best-epoch{epoch:03d}-acc{val/acc1:.4f}",
-            "checkpoint.auto_insert_metric_name": False,
-            # Always last.ckpt, never last-v1.ckpt: Lightning versions the name when a last.ckpt it did not
-            # write itself is there (callbacks/model_checkpoint.py, _save_last_checkpoint), e.g. one saved on
-            # SIGTERM before its first save, or in a run whose folder moved; `--ckpt_path last` reads last.ckpt.
-            "checkpoint.enable_version_counter": False,
-        })
 
     def _prepare_subcommand_parser(self, klass, subcommand: str, **kwargs):
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
@@ -123,6 +107,7 @@ class ClassifierCLI(LightningCLI):
             model[key] = value
 
     def before_instantiate_classes(self) -> None:
+        refuse_dropped_safety(self._get(self.config, "trainer").get("callbacks"))  # configs/callbacks/default.yaml
         # every check that needs no model, data or run folder (lightning_app/preflight.py)
         self.tracker_names = check_before_building(
             self.subcommand, self._get(self.config, "model"), self._get(self.config, "data"),
@@ -136,6 +121,9 @@ class ClassifierCLI(LightningCLI):
         self._warn_about_workers()
         root = Path(config.get("default_root_dir") or "logs")
         plan = self.plan = self._plan_run(root)
+        # The callbacks a setting asks for (configs/callbacks/default.yaml lists them); LightningCLI adds
+        # trainer_defaults["callbacks"] after the config's (pytorch_lightning/cli.py, _instantiate_trainer).
+        added = self.trainer_defaults["callbacks"] = []
         if plan is not None:
             for line in plan.lines:
                 rank_zero_info(line)
@@ -143,11 +131,11 @@ class ClassifierCLI(LightningCLI):
                 # what Lightning writes by itself (SLURM's hpc_ckpt_K.ckpt on requeue) goes into the run too
                 kwargs["default_root_dir"] = str(plan.run_dir)
             if plan.agreement is not None:  # every rank on the same run (runs/guard.py)
-                self.trainer_defaults["callbacks"].append(RunGuard(**plan.agreement))
+                added.append(RunGuard(**plan.agreement))
         if config.get("logger") in (None, True):
             kwargs["logger"] = self._trackers(self.tracker_names, plan, root)
-        if config.get("enable_progress_bar", True) is not False:
-            self.trainer_defaults["callbacks"].append(progress_callback())
+        if config.get("enable_progress_bar", True) is not False:  # Lightning refuses a bar with it false
+            added.append(progress_callback())
         checkpoint = self._get(self.config_init, "checkpoint", default=None)
         if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath is None and plan and plan.run_dir is not None:
             checkpoint.dirpath = os.path.realpath(plan.run_dir / runs.CHECKPOINTS)

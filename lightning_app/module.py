@@ -13,8 +13,6 @@ from lightning_app import optimization, timm_weights
 from lightning_app import weights as weights_lib
 from lightning_app.backbone import body_modules, build_backbone, compile_static, head_classes
 from lightning_app.callbacks.freeze import FreezeBackboneEpochs
-from lightning_app.callbacks.hparams import HparamsWithMetric
-from lightning_app.callbacks.norm_window import NormStatisticsPerEpoch
 from lightning_app.callbacks.pictures import picture_callbacks
 from lightning_app.callbacks.predictions import PredictionsCSV
 from lightning_app.errors import UserError
@@ -247,16 +245,15 @@ class ImageClassifier(pl.LightningModule):
         return body_modules(self.backbone)
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        """What this model's settings ask for: fine-tuning, TensorBoard pictures, the HPARAMS tab, BatchNorm statistics
-        that keep up with a short epoch (callbacks/norm_window.py); predictions.csv in predict only (Lightning sets
-        trainer.state.fn before it asks: trainer/trainer.py, predict then _run)."""
+        """What this model's settings ask for: fine-tuning, TensorBoard pictures; predictions.csv in predict only
+        (Lightning sets trainer.state.fn before it asks: trainer/trainer.py, predict then _run). Every other callback
+        is in the config's list (configs/callbacks/default.yaml)."""
         callbacks: list[pl.Callback] = []
         if self.hparams.get("freeze_backbone_epochs"):
             callbacks.append(FreezeBackboneEpochs(self.hparams.freeze_backbone_epochs))
         callbacks += picture_callbacks(self.hparams)
         if self._trainer is not None and self.trainer.state.fn == TrainerFn.PREDICTING:
             callbacks.append(PredictionsCSV())
-        callbacks += [HparamsWithMetric(metric="val/acc1"), NormStatisticsPerEpoch()]
         return callbacks
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

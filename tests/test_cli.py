@@ -19,9 +19,10 @@ from tests.helpers.event_files import event_file_scalars
 from tests.helpers.optional import needs_dali
 from tests.helpers.processes import finish_all, start_nodes
 
-# configs/sweeps/ holds search spaces for python -m lightning_app.sweep (tests/test_sweep.py), not main.py configs
+# configs/sweeps/ holds search spaces for python -m lightning_app.sweep (tests/test_sweep.py), configs/callbacks/ the
+# trainer.callbacks list configs/default.yaml includes (tests/test_callback_list.py): not main.py configs
 CONFIGS = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "configs").rglob("*.yaml")
-                 if p.parent.name != "sweeps")
+                 if p.parent.name not in ("sweeps", "callbacks"))
 
 
 def _needs(config: str):

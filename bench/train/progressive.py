@@ -73,7 +73,7 @@ def run_config(args: argparse.Namespace, progressive: bool) -> dict[str, Any]:
         callbacks.insert(0, {"class_path": resizing, "init_args": {
             "start_size": args.start_size, "end_size": args.image_size, "start_epoch": start, "end_epoch": end,
             "step": args.step}})
-    return {"trainer": {"max_epochs": args.epochs, "max_time": {"seconds": args.budget}, "callbacks": callbacks,
+    return {"trainer": {"max_epochs": args.epochs, "max_time": {"seconds": args.budget}, "callbacks+": callbacks,
                         "enable_progress_bar": False},
             "model": {"arch": args.arch, "arch_kwargs": {"width": args.width} if args.arch == "conv11" else {}},
             "data": {"init_args": {"builtin": args.preset, "data_dir": args.data_dir, "image_size": args.image_size,

@@ -33,6 +33,8 @@ class CheckpointOnSigterm(pl.Callback):
     "Checkpoints").
     """
 
+    changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
+
     def __init__(self, filename: str = "last") -> None:
         self.filename = filename
 

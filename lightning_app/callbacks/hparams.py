@@ -53,6 +53,8 @@ def flat(params: Mapping, prefix: str = "") -> dict[str, Scalar]:
 class HparamsWithMetric(pl.Callback):
     """At the start of a fit, rank 0 writes the run's hyperparameters with `metric` attached (see the module doc)."""
 
+    changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
+
     def __init__(self, metric: str = "val/acc1") -> None:
         self.metric = metric
 

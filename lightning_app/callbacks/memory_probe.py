@@ -202,6 +202,8 @@ def describe(estimate: StepEstimate, free: float, where: str, arch: str, size: i
 class MemoryProbe(pl.Callback):
     """One training step's memory, estimated before the first step of a fit and decided by all ranks (module doc)."""
 
+    changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:
             decision, said = self._check(trainer, pl_module)

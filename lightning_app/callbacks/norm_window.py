@@ -53,6 +53,10 @@ def fit_to_epoch(model: nn.Module, batches: float) -> float | None:
 class NormStatisticsPerEpoch(pl.Callback):
     """`fit_to_epoch` on the model at the start of every fit, with the train batches of an epoch on this process."""
 
+    # --ckpt_path last ignores it (lightning_app/runs/identity.py): no training step reads running statistics,
+    # and runs made before it was listed in configs/callbacks/default.yaml record no callbacks
+    changes_training = False
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         batches = trainer.num_training_batches
         momentum = fit_to_epoch(pl_module, batches)

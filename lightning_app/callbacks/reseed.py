@@ -28,6 +28,10 @@ class ReseedEveryEpoch(pl.Callback):
     crops would differ from the uninterrupted run's.
     """
 
+    # --ckpt_path last ignores it (lightning_app/runs/identity.py): it changes which random numbers a run draws, not
+    # its settings, and runs made before it was listed in configs/callbacks/default.yaml record no callbacks
+    changes_training = False
+
     def __init__(self) -> None:
         self._first_epoch_of_run = True
         self._started_at: int | None = None
