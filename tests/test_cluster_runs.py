@@ -22,7 +22,7 @@ from datamodules.index import load_index
 from datamodules.sample.augment import make_train_augment
 from lightning_app.cli import ClassifierCLI, main
 from lightning_app.errors import UserError
-from lightning_app.runs import identity, lock, ranks
+from lightning_app.runs import identity, launch, lock
 from lightning_app.runs.resolve import resolve
 from tests.helpers import REPO
 from tests.helpers.cli import quick_args, run_main
@@ -48,7 +48,7 @@ def _env(**extra: str) -> dict:
 
 
 def _run_of_job(root: Path, job: str) -> Path:
-    (run,) = [d for d in root.glob("version_*") if identity.job_key(identity.read_run(d)["slurm"]) == job]
+    (run,) = [d for d in root.glob("version_*") if launch.job_key(identity.read_run(d)["slurm"]) == job]
     return run
 
 
@@ -165,7 +165,7 @@ def test_last_compares_training_settings_and_a_requeued_job_takes_only_its_own_r
     # an array task is named ARRAYJOB_TASK
     clean_env.setenv("SLURM_ARRAY_JOB_ID", "77")
     clean_env.setenv("SLURM_ARRAY_TASK_ID", "3")
-    assert identity.job_key(identity.slurm_job()) == "77_3"
+    assert launch.job_key(launch.slurm_job()) == "77_3"
 
     clean_env.delenv("SLURM_JOB_ID")
     fresh = resolve("last", tmp_path, _training(lr=0.5), "fit")
@@ -217,7 +217,7 @@ def test_hpc_resolves_to_lightnings_requeue_checkpoint_in_the_run_folder(tmp_pat
 def test_the_launch_rank_comes_from_the_right_variables(env, zero, clean_env):
     for name, value in env.items():
         clean_env.setenv(name, value)
-    assert ranks.is_launch_rank_zero() is zero
+    assert launch.is_launch_rank_zero() is zero
 
 
 def test_a_lock_is_never_seen_half_written_and_a_stale_one_is_taken_from_any_host(tmp_path, clean_env):

@@ -220,7 +220,7 @@ def test_a_lock_from_another_host_is_refused_unless_slurm_requeued_this_job(tmp_
 
 
 def test_temp_files_of_dead_writers_on_this_host_are_removed_and_said_once(tmp_path):
-    from lightning_app.runs.leftovers import remove_dead_writers_files
+    from lightning_app.runs.lock import remove_dead_writers_files
 
     run, host, dead = tmp_path / "version_0", os.uname().nodename, _dead_pid()
     (run / runs.CHECKPOINTS).mkdir(parents=True)

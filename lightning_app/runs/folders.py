@@ -72,7 +72,7 @@ def write_atomically(path: str | os.PathLike, data: bytes | Callable[[BinaryIO],
     """Temp file beside `path`, fsync, os.replace, fsync of the folder: a kill leaves the old file or the new
     one. `data` is the bytes, or a function that writes them into the open file."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}@{socket.gethostname()}.tmp")  # its writer: runs/leftovers.py
+    tmp = path.with_name(f".{path.name}.{os.getpid()}@{socket.gethostname()}.tmp")  # its writer: runs/lock.py
     try:
         with open(tmp, "wb") as f:
             data(f) if callable(data) else f.write(data)

@@ -17,9 +17,8 @@ from typing import Any
 from lightning_app.errors import UserError
 from lightning_app.runs import identity
 from lightning_app.runs.folders import PREDICTIONS_CSV, RUN_PATTERN, new_run, new_subfolder, run_root_writable
-from lightning_app.runs.leftovers import remove_dead_writers_files
-from lightning_app.runs.lock import RunLock
-from lightning_app.runs.ranks import is_launch_rank_zero
+from lightning_app.runs.launch import is_launch_rank_zero
+from lightning_app.runs.lock import RunLock, remove_dead_writers_files
 from lightning_app.runs.resolve import resolve
 from lightning_app.runs.signature import ModelSignature, check_compatible, fingerprint
 

@@ -6,7 +6,7 @@ and nothing else. The run's newest checkpoint (last.ckpt or Lightning's hpc_ckpt
 readable; otherwise the run is named with its best checkpoint, and no older run is ever taken instead.
 `hpc` is the same run, resumed from its newest hpc_ckpt_K.ckpt only.
 A fit whose torchrun worker group was restarted (TORCHELASTIC_RESTART_COUNT > 0) goes on with the run of its own
-torchrun job (identity.elastic_key), whatever --ckpt_path says, and with no other run.
+torchrun job (launch.elastic_key), whatever --ckpt_path says, and with no other run.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from lightning_app.checkpoint_files import damage
 from lightning_app.errors import UserError
-from lightning_app.runs import identity
+from lightning_app.runs import identity, launch
 from lightning_app.runs.folders import CHECKPOINTS, HPC_GLOB, LAST, run_dirs, run_of_checkpoint
 from lightning_app.runs.signature import load_light
 
@@ -31,8 +31,8 @@ class Resolved:
 
 
 def resolve(ckpt_path: str | None, root: Path, training: dict, subcommand: str) -> Resolved:
-    elastic = identity.elastic_run()
-    if subcommand == "fit" and identity.is_elastic_restart(elastic):
+    elastic = launch.elastic_run()
+    if subcommand == "fit" and launch.is_elastic_restart(elastic):
         return _resolve_restart(ckpt_path, root, training, elastic)
     return _resolve(ckpt_path, root, training, subcommand)
 
@@ -42,7 +42,7 @@ def _resolve_restart(ckpt_path: str | None, root: Path, training: dict, run: dic
     api.py, _restart_workers), so the command cannot say "resume": the run to go on with is the one whose run.json
     records this torchrun job, from its newest checkpoint (as a requeued SLURM job's)."""
     what = f"torchrun restarted the worker group (restart {run['restart_count']} of {run['max_restarts']}"
-    key = identity.elastic_key(run)
+    key = launch.elastic_key(run)
     if key is None:
         raise UserError(
             f"{what}), but its rendezvous id is torchrun's default \"none\" on {run['nodes']} nodes, which every job "
@@ -101,9 +101,9 @@ def _resolve_run(kind: str, root: Path, training: dict, subcommand: str) -> Reso
         return identity.differences(identity.comparable(record["training"], subcommand), wanted)
 
     unknown = len(runs) - len(known)
-    job = identity.slurm_job()
-    if identity.is_requeued(job) and subcommand == "fit":
-        key = identity.job_key(job)
+    job = launch.slurm_job()
+    if launch.is_requeued(job) and subcommand == "fit":
+        key = launch.job_key(job)
         mine = [(d, r) for d, r in known if key in identity.jobs_of(r)]
         if not mine:
             raise UserError(
