@@ -1,4 +1,4 @@
-"""A run's identity: `version_N/run.json`, written when the run is made and updated at every resume.
+"""A run's identity: `version_N/run.json`, written when the run is made and updated at every resume (runs/plan.py).
 
 It holds the run's training settings (what `--ckpt_path last` compares), where and when it started,
 every SLURM job that trained it (job id, array job and task id, restart count) and every torchrun worker group
@@ -12,13 +12,12 @@ import datetime
 import importlib
 import json
 import os
-import socket
-import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_app.runs.folders import write_atomically
-from lightning_app.runs.launch import command_line, elastic_key, elastic_run, job_key, now, slurm_job, sweep_trial
+from lightning_app.runs.folders import run_dirs, run_of_checkpoint, write_atomically
+from lightning_app.runs.launch import elastic_key, job_key
 
 RUN_JSON = "run.json"
 
@@ -165,6 +164,48 @@ def last_elastic_attempt(record: dict, key: str) -> datetime.datetime | None:
     return max(times, default=None)
 
 
+# -- runs as `--ckpt_path` sees them ---------------------------------------------------------------
+@dataclass
+class FoundRun:
+    """A run folder, its run.json, and how its training settings compare with this config's, said in words."""
+    number: int | None  # N of version_N
+    folder: Path | None  # None: the checkpoint lies outside any run
+    record: dict | None  # its run.json; None: made before runs had one
+    differs: list  # what `last` compares for this subcommand (comparable) that differs
+    changed: list  # every training setting that differs: what a resume records and says it changed
+    said_differs: str = ""
+    said_changed: str = ""
+
+
+def _found(number: int | None, folder: Path | None, record: dict | None, differs: list, changed: list) -> FoundRun:
+    return FoundRun(number, folder, record, differs, changed, describe(differs), describe(changed))
+
+
+def runs_under(root: str | os.PathLike, training: dict, subcommand: str) -> list[FoundRun]:
+    """Every run folder under root, by N, compared with this config's training settings."""
+    wanted, found = comparable(training, subcommand), []
+    for number, folder in run_dirs(root):
+        record = read_run(folder)
+        if record is None:
+            found.append(_found(number, folder, None, [], []))
+            continue
+        found.append(_found(number, folder, record, differences(comparable(record["training"], subcommand), wanted),
+                            differences(record["training"], training)))
+    return found
+
+
+def run_of_file(ckpt_path: str | os.PathLike, training: dict, saved_hparams: dict) -> FoundRun:
+    """The run a checkpoint file lies in, compared with this config: all its training settings when it has a
+    run.json; else (no run.json, or a file outside any run) the model settings the checkpoint saved."""
+    run = run_of_checkpoint(ckpt_path)
+    record = read_run(run[1]) if run else None
+    if record:
+        changed = differences(record["training"], training)
+    else:
+        changed = differences({"model": model_settings(saved_hparams)}, {"model": training["model"]})
+    return _found(run[0] if run else None, run[1] if run else None, record, changed, changed)
+
+
 # -- run.json ------------------------------------------------------------------------------
 def read_run(run_dir: str | os.PathLike) -> dict | None:
     try:
@@ -174,37 +215,6 @@ def read_run(run_dir: str | os.PathLike) -> dict | None:
     if not (isinstance(record, dict) and isinstance(record.get("training"), dict)):
         return None
     return {**record, "training": current_class_paths(record["training"])}
-
-
-def _attempt(checkpoint: str | None, changed: list | None = None) -> dict:
-    attempt = {"at": now(), "host": socket.gethostname(), "pid": os.getpid(), "command": command_line(),
-               "checkpoint": checkpoint, "slurm": slurm_job()}
-    if elastic_run():
-        attempt["torchelastic"] = elastic_run()
-    if sweep_trial():
-        attempt["sweep"] = sweep_trial()
-    if changed:
-        attempt["changed"] = [{"key": k, "from": o, "to": n} for k, o, n in changed]
-    return attempt
-
-
-def write_new_run(run_dir: str | os.PathLike, training: dict) -> dict:
-    record = {"run_id": uuid.uuid4().hex, "created": now(), "host": socket.gethostname(),
-              "slurm": slurm_job(), **({"torchelastic": elastic_run()} if elastic_run() else {}),
-              **({"sweep": sweep_trial()} if sweep_trial() else {}),
-              "training": training, "attempts": [_attempt(None)]}
-    write_atomically(Path(run_dir) / RUN_JSON, json.dumps(record, indent=1).encode())
-    return record
-
-
-def record_resume(run_dir: str | os.PathLike, record: dict | None, training: dict, checkpoint: str | None,
-                  changed: list) -> dict:
-    """Append this attempt; the training settings become this config's (a resumed fit may change lr, say)."""
-    if record is None:  # a run made before run.json existed: it gets one now
-        record = {"run_id": uuid.uuid4().hex, "created": None, "host": None, "slurm": {}, "attempts": []}
-    record = {**record, "training": training, "attempts": [*record.get("attempts", []), _attempt(checkpoint, changed)]}
-    write_atomically(Path(run_dir) / RUN_JSON, json.dumps(record, indent=1).encode())
-    return record
 
 
 def record_sweep_outcome(run_dir: str | os.PathLike, state: str, **details: Any) -> None:

@@ -9,6 +9,7 @@ import os
 import re
 import socket
 import sys
+from dataclasses import dataclass
 
 
 def _int(name: str) -> int | None:
@@ -143,3 +144,28 @@ def sweep_trial() -> dict:
 # -- time ----------------------------------------------------------------------------------
 def now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+# -- all of it, read once ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Launch:
+    """This process as plain values, read once before a run is planned (runs/plan.py): resolving `--ckpt_path`,
+    the run's lock and its run.json use these instead of reading the environment again."""
+    rank_zero: bool  # is_launch_rank_zero(): the one process that makes the run folder and takes its lock
+    slurm: dict  # slurm_job()
+    slurm_key: str | None  # job_key(slurm)
+    requeued: bool  # is_requeued(slurm)
+    elastic: dict  # elastic_run()
+    elastic_key: str | None  # elastic_key(elastic)
+    elastic_restart: bool  # is_elastic_restart(elastic)
+    sweep: dict  # sweep_trial()
+    host: str
+    pid: int
+    command: str  # command_line(): credentials redacted
+    started: str  # now()
+
+
+def this_process() -> Launch:
+    slurm, elastic = slurm_job(), elastic_run()
+    return Launch(is_launch_rank_zero(), slurm, job_key(slurm), is_requeued(slurm), elastic, elastic_key(elastic),
+                  is_elastic_restart(elastic), sweep_trial(), socket.gethostname(), os.getpid(), command_line(), now())

@@ -53,11 +53,11 @@ def _checkpoint(path: Path) -> Path:
 
 def _run_with_last(root: Path) -> Path:
     """ROOT/version_0 with this config's run.json and a checkpoints/last.ckpt."""
-    from lightning_app.runs import identity
+    from lightning_app.runs.plan import write_new_run
 
     run = root / "version_0"
     run.mkdir(parents=True)
-    identity.write_new_run(run, TRAINING)
+    write_new_run(run, TRAINING)
     return _checkpoint(run / "checkpoints" / "last.ckpt")
 
 
