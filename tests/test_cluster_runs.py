@@ -22,8 +22,10 @@ from datamodules.index import load_index
 from datamodules.sample.augment import make_train_augment
 from lightning_app.cli import ClassifierCLI, main
 from lightning_app.errors import UserError
-from lightning_app.runs import identity, lock, ranks
-from lightning_app.runs.resolve import resolve
+from lightning_app.runs import identity, launch, lock
+from lightning_app.runs.plan import write_new_run
+from lightning_app.runs.resolve import Resolved, resolve
+from lightning_app.runs.signature import ModelSignature
 from tests.helpers import REPO
 from tests.helpers.cli import quick_args, run_main
 from tests.helpers.event_files import scalars
@@ -48,7 +50,7 @@ def _env(**extra: str) -> dict:
 
 
 def _run_of_job(root: Path, job: str) -> Path:
-    (run,) = [d for d in root.glob("version_*") if identity.job_key(identity.read_run(d)["slurm"]) == job]
+    (run,) = [d for d in root.glob("version_*") if launch.job_key(identity.read_run(d)["slurm"]) == job]
     return run
 
 
@@ -118,10 +120,15 @@ def _ckpt(path: Path, step: int = 6) -> Path:
     return path
 
 
+def _resolve(ckpt_path: str, root: Path, training: dict, subcommand: str) -> Resolved:
+    """`--ckpt_path` resolved in this process's environment, for the model _ckpt saves."""
+    return resolve(ckpt_path, root, training, subcommand, launch.this_process(), ModelSignature("conv11", 10, {}))
+
+
 def _made_run(root: Path, n: int, training: dict, job: str | None = None, ckpt: bool = True) -> Path:
     run = root / f"version_{n}"
     run.mkdir(parents=True)
-    record = identity.write_new_run(run, training)
+    record = write_new_run(run, training)
     if job:
         record["slurm"] = {"job_id": job, "restart_count": 0}
         (run / identity.RUN_JSON).write_text(json.dumps(record))
@@ -137,7 +144,7 @@ def test_last_compares_training_settings_and_a_requeued_job_takes_only_its_own_r
     same = identity.training_settings({"arch": "conv11", "num_classes": 10, "lr": 0.1, "pictures": ["mistakes"]},
                                       "datamodules.ImageFolderDataModule", {"data_dir": "/d", "num_workers": 0},
                                       {"max_epochs": 2, "devices": 1}, seed=1)
-    assert resolve("last", tmp_path, same, "fit").run_dir == other  # the newest with equal settings
+    assert _resolve("last", tmp_path, same, "fit").run_dir == other  # the newest with equal settings
     # the strategy is ignored, its gradient compression is not: PowerSGD learns another network
     ddp = {"class_path": "lightning_app.strategies.ddp.ClusterDDPStrategy",
            "init_args": {"timeout_s": 60, "comm_hook": "none"}}
@@ -145,33 +152,33 @@ def test_last_compares_training_settings_and_a_requeued_job_takes_only_its_own_r
     layout = ("datamodules.ImageFolderDataModule", {"data_dir": "/d"})
     on_ddp = identity.training_settings({"arch": "conv11", "num_classes": 10, "lr": 0.1}, *layout,
                                         {"max_epochs": 2, "strategy": ddp}, seed=1)
-    assert resolve("last", tmp_path, on_ddp, "fit").run_dir == other
+    assert _resolve("last", tmp_path, on_ddp, "fit").run_dir == other
     with_powersgd = identity.training_settings({"arch": "conv11", "num_classes": 10, "lr": 0.1}, *layout,
                                                {"max_epochs": 2, "strategy": compressed}, seed=1)
-    fresh = resolve("last", tmp_path, with_powersgd, "fit")
-    assert fresh.run_dir is None and "trainer.gradient_compression.comm_hook unset -> powersgd" in fresh.message
+    fresh = _resolve("last", tmp_path, with_powersgd, "fit")
+    assert fresh.run_dir is None and "trainer.gradient_compression.comm_hook unset -> powersgd" in fresh.lines[0]
     # validate/test/predict evaluate a network: how long it trained does not matter to them
     longer = identity.training_settings({"arch": "conv11", "num_classes": 10, "lr": 0.1},
                                         "datamodules.ImageFolderDataModule",
                                         {"data_dir": "/d"}, {"max_epochs": 9}, seed=1)
-    assert resolve("last", tmp_path, longer, "validate").run_dir == other
-    assert resolve("last", tmp_path, longer, "fit").run_dir is None
+    assert _resolve("last", tmp_path, longer, "validate").run_dir == other
+    assert _resolve("last", tmp_path, longer, "fit").run_dir is None
     clean_env.setenv("SLURM_JOB_ID", "101")
     clean_env.setenv("SLURM_RESTART_COUNT", "1")
-    assert resolve("last", tmp_path, same, "fit").run_dir == mine  # requeued: its own, not the newer equal one
+    assert _resolve("last", tmp_path, same, "fit").run_dir == mine  # requeued: its own, not the newer equal one
     clean_env.setenv("SLURM_JOB_ID", "404")
     with pytest.raises(UserError, match=r"SLURM job 404 was requeued \(restart 1\), but no run under"):
-        resolve("last", tmp_path, same, "fit")
+        _resolve("last", tmp_path, same, "fit")
     # an array task is named ARRAYJOB_TASK
     clean_env.setenv("SLURM_ARRAY_JOB_ID", "77")
     clean_env.setenv("SLURM_ARRAY_TASK_ID", "3")
-    assert identity.job_key(identity.slurm_job()) == "77_3"
+    assert launch.job_key(launch.slurm_job()) == "77_3"
 
     clean_env.delenv("SLURM_JOB_ID")
-    fresh = resolve("last", tmp_path, _training(lr=0.5), "fit")
+    fresh = _resolve("last", tmp_path, _training(lr=0.5), "fit")
     assert fresh.checkpoint is None and fresh.run_dir is None
-    assert ("the nearest, version_2, differs in model.lr 0.3 -> 0.5" in fresh.message
-            and "starting a fresh run" in fresh.message)
+    assert ("the nearest, version_2, differs in model.lr 0.3 -> 0.5" in fresh.lines[0]
+            and "starting a fresh run" in fresh.lines[0])
 
 
 def test_a_matching_run_without_a_readable_checkpoint_is_named_and_no_older_run_is_taken(tmp_path, clean_env):
@@ -180,25 +187,25 @@ def test_a_matching_run_without_a_readable_checkpoint_is_named_and_no_older_run_
     best = _ckpt(newest / "checkpoints" / "best-epoch000-acc0.5000.ckpt")
     (newest / "checkpoints" / "last.ckpt").write_bytes(b"torn")
     with pytest.raises(UserError) as error:
-        resolve("last", tmp_path, _training(), "fit")
+        _resolve("last", tmp_path, _training(), "fit")
     assert str(newest / "checkpoints" / "last.ckpt") in str(error.value) and str(best) in str(error.value)
     assert "No older run is resumed instead" in str(error.value)
 
     # killed before its first checkpoint: started again in its own folder, not the run before it
     shutil.rmtree(newest / "checkpoints")
-    again = resolve("last", tmp_path, _training(), "fit")
-    assert (again.run_dir, again.checkpoint) == (newest, None) and "before its first checkpoint" in again.message
+    again = _resolve("last", tmp_path, _training(), "fit")
+    assert (again.run_dir, again.checkpoint) == (newest, None) and "before its first checkpoint" in again.lines[0]
     with pytest.raises(UserError, match="has no last.ckpt"):
-        resolve("last", tmp_path, _training(), "validate")
+        _resolve("last", tmp_path, _training(), "validate")
 
 
 def test_hpc_resolves_to_lightnings_requeue_checkpoint_in_the_run_folder(tmp_path, clean_env):
     run = _made_run(tmp_path, 0, _training())
     hpc = _ckpt(run / "hpc_ckpt_2.ckpt", step=9)
     os.utime(run / "checkpoints" / "last.ckpt", (1, 1))
-    resolved = resolve("hpc", tmp_path, _training(), "fit")
+    resolved = _resolve("hpc", tmp_path, _training(), "fit")
     assert (resolved.checkpoint, resolved.run_dir) == (str(hpc), run)
-    assert resolve("last", tmp_path, _training(), "fit").checkpoint == str(hpc)  # the newer of the two
+    assert _resolve("last", tmp_path, _training(), "fit").checkpoint == str(hpc)  # the newer of the two
 
 
 # -- ranks and locks ---------------------------------------------------------------------------
@@ -217,7 +224,7 @@ def test_hpc_resolves_to_lightnings_requeue_checkpoint_in_the_run_folder(tmp_pat
 def test_the_launch_rank_comes_from_the_right_variables(env, zero, clean_env):
     for name, value in env.items():
         clean_env.setenv(name, value)
-    assert ranks.is_launch_rank_zero() is zero
+    assert launch.is_launch_rank_zero() is zero
 
 
 def test_a_lock_is_never_seen_half_written_and_a_stale_one_is_taken_from_any_host(tmp_path, clean_env):

@@ -220,7 +220,7 @@ def test_a_lock_from_another_host_is_refused_unless_slurm_requeued_this_job(tmp_
 
 
 def test_temp_files_of_dead_writers_on_this_host_are_removed_and_said_once(tmp_path):
-    from lightning_app.runs.leftovers import remove_dead_writers_files
+    from lightning_app.runs.lock import remove_dead_writers_files
 
     run, host, dead = tmp_path / "version_0", os.uname().nodename, _dead_pid()
     (run / runs.CHECKPOINTS).mkdir(parents=True)
@@ -298,3 +298,16 @@ def test_runs_loads_no_torch_and_imports_nothing_from_callbacks():
     upward = {m: sorted(t for t in targets if t.startswith("lightning_app.callbacks"))
               for m, targets in import_graph(("lightning_app",)).items() if m.startswith("lightning_app.runs")}
     assert not {m: targets for m, targets in upward.items() if targets}
+
+
+def test_planning_a_run_enters_each_file_of_runs_once_but_the_folders_leaf():
+    """`--ckpt_path` is resolved to a plain answer, then the folder is planned from it: a reader follows it top to
+    bottom, each file of runs/ entered once (tests/helpers/runs_trace.py). folders.py, the leaf of paths and atomic
+    writes, is entered once by each step that touches the disk: find runs, make a folder, lock it, write run.json."""
+    from tests.helpers.runs_trace import cases, trace
+
+    for case in cases():
+        counts, order = trace(case)
+        assert {"plan", "launch", "resolve", "identity"} <= set(counts), (case, order)
+        assert not {name: n for name, n in counts.items() if n > 1 and name != "folders"}, (case, order)
+        assert counts["folders"] <= 4, (case, order)

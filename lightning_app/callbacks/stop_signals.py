@@ -39,7 +39,7 @@ from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnect
 from pytorch_lightning.trainer.states import TrainerFn
 
 from datamodules.processes import dead_workers
-from lightning_app.runs.identity import sweep_trial
+from lightning_app.runs.launch import sweep_trial
 
 AGREE_EVERY_WITHOUT_LOGGING = 50  # steps between agreements when trainer.log_every_n_steps is 0
 # what a rank asks for (Ctrl-C, SIGTERM, a dead loader worker, requeue); the largest wins
@@ -151,7 +151,7 @@ class StopSignals(_SignalConnector):
         `__del__`, a `finally` that raises again), so the run went on to its agreed stop and saved anyway. The
         ranks Lightning's launcher started are SIGKILLed (they may wait in a collective); loader workers end with
         this process (datamodules/processes/loader_workers.py). A checkpoint save under way is cut: its temp file
-        is removed by the next run (lightning_app/runs/leftovers.py) and last.ckpt stays the previous one."""
+        is removed by the next run (lightning_app/runs/lock.py) and last.ckpt stays the previous one."""
         launcher = self.trainer.strategy.launcher
         if launcher is not None:
             launcher.kill(signal.SIGKILL)

@@ -1,13 +1,12 @@
 """Run folders on disk: `ROOT/version_N/` and the atomic writes every file in them gets."""
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import re
 import shutil
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -72,7 +71,7 @@ def write_atomically(path: str | os.PathLike, data: bytes | Callable[[BinaryIO],
     """Temp file beside `path`, fsync, os.replace, fsync of the folder: a kill leaves the old file or the new
     one. `data` is the bytes, or a function that writes them into the open file."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}@{socket.gethostname()}.tmp")  # its writer: runs/leftovers.py
+    tmp = path.with_name(f".{path.name}.{os.getpid()}@{socket.gethostname()}.tmp")  # its writer: runs/lock.py
     try:
         with open(tmp, "wb") as f:
             data(f) if callable(data) else f.write(data)
@@ -109,26 +108,20 @@ def free_bytes(path: str | os.PathLike) -> int | None:
     return None
 
 
-@contextlib.contextmanager
-def run_root_writable(root: str | os.PathLike) -> Iterator[None]:
-    """A file system error while the run folder is made (a read-only mount, no permission, a full disk) becomes one
+def unwritable_root(root: str | os.PathLike, error: OSError) -> UserError:
+    """A file system error while the run folder is made (a read-only mount, no permission, a full disk) as one
     paragraph (UserError: exit status 2) naming the root, the file and the reason."""
-    try:
-        yield
-    except FileExistsError:
-        raise
-    except OSError as error:
-        where = error.filename or f"a file under {root}"
-        if error.errno in (errno.ENOSPC, errno.EDQUOT):
-            free = free_bytes(error.filename or root)
-            reason = (f"its filesystem is full ({'over quota; ' if error.errno == errno.EDQUOT else ''}"
-                      f"{'?' if free is None else f'{free:,}'} bytes free)")
-            fix = "free space there"
-        elif error.errno == errno.EROFS:
-            reason, fix = "it is on a read-only filesystem", "mount it writable"
-        elif error.errno in (errno.EACCES, errno.EPERM):
-            reason, fix = "this user may not write there", "give this user write access to it"
-        else:
-            reason, fix = error.strerror or str(error), "check that folder"
-        raise UserError(f"Cannot start the run under {root}: writing {where} failed: {reason}. Train into another "
-                        f"folder with --trainer.default_root_dir DIR, or {fix}.") from None
+    where = error.filename or f"a file under {root}"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = free_bytes(error.filename or root)
+        reason = (f"its filesystem is full ({'over quota; ' if error.errno == errno.EDQUOT else ''}"
+                  f"{'?' if free is None else f'{free:,}'} bytes free)")
+        fix = "free space there"
+    elif error.errno == errno.EROFS:
+        reason, fix = "it is on a read-only filesystem", "mount it writable"
+    elif error.errno in (errno.EACCES, errno.EPERM):
+        reason, fix = "this user may not write there", "give this user write access to it"
+    else:
+        reason, fix = error.strerror or str(error), "check that folder"
+    return UserError(f"Cannot start the run under {root}: writing {where} failed: {reason}. Train into another "
+                     f"folder with --trainer.default_root_dir DIR, or {fix}.")

@@ -1,8 +1,8 @@
-"""A run's identity: `version_N/run.json`, written when the run is made and updated at every resume.
+"""A run's identity: `version_N/run.json`, written when the run is made and updated at every resume (runs/plan.py).
 
 It holds the run's training settings (what `--ckpt_path last` compares), where and when it started,
 every SLURM job that trained it (job id, array job and task id, restart count) and every torchrun worker group
-(rendezvous run id, restart count). `IGNORED` is the
+(rendezvous run id, restart count), as runs/launch.py reads them from this process's environment. `IGNORED` is the
 one list of settings that do not change what a run learns: `last` ignores them, and a resumed fit
 changes them without a word.
 """
@@ -12,14 +12,12 @@ import datetime
 import importlib
 import json
 import os
-import re
-import socket
-import sys
-import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_app.runs.folders import write_atomically
+from lightning_app.runs.folders import run_dirs, run_of_checkpoint, write_atomically
+from lightning_app.runs.launch import elastic_key, job_key
 
 RUN_JSON = "run.json"
 
@@ -158,85 +156,6 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-# -- SLURM ---------------------------------------------------------------------------------
-def slurm_job() -> dict:
-    """This process's SLURM job, or {} outside SLURM."""
-    env = os.environ
-    if "SLURM_JOB_ID" not in env:
-        return {}
-    job = {"job_id": env["SLURM_JOB_ID"], "restart_count": int(env.get("SLURM_RESTART_COUNT", "0") or 0)}
-    if env.get("SLURM_ARRAY_JOB_ID"):
-        job |= {"array_job_id": env["SLURM_ARRAY_JOB_ID"], "array_task_id": env.get("SLURM_ARRAY_TASK_ID", "")}
-    return job
-
-
-def job_key(job: dict) -> str | None:
-    """What identifies a job across requeues: `ARRAYJOB_TASK` for an array task (as Lightning's own requeue
-    names it, trainer/connectors/signal_connector.py), else the job id."""
-    if not job:
-        return None
-    if job.get("array_job_id"):
-        return f"{job['array_job_id']}_{job.get('array_task_id', '')}"
-    return str(job["job_id"])
-
-
-def is_requeued(job: dict) -> bool:
-    return bool(job) and int(job.get("restart_count", 0)) > 0
-
-
-def command_line() -> str:
-    """This process's command, with every argument that carries a credential written as <redacted>: one that
-    names a credential key (datamodules/credentials.py, is_secret) and the value of --data.storage_options."""
-    from datamodules.credentials import REDACTED, is_secret
-
-    words, hide_next = [], False
-    for arg in sys.argv:
-        flag, eq, _ = arg.partition("=")
-        if hide_next:
-            words.append(REDACTED)
-            hide_next = False
-        elif "storage_options" in flag and arg.startswith("--"):
-            words.append(f"{flag}={REDACTED}" if eq else arg)
-            hide_next = not eq
-        elif any(is_secret(w) for w in re.findall(r"[A-Za-z_]+", arg)):
-            words.append(REDACTED)
-        else:
-            words.append(arg)
-    return " ".join(words)
-
-
-# -- torchrun --------------------------------------------------------------------------------
-# torchrun's agent sets these in every worker (torch/distributed/elastic/agent/server/local_elastic_agent.py,
-# _start_workers): the rendezvous run id (--rdzv-id), how often the group was restarted, and the node count.
-NO_RUN_ID = ("", "none")  # torchrun's --rdzv-id default "none" (torch/distributed/run.py): shared by every job
-
-
-def elastic_run() -> dict:
-    """This process's torchrun worker group, or {} outside torchrun. `agent`: host and pid of the torchrun agent
-    that started it (the worker's parent: the agent Popens its workers and outlives their restarts,
-    torch/distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py)."""
-    env = os.environ
-    if "TORCHELASTIC_RUN_ID" not in env:
-        return {}
-    return {"run_id": env["TORCHELASTIC_RUN_ID"], "restart_count": int(env.get("TORCHELASTIC_RESTART_COUNT") or 0),
-            "max_restarts": int(env.get("TORCHELASTIC_MAX_RESTARTS") or 0),
-            "nodes": int(env.get("GROUP_WORLD_SIZE") or 1), "agent": f"{socket.gethostname()}:{os.getppid()}"}
-
-
-def elastic_key(run: dict) -> str | None:
-    """What identifies a torchrun job across its restarts: its rendezvous run id. Without one (--rdzv-id left at
-    "none") the agent on a single node, which every restart shares; on several nodes nothing (None)."""
-    if not run:
-        return None
-    if run.get("run_id") not in NO_RUN_ID:
-        return f"rdzv {run['run_id']}"
-    return f"agent {run['agent']}" if run.get("nodes") == 1 and run.get("agent") else None
-
-
-def is_elastic_restart(run: dict) -> bool:
-    return bool(run) and int(run.get("restart_count", 0)) > 0
-
-
 def last_elastic_attempt(record: dict, key: str) -> datetime.datetime | None:
     """When torchrun job `key` last created or resumed the run; None if it never did. A job started again by
     hand with the same --rdzv-id may resume an older run: the one it trained last is its own."""
@@ -245,22 +164,49 @@ def last_elastic_attempt(record: dict, key: str) -> datetime.datetime | None:
     return max(times, default=None)
 
 
-# -- sweeps ----------------------------------------------------------------------------------
-# lightning_app/sweep/runner.py sets these in each trial's process: its run.json names the sweep and the trial.
-SWEEP_DIR_ENV, SWEEP_TRIAL_ENV = "FIC_SWEEP_DIR", "FIC_SWEEP_TRIAL"
+# -- runs as `--ckpt_path` sees them ---------------------------------------------------------------
+@dataclass
+class FoundRun:
+    """A run folder, its run.json, and how its training settings compare with this config's, said in words."""
+    number: int | None  # N of version_N
+    folder: Path | None  # None: the checkpoint lies outside any run
+    record: dict | None  # its run.json; None: made before runs had one
+    differs: list  # what `last` compares for this subcommand (comparable) that differs
+    changed: list  # every training setting that differs: what a resume records and says it changed
+    said_differs: str = ""
+    said_changed: str = ""
 
 
-def sweep_trial() -> dict:
-    """{"folder": the sweep folder, "trial": its number} when this process runs a sweep's trial, else {}."""
-    folder, trial = os.environ.get(SWEEP_DIR_ENV), os.environ.get(SWEEP_TRIAL_ENV)
-    return {"folder": folder, "trial": int(trial)} if folder and trial and trial.isdigit() else {}
+def _found(number: int | None, folder: Path | None, record: dict | None, differs: list, changed: list) -> FoundRun:
+    return FoundRun(number, folder, record, differs, changed, describe(differs), describe(changed))
+
+
+def runs_under(root: str | os.PathLike, training: dict, subcommand: str) -> list[FoundRun]:
+    """Every run folder under root, by N, compared with this config's training settings."""
+    wanted, found = comparable(training, subcommand), []
+    for number, folder in run_dirs(root):
+        record = read_run(folder)
+        if record is None:
+            found.append(_found(number, folder, None, [], []))
+            continue
+        found.append(_found(number, folder, record, differences(comparable(record["training"], subcommand), wanted),
+                            differences(record["training"], training)))
+    return found
+
+
+def run_of_file(ckpt_path: str | os.PathLike, training: dict, saved_hparams: dict) -> FoundRun:
+    """The run a checkpoint file lies in, compared with this config: all its training settings when it has a
+    run.json; else (no run.json, or a file outside any run) the model settings the checkpoint saved."""
+    run = run_of_checkpoint(ckpt_path)
+    record = read_run(run[1]) if run else None
+    if record:
+        changed = differences(record["training"], training)
+    else:
+        changed = differences({"model": model_settings(saved_hparams)}, {"model": training["model"]})
+    return _found(run[0] if run else None, run[1] if run else None, record, changed, changed)
 
 
 # -- run.json ------------------------------------------------------------------------------
-def now() -> str:
-    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-
-
 def read_run(run_dir: str | os.PathLike) -> dict | None:
     try:
         record = json.loads((Path(run_dir) / RUN_JSON).read_text())
@@ -269,37 +215,6 @@ def read_run(run_dir: str | os.PathLike) -> dict | None:
     if not (isinstance(record, dict) and isinstance(record.get("training"), dict)):
         return None
     return {**record, "training": current_class_paths(record["training"])}
-
-
-def _attempt(checkpoint: str | None, changed: list | None = None) -> dict:
-    attempt = {"at": now(), "host": socket.gethostname(), "pid": os.getpid(), "command": command_line(),
-               "checkpoint": checkpoint, "slurm": slurm_job()}
-    if elastic_run():
-        attempt["torchelastic"] = elastic_run()
-    if sweep_trial():
-        attempt["sweep"] = sweep_trial()
-    if changed:
-        attempt["changed"] = [{"key": k, "from": o, "to": n} for k, o, n in changed]
-    return attempt
-
-
-def write_new_run(run_dir: str | os.PathLike, training: dict) -> dict:
-    record = {"run_id": uuid.uuid4().hex, "created": now(), "host": socket.gethostname(),
-              "slurm": slurm_job(), **({"torchelastic": elastic_run()} if elastic_run() else {}),
-              **({"sweep": sweep_trial()} if sweep_trial() else {}),
-              "training": training, "attempts": [_attempt(None)]}
-    write_atomically(Path(run_dir) / RUN_JSON, json.dumps(record, indent=1).encode())
-    return record
-
-
-def record_resume(run_dir: str | os.PathLike, record: dict | None, training: dict, checkpoint: str | None,
-                  changed: list) -> dict:
-    """Append this attempt; the training settings become this config's (a resumed fit may change lr, say)."""
-    if record is None:  # a run made before run.json existed: it gets one now
-        record = {"run_id": uuid.uuid4().hex, "created": None, "host": None, "slurm": {}, "attempts": []}
-    record = {**record, "training": training, "attempts": [*record.get("attempts", []), _attempt(checkpoint, changed)]}
-    write_atomically(Path(run_dir) / RUN_JSON, json.dumps(record, indent=1).encode())
-    return record
 
 
 def record_sweep_outcome(run_dir: str | os.PathLike, state: str, **details: Any) -> None:

@@ -10,27 +10,32 @@ refreshes the lock's mtime (its heartbeat). A lock is taken over, with one line 
   another host);
 - its heartbeat is older than STALE_S, from any host (a restarted pod, a node that died).
 Ages are measured against a file written just now in the same folder, so only the file server's clock counts.
+
+The process that takes the lock also removes the temp files (write_atomically's `.NAME.PID@HOST.tmp`) of writes
+whose process was killed, and says so once (`remove_dead_writers_files`, below). A temp file is removed when its
+writer ran on this host and that pid no longer runs. A name without a host (one written before the host was part of
+it) counts as written by the lock's previous owner's host: only the lock's holder writes into a run folder. A live
+pid keeps its file (it may be another process's that reused the pid: the safe side). A file whose writer ran on
+another host is left: this host cannot tell whether it still runs.
+
+A complete temp checkpoint newer than last.ckpt is removed too, never renamed into place. Its writer died before the
+fsync and rename that make a save count (write_atomically): a zip directory at its end shows that torch.save
+returned, not that its bytes reached the disk; last.ckpt is the state the rest of the run agrees with (the best
+checkpoint beside it, the step TensorBoard purges from on resume, the loader's position); and a kill a moment
+earlier would have lost the same interval. So a resume always goes on from the last save that completed.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import threading
 from pathlib import Path
 
 from lightning_app.errors import UserError
-from lightning_app.runs.folders import fsync_dir
-from lightning_app.runs.identity import (
-    command_line,
-    elastic_key,
-    elastic_run,
-    is_elastic_restart,
-    is_requeued,
-    job_key,
-    now,
-    slurm_job,
-)
+from lightning_app.runs.folders import CHECKPOINTS, fsync_dir
+from lightning_app.runs.launch import Launch, this_process
 
 LOCK_NAME = ".lock"
 HEARTBEAT_S = 30.0
@@ -61,20 +66,21 @@ def alive(pid: int, start: str | None = None) -> bool:
 class RunLock:
     """pid, host, start time, command and SLURM job of the fit that owns the run folder."""
 
-    def __init__(self, run_dir: str | os.PathLike) -> None:
+    def __init__(self, run_dir: str | os.PathLike, launch: Launch | None = None) -> None:
         self.path = Path(run_dir) / LOCK_NAME
+        self.launch = launch  # this process (runs/launch.py); read at acquire() when not given
         self.held = False
         self.took_over: dict | None = None  # the previous owner's record when its lock was taken over
         self.took_over_because = ""
         self._stop = threading.Event()
 
     def _record(self) -> dict:
-        job, elastic = slurm_job(), elastic_run()
-        return {"pid": os.getpid(), "host": socket.gethostname(), "pid_start": _process_start(os.getpid()),
-                "started": now(), "command": command_line(),
-                **({"slurm_job_id": job_key(job), "slurm_restart_count": job["restart_count"]} if job else {}),
-                **({"torchelastic": elastic_key(elastic), "torchelastic_restart_count": elastic["restart_count"]}
-                   if elastic_key(elastic) else {})}
+        me = self.launch
+        slurm = {"slurm_job_id": me.slurm_key, "slurm_restart_count": me.slurm["restart_count"]} if me.slurm else {}
+        return {"pid": me.pid, "host": me.host, "pid_start": _process_start(me.pid), "started": me.started,
+                "command": me.command, **slurm,
+                **({"torchelastic": me.elastic_key, "torchelastic_restart_count": me.elastic["restart_count"]}
+                   if me.elastic_key else {})}
 
     def read(self, path: Path | None = None) -> dict | None:
         try:
@@ -84,6 +90,7 @@ class RunLock:
         return record if isinstance(record, dict) else None
 
     def acquire(self) -> RunLock:
+        self.launch = self.launch or this_process()
         tmp = self.path.with_name(f"{LOCK_NAME}.{socket.gethostname()}.{os.getpid()}.tmp")
         with open(tmp, "w") as f:
             json.dump(self._record(), f)
@@ -112,9 +119,9 @@ class RunLock:
         owner = self.read() or {}
         pid, host = owner.get("pid"), owner.get("host")
         who = f"process {pid} on host {host}" if pid else "an unreadable lock"
-        if _requeued_after(owner):
+        if _requeued_after(owner, self.launch):
             because = f"the previous attempt of SLURM job {owner.get('slurm_job_id')}, which SLURM requeued"
-        elif _restarted_after(owner):
+        elif _restarted_after(owner, self.launch):
             because = (f"attempt {owner.get('torchelastic_restart_count')} of the torchrun worker group "
                        f"{owner.get('torchelastic')}, which torchrun restarted")
         elif isinstance(pid, int) and host == socket.gethostname():
@@ -173,14 +180,53 @@ class RunLock:
         self.held = False
 
 
-def _requeued_after(owner: dict) -> bool:
-    me = slurm_job()
-    return is_requeued(me) and owner.get("slurm_job_id") == job_key(me) and \
-        int(owner.get("slurm_restart_count", 0) or 0) < me["restart_count"]
+def _requeued_after(owner: dict, me: Launch) -> bool:
+    return me.requeued and owner.get("slurm_job_id") == me.slurm_key and \
+        int(owner.get("slurm_restart_count", 0) or 0) < me.slurm["restart_count"]
 
 
-def _restarted_after(owner: dict) -> bool:
-    me = elastic_run()
-    key = elastic_key(me)
-    return is_elastic_restart(me) and key is not None and owner.get("torchelastic") == key and \
-        int(owner.get("torchelastic_restart_count", 0) or 0) < me["restart_count"]
+def _restarted_after(owner: dict, me: Launch) -> bool:
+    return me.elastic_restart and me.elastic_key is not None and owner.get("torchelastic") == me.elastic_key and \
+        int(owner.get("torchelastic_restart_count", 0) or 0) < me.elastic["restart_count"]
+
+
+def take(run_dir: Path, launch: Launch) -> tuple[RunLock, list[str]]:
+    """The run folder locked for this process, with what its dead writers left removed; and the lines saying so."""
+    lock = RunLock(run_dir, launch).acquire()
+    lines = [f"took over the lock of {run_dir} from {lock.took_over_because}."] if lock.took_over is not None else []
+    removed = remove_dead_writers_files(run_dir, (lock.took_over or {}).get("host"))
+    return lock, lines + ([removed] if removed else [])
+
+
+# -- what dead writers left ------------------------------------------------------------------
+TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.(?P<pid>\d+)(?:@(?P<host>[^/]+))?\.tmp$")
+
+
+def remove_dead_writers_files(run_dir: str | os.PathLike, previous_owner_host: str | None) -> str | None:
+    """Remove the temp files in the run folder and its checkpoints/ whose writer on this host has ended; the line
+    that says so, or None when there were none."""
+    here, removed, size = socket.gethostname(), [], 0
+    run_dir = Path(run_dir)
+    for folder in (run_dir, run_dir / CHECKPOINTS):
+        try:
+            names = [p for p in folder.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp")]
+        except OSError:
+            continue
+        for path in sorted(names):
+            found = TEMP_NAME.match(path.name)
+            if found is None:
+                continue
+            pid, host = int(found["pid"]), found["host"] or previous_owner_host
+            if host != here or pid == os.getpid() or alive(pid):
+                continue
+            try:
+                size += path.stat().st_size
+                path.unlink()
+            except OSError:
+                continue
+            removed.append(f"{path.name} (pid {pid})")
+    if not removed:
+        return None
+    return (f"removed {len(removed)} temp file{'s' if len(removed) > 1 else ''} of writes whose process ended before "
+            f"renaming them into place ({size / 2**20:,.1f} MiB, in {run_dir}): {', '.join(removed)}. A save that "
+            "never reached its rename is never resumed from, even a complete one (docs/clusters.md, \"Faults\").")

@@ -5,23 +5,34 @@ its lock), or the run of the resolved checkpoint wherever its root is. validate/
 their own, `<run>/<subcommand>_K`, under the checkpoint's run (ROOT/<subcommand>_K for a checkpoint outside
 any run), printed in one line. One that fails before writing a result removes that folder again
 (discard_evaluation_folder), so the next one takes its name.
+
+One pass, top to bottom: this process read from its environment (launch.this_process), `--ckpt_path` resolved to a
+plain answer (resolve.resolve: the file, its run, why), then the folder made or taken (lock.take) and run.json
+written. tests/helpers/runs_trace.py counts the files it enters.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_app.errors import UserError
-from lightning_app.runs import identity
-from lightning_app.runs.folders import PREDICTIONS_CSV, RUN_PATTERN, new_run, new_subfolder, run_root_writable
-from lightning_app.runs.leftovers import remove_dead_writers_files
-from lightning_app.runs.lock import RunLock
-from lightning_app.runs.ranks import is_launch_rank_zero
-from lightning_app.runs.resolve import resolve
-from lightning_app.runs.signature import ModelSignature, check_compatible, fingerprint
+from lightning_app.runs import launch
+from lightning_app.runs.folders import (
+    PREDICTIONS_CSV,
+    RUN_PATTERN,
+    new_run,
+    new_subfolder,
+    unwritable_root,
+    write_atomically,
+)
+from lightning_app.runs.identity import RUN_JSON
+from lightning_app.runs.lock import RunLock, take
+from lightning_app.runs.resolve import Resolved, resolve
+from lightning_app.runs.signature import ModelSignature
 
 
 @dataclass
@@ -41,26 +52,22 @@ class RunPlan:
 
 def plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict, signature: ModelSignature,
              resume_or_fail: bool = False) -> RunPlan:
-    with run_root_writable(root):  # a read-only, unwritable or full root: one paragraph, exit status 2
+    try:
         return _plan_run(subcommand, ckpt_path, root, training, signature, resume_or_fail)
+    except FileExistsError:
+        raise
+    except OSError as error:  # a read-only, unwritable or full root: one paragraph, exit status 2
+        raise unwritable_root(root, error) from None
 
 
 def _plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict,
               signature: ModelSignature, resume_or_fail: bool) -> RunPlan:
-    zero = is_launch_rank_zero()
-    resolved = resolve(ckpt_path, root, training, subcommand)
-    if resume_or_fail and subcommand == "fit" and ckpt_path in ("last", "hpc") and resolved.run_dir is None:
-        found = resolved.message.removesuffix("; starting a fresh run.").rstrip(".")
-        raise UserError(f"{found}. --resume_or_fail true: a fit that finds no run to resume stops here instead of "
-                        "starting a fresh one from epoch 0. If the config changed on purpose, pass the checkpoint "
-                        "with --ckpt_path PATH/TO.ckpt, or leave out --resume_or_fail for a fresh run; if the runs "
-                        "are under another --trainer.default_root_dir, point it there.")
-    if resolved.checkpoint and Path(resolved.checkpoint).is_file():
-        check_compatible(resolved.checkpoint, signature)
-    lines = [resolved.message] if resolved.message else []
+    here = launch.this_process()
+    resolved = resolve(ckpt_path, root, training, subcommand, here, signature, resume_or_fail)
+    lines = [line for line in resolved.lines if line]
     if subcommand != "fit":
         parent = resolved.run_dir or root
-        if not zero:
+        if not here.rank_zero:
             return RunPlan(resolved.checkpoint, parent, None, resolved.run_dir)
         folder = new_subfolder(parent, subcommand)
         if subcommand != "predict":  # predict's line names its images too (lightning_app/callbacks/predictions.py)
@@ -75,32 +82,62 @@ def _plan_run(subcommand: str, ckpt_path: str | None, root: Path, training: dict
         plan.log_parent = resolved.run_dir.parent
         if not resolved.checkpoint:  # started again: TensorBoard drops everything the stopped attempt logged
             plan.purge_step = 0
-        if resolved.changed and resolved.checkpoint:
-            lines.append(f"resuming {resolved.checkpoint} with changed settings: {identity.describe(resolved.changed)}")
-        elif resolved.changed:
-            lines.append(f"{resolved.run_dir} starts again with changed settings: "
-                         f"{identity.describe(resolved.changed)}")
-        if zero:
-            plan.lock = _lock(resolved.run_dir, lines)
-            record = identity.record_resume(resolved.run_dir, record, training, resolved.checkpoint, resolved.changed)
-    elif zero:
+        if here.rank_zero:
+            plan.lock, taken = take(resolved.run_dir, here)
+            lines += taken
+            record = _record_resume(resolved, training, here)
+    elif here.rank_zero:
         plan.version, plan.run_dir = new_run(root)
         plan.made_here = True
         try:
-            plan.lock = _lock(plan.run_dir, lines)
-            record = identity.write_new_run(plan.run_dir, training)
+            plan.lock, taken = take(plan.run_dir, here)
+            lines += taken
+            record = write_new_run(plan.run_dir, training, here)
         except OSError:  # a full disk: no half-made run folder is left for `--ckpt_path last` to find
             if plan.lock is not None:
                 plan.lock.release()
             shutil.rmtree(plan.run_dir, ignore_errors=True)
             raise
     plan.agreement = {
-        "checkpoint": resolved.checkpoint,
-        "fingerprint": (fingerprint(resolved.checkpoint) if resolved.checkpoint and os.path.isfile(resolved.checkpoint)
-                        else None),
+        "checkpoint": resolved.checkpoint, "fingerprint": resolved.fingerprint,
         "run_dir": os.path.realpath(plan.run_dir) if plan.run_dir else None, "run_id": (record or {}).get("run_id"),
         "made_here": plan.made_here, "resumed": bool(resolved.checkpoint and resolved.run_dir)}
     return plan
+
+
+# -- run.json: written by the process that holds the run's lock ------------------------------------------
+def _attempt(here: launch.Launch, checkpoint: str | None, changed: list | None = None) -> dict:
+    attempt = {"at": here.started, "host": here.host, "pid": here.pid, "command": here.command,
+               "checkpoint": checkpoint, "slurm": here.slurm}
+    if here.elastic:
+        attempt["torchelastic"] = here.elastic
+    if here.sweep:
+        attempt["sweep"] = here.sweep
+    if changed:
+        attempt["changed"] = [{"key": k, "from": o, "to": n} for k, o, n in changed]
+    return attempt
+
+
+def write_new_run(run_dir: str | os.PathLike, training: dict, here: launch.Launch | None = None) -> dict:
+    """A fresh run's run.json: its training settings, where and when it started, its first attempt."""
+    here = here or launch.this_process()
+    cluster = {**({"torchelastic": here.elastic} if here.elastic else {}),
+               **({"sweep": here.sweep} if here.sweep else {})}
+    record = {"run_id": uuid.uuid4().hex, "created": here.started, "host": here.host, "slurm": here.slurm, **cluster,
+              "training": training, "attempts": [_attempt(here, None)]}
+    write_atomically(Path(run_dir) / RUN_JSON, json.dumps(record, indent=1).encode())
+    return record
+
+
+def _record_resume(resolved: Resolved, training: dict, here: launch.Launch) -> dict:
+    """Append this attempt; the training settings become this config's (a resumed fit may change lr, say)."""
+    record = resolved.record
+    if record is None:  # a run made before run.json existed: it gets one now
+        record = {"run_id": uuid.uuid4().hex, "created": None, "host": None, "slurm": {}, "attempts": []}
+    attempt = _attempt(here, resolved.checkpoint, resolved.changed)
+    record = {**record, "training": training, "attempts": [*record.get("attempts", []), attempt]}
+    write_atomically(resolved.run_dir / RUN_JSON, json.dumps(record, indent=1).encode())
+    return record
 
 
 def discard_evaluation_folder(plan: RunPlan, logged_metrics: bool) -> None:
@@ -111,16 +148,6 @@ def discard_evaluation_folder(plan: RunPlan, logged_metrics: bool) -> None:
         return
     shutil.rmtree(folder, ignore_errors=True)
     plan.evaluation_folder = None
-
-
-def _lock(run_dir: Path, lines: list[str]) -> RunLock:
-    lock = RunLock(run_dir).acquire()
-    if lock.took_over is not None:
-        lines.append(f"took over the lock of {run_dir} from {lock.took_over_because}.")
-    removed = remove_dead_writers_files(run_dir, (lock.took_over or {}).get("host"))
-    if removed:
-        lines.append(removed)
-    return lock
 
 
 def _what(checkpoint: str | None) -> str:

@@ -34,7 +34,10 @@ class ModelSignature:
     @classmethod
     def of_checkpoint(cls, path: str | os.PathLike) -> ModelSignature:
         """Read with weights_only=True (no code from the file runs) and mmap (no weights read)."""
-        ckpt = load_light(path)
+        return cls._of_dict(load_light(path))
+
+    @classmethod
+    def _of_dict(cls, ckpt: dict) -> ModelSignature:
         hp = ckpt.get("hyper_parameters") or {}
         state = ckpt.get("state_dict") or {}
         return cls(hp.get("arch"), hp.get("num_classes"),
@@ -61,7 +64,11 @@ def mismatch(saved: ModelSignature, config: ModelSignature) -> str | None:
 
 def check_compatible(ckpt_path: str | os.PathLike, config: ModelSignature) -> None:
     """Raise a one-paragraph UserError when ckpt_path cannot load into this config's model."""
-    why = mismatch(ModelSignature.of_checkpoint(ckpt_path), config)
+    _refuse_mismatch(ckpt_path, ModelSignature.of_checkpoint(ckpt_path), config)
+
+
+def _refuse_mismatch(ckpt_path: str | os.PathLike, saved: ModelSignature, config: ModelSignature) -> None:
+    why = mismatch(saved, config)
     if why is not None:
         raise UserError(
             f"--ckpt_path {ckpt_path} does not fit this config: {why}. Pass the config the checkpoint was "
@@ -70,15 +77,33 @@ def check_compatible(ckpt_path: str | os.PathLike, config: ModelSignature) -> No
         )
 
 
+@dataclass
+class Inspected:
+    """What resolving `--ckpt_path` needs of the checkpoint it loads, read once (inspect_checkpoint)."""
+    hyper_parameters: dict
+    fingerprint: str  # every rank must load the same file (runs/guard.py)
+
+
+def inspect_checkpoint(ckpt_path: str | os.PathLike, config: ModelSignature) -> Inspected:
+    """The checkpoint read once: Unreadable when it cannot be read, a UserError when it does not fit `config`."""
+    ckpt = load_light(ckpt_path)
+    _refuse_mismatch(ckpt_path, ModelSignature._of_dict(ckpt), config)
+    return Inspected(ckpt.get("hyper_parameters") or {}, fingerprint(ckpt_path))
+
+
+class Unreadable(UserError):
+    """The checkpoint cannot be read: cut short, not a checkpoint, or unreadable."""
+
+
 def load_light(path: str | os.PathLike) -> dict:
-    """The checkpoint's dict, weights memory-mapped (not read); UserError when it cannot be read."""
+    """The checkpoint's dict, weights memory-mapped (not read); Unreadable when it cannot be read."""
     import torch  # here, not at the top: `import lightning_app.runs` loads no torch (tests/test_runs.py)
 
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(f"cannot read checkpoint {path}: {damage(path) or f'{type(e).__name__}: {first}'}") from e
+        raise Unreadable(f"cannot read checkpoint {path}: {damage(path) or f'{type(e).__name__}: {first}'}") from e
 
 
 def fingerprint(path: str | os.PathLike) -> str:

@@ -19,9 +19,9 @@ from pathlib import Path
 from pytorch_lightning import Callback, LightningModule, Trainer
 from pytorch_lightning.utilities import rank_zero_info
 
-from lightning_app.runs.identity import SWEEP_DIR_ENV as DIR_ENV
-from lightning_app.runs.identity import SWEEP_TRIAL_ENV as TRIAL_ENV
-from lightning_app.runs.identity import sweep_trial
+from lightning_app.runs.launch import SWEEP_DIR_ENV as DIR_ENV
+from lightning_app.runs.launch import SWEEP_TRIAL_ENV as TRIAL_ENV
+from lightning_app.runs.launch import sweep_trial
 
 SPACE_COPY = "space.yaml"
 

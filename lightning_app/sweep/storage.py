@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_app.errors import UserError
-from lightning_app.runs.identity import job_key, record_sweep_outcome, slurm_job
+from lightning_app.runs.identity import record_sweep_outcome
+from lightning_app.runs.launch import job_key, slurm_job
 from lightning_app.sweep.space import Space
 
 JOURNAL = "journal.log"
