@@ -213,7 +213,7 @@ def decode_per_core(root: Path, w: Workload, seconds: float, dm_kwargs: dict[str
     dataset = make_dm(root, w, 0, False, dm_kwargs).datasets["train"]
     if hasattr(dataset, "plan"):  # --data.decode gpu: a worker only reads, walks the header and draws the box
         def one(i: int, rng: random.Random) -> object:
-            return dataset.plan(dataset.source.read(i), w.image_size, rng)
+            return dataset.device_crop(dataset.source.read(i), w.image_size, rng)
     else:
         def one(i: int, rng: random.Random) -> object:
             return dataset.sample(i, w.image_size, rng)
