@@ -143,7 +143,7 @@ class SampleDataset(Dataset):
     def __init__(self, source: Source, labels: Sequence[int] | torch.Tensor, crop: Callable, size: int | torch.Tensor,
                  plan: LoaderPlan = NO_LOADER, counts: RegionCounts | None = None) -> None:
         self.source = source
-        self.labels = labels if isinstance(labels, torch.Tensor) else torch.as_tensor(list(labels), dtype=torch.int64)
+        self.labels = torch.as_tensor(labels if isinstance(labels, torch.Tensor) else list(labels), dtype=torch.int64)
         self.crop = crop
         self._size = size
         self.plan = plan
