@@ -211,7 +211,7 @@ def decode_per_core(root: Path, w: Workload, seconds: float, dm_kwargs: dict[str
     """Images/s of one thread running the dataset's own sample path (read, decode, random crop) over its files;
     with --data.decode gpu, the worker's share of it (read, header, box)."""
     dataset = make_dm(root, w, 0, False, dm_kwargs).datasets["train"]
-    if hasattr(dataset, "plan"):  # --data.decode gpu: a worker only reads, walks the header and draws the box
+    if hasattr(dataset, "device_crop"):  # --data.decode gpu: a worker only reads, walks the header and draws the box
         def one(i: int, rng: random.Random) -> object:
             return dataset.device_crop(dataset.source.read(i), w.image_size, rng)
     else:
