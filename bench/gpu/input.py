@@ -35,7 +35,7 @@ from datamodules.budget.cpus import cpus_per_process
 GROUP = "input"
 PER_CORE = {False: "decode + crop", True: "read + header + box"}  # a worker's share of a sample, per decode
 PER_CORE_HOW = {False: "SampleDataset.sample (read, decode, random crop)",
-                True: "EncodedDataset.plan (read, walk the JPEG header, draw the box: --data.decode gpu)"}
+                True: "EncodedDataset.device_crop (read, walk the JPEG header, draw the box: --data.decode gpu)"}
 LIMITS = ("decode CPU", "the main process", "contention", "the H2D copy / pinning", "the GPU step")
 TOLERANCE = 0.15   # two rates within 15% are "about equal"
 BUSY_CORE = 0.85   # a thread of the training process at >= 85% of one core is saturated
