@@ -1,5 +1,6 @@
-"""How an ImageDataModule turns its datasets into loaders: the train sampler (the same shuffle on any layout), the
-workers, their start method and memory plan, and with --data.decode gpu the DecodeStage that decodes on the device.
+"""How an ImageDataModule turns its datasets into loaders: one plan per loader (`loader_plan`: its workers, their
+start and memory, what its dataset does per batch), the dataset built with it, the train sampler (the same shuffle
+on any layout), and with --data.decode gpu the DecodeStage that decodes on the device.
 A mixin of ImageDataModule (datamodules/base.py), beside LoaderSizing (datamodules/budget/sizing.py), whose
 `memory_plan`, `workers` and `cpus` it reads."""
 from __future__ import annotations
@@ -9,7 +10,7 @@ import os
 import torch
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 from pytorch_lightning.utilities import rank_zero_warn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from datamodules.errors import DataError
 from datamodules.processes import forksafe
@@ -22,62 +23,74 @@ from datamodules.sample.dataset import SampleDataset
 from datamodules.sample.decode_stage import DecodeStage
 from datamodules.sample.device_decode import DeviceDecode
 from datamodules.sample.encoded import EncodedDataset
+from datamodules.sample.loader_plan import LoaderPlan
 
 
 class Loaders:
     """The loader methods of ImageDataModule (see the module doc)."""
 
     _said_cpu_decode = False  # the start-up warning of --data.decode gpu without CUDA, once
+    region_decode = True  # a plan's region_decode (sample/loader_plan.py); bench's whole-decode rows set it False
 
     def _loader(self, split: str, train: bool) -> DataLoader | DecodeStage:
-        plan = self.memory_plan(fit=True if train else None)
-        self._show_plan(plan)
-        sizing = plan.loader("train" if train else "val")
-        workers = sizing.workers
-        batch_size = self.per_process_batch_size
-        if train and len(self.datasets[split]) < batch_size * self.world_size:
-            raise DataError(
-                f"{split}/ of {self.root} has {len(self.datasets[split])} images, fewer than one global batch "
-                f"({self.batch_size}); lower --data.batch_size."
-            )
-        sampler = None
+        """The loader of `split`: its plan, its dataset built with it, the sampler, the workers, the device stage."""
+        plan = self.loader_plan(train, encoded=isinstance(self.datasets[split], EncodedDataset))
+        batch = self.per_process_batch_size
         if train:
-            # The same shuffle whatever the layout: with seed s, epoch e's global batch k is the same
-            # images on 1 process, N processes or N nodes (each rank takes every N-th of them).
-            # Lightning calls set_epoch on it, and leaves a DistributedSampler alone under DDP. Its state, and the
-            # loader's, go into mid-epoch checkpoints (datamodules/resume.py).
-            trainer = self.trainer
-            sampler = EpochSampler(
-                self.datasets[split], num_replicas=self.world_size,
-                rank=trainer.global_rank if trainer is not None else 0, shuffle=True,
-                seed=int(os.environ.get("PL_GLOBAL_SEED", "0")), drop_last=True,
-            )
+            self.check_one_batch(split, batch)
         dataset = self.datasets[split]
         if isinstance(dataset, SampleDataset):
-            dataset.decode_threads = max(1, self.cpus() // max(1, workers))
-            dataset.ring_slots = sizing.ring_slots
-            dataset.region_decode = getattr(self, "region_decode", True)  # False: bench loaders' whole-decode rows
-        loader = ResumableLoader if train else SampleLoader if isinstance(dataset, SampleDataset) else DataLoader
+            dataset = dataset.planned(plan)
         end_stuck_workers_at_exit()
-        if workers > 0 and self.worker_start == "fork":  # a server or a new interpreter has no inherited locks
+        if plan.workers > 0 and plan.start == "fork":  # a server or a new interpreter has no inherited locks
             forksafe.warm_before_fork(dataset)
-        encoded = isinstance(dataset, EncodedDataset)
-        if encoded and dataset.overflow is None:
-            dataset.overflow = shared_overflow()  # before the workers start: they read it (balance.py)
-        made = loader(
-            dataset,
-            batch_size=batch_size,
-            collate_fn=built_batch if isinstance(dataset, SampleDataset) else None,
-            sampler=sampler,
-            drop_last=train,  # equal steps on every rank, no tiny last batch in BatchNorm
-            num_workers=workers,
+        kind = ResumableLoader if train else SampleLoader if isinstance(dataset, SampleDataset) else DataLoader
+        loader = kind(dataset, batch_size=batch, collate_fn=built_batch if isinstance(dataset, SampleDataset) else None,
+                      sampler=self.train_sampler(dataset) if train else None,
+                      drop_last=train,  # equal steps on every rank, no tiny last batch in BatchNorm
+                      **self.loader_args(plan))
+        if isinstance(dataset, EncodedDataset):
+            return self.on_device(loader, split, train, dataset.source.describe, plan.overflow)
+        return loader
+
+    def loader_plan(self, train: bool, encoded: bool = False) -> LoaderPlan:
+        """Every decision about one loader, from the settings and this process's memory plan (shown once): the one
+        value its dataset is built with. `encoded`: its workers pack batches for the device (--data.decode gpu)."""
+        memory = self.memory_plan(fit=True if train else None)
+        self._show_plan(memory)
+        sizing = memory.loader("train" if train else "val")
+        workers = sizing.workers
+        return LoaderPlan(
+            workers=workers, prefetch=sizing.prefetch if workers > 0 else None,
+            start=self.worker_start if workers > 0 else None,
             pin_memory=self.pins_memory and not encoded,  # nvJPEG stages the bytes itself
             persistent_workers=self.persistent_workers and workers > 0,
-            prefetch_factor=sizing.prefetch if workers > 0 else None,
-            worker_init_fn=WorkerInit(),
-            **self.loader_start(workers),
+            decode_threads=max(1, self.cpus() // max(1, workers)), ring_slots=sizing.ring_slots,
+            region_decode=self.region_decode,
+            overflow=shared_overflow() if encoded else None,  # before the workers start: they read it (balance.py)
         )
-        return self.on_device(made, split, train, dataset.source.describe, dataset.overflow) if encoded else made
+
+    def loader_args(self, plan: LoaderPlan) -> dict:
+        """A DataLoader's worker arguments under `plan`."""
+        return {"num_workers": plan.workers, "pin_memory": plan.pin_memory,
+                "persistent_workers": plan.persistent_workers, "prefetch_factor": plan.prefetch,
+                "worker_init_fn": WorkerInit(), **self.loader_start(plan.workers)}
+
+    def check_one_batch(self, split: str, batch: int) -> None:
+        """A train split holds at least one global batch of `batch` per process (drop_last would leave no step)."""
+        n = len(self.datasets[split])
+        if n < batch * self.world_size:
+            raise DataError(f"{split}/ of {self.root} has {n} images, fewer than one global batch "
+                            f"({self.batch_size}); lower --data.batch_size.")
+
+    def train_sampler(self, dataset: Dataset) -> EpochSampler:
+        """The same shuffle whatever the layout: with seed s, epoch e's global batch k is the same images on 1
+        process, N processes or N nodes (each rank takes every N-th of them). Lightning calls set_epoch on it, and
+        leaves a DistributedSampler alone under DDP. Its state, and the loader's, go into mid-epoch checkpoints
+        (datamodules/resume.py)."""
+        trainer = self.trainer
+        return EpochSampler(dataset, num_replicas=self.world_size, rank=trainer.global_rank if trainer is not None
+                            else 0, shuffle=True, seed=int(os.environ.get("PL_GLOBAL_SEED", "0")), drop_last=True)
 
     def on_device(self, loader: DataLoader, split: str, train: bool, describe, overflow: torch.Tensor,
                   ids: bool = False) -> DecodeStage:

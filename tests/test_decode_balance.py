@@ -10,6 +10,7 @@ from datamodules.errors import DataError
 from datamodules.imagefolder import ImageFolderDataModule
 from datamodules.sample.balance import WARMUP_BATCHES, WorkerDecodeShare, shared_overflow
 from datamodules.sample.crop import TrainCrop
+from datamodules.sample.loader_plan import LoaderPlan
 from tests.test_device_decode import _both, _pair
 
 
@@ -72,7 +73,7 @@ def test_the_share_reaches_forked_workers_and_the_overflow_is_the_cpu_paths_own_
     assert counts["cpu"] == (seen if fixed == 1.0 else counts["cannot"])
     # the overflow's pixels are the CPU path's: the same seeds, the same boxes
     cpu, dev = _pair(photo_tree, "train", TrainCrop(0.25), 64)
-    dev.overflow = torch.full((1,), fixed, dtype=torch.float64)
+    dev = dev.planned(LoaderPlan(overflow=torch.full((1,), fixed, dtype=torch.float64)))
     want, _, got, _, packed, _ = _both(cpu, dev, list(range(len(cpu))))
     assert len(packed.pixel_slots) == (len(cpu) if fixed == 1.0 else 0)
     if fixed == 1.0:

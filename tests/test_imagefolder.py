@@ -1,6 +1,7 @@
 """ImageFolderDataModule: shared init args, batches, bad input before and during loading."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,7 @@ import torch
 from PIL import Image, ImageOps
 
 from datamodules import DataError, ImageFolderDataModule
+from datamodules.sample.batches import SampleLoader, built_batch
 from datamodules.sample.crop import ValCrop
 from datamodules.sample.transforms import IMAGENET_MEAN, IMAGENET_STD
 from tests.helpers.trees import copy_tree, make_tree
@@ -93,8 +95,9 @@ def test_decode_error_in_a_worker_names_the_file(tiny_data, tmp_path, decode_thr
     dm = ImageFolderDataModule(data_dir=str(root), batch_size=8, num_workers=1, image_size=32,
                                persistent_workers=False)
     dm.setup("fit")
-    loader = dm.val_dataloader()
-    loader.dataset.decode_threads = decode_threads  # after the loader set it from the CPUs; before any worker
+    plan = replace(dm.loader_plan(train=False), decode_threads=decode_threads)  # the val loader's, these threads
+    loader = SampleLoader(dm.datasets["val"].planned(plan), batch_size=8, collate_fn=built_batch,
+                          **dm.loader_args(plan))
     with pytest.raises(DataError, match=r"cannot decode image .*star/00001\.jpg") as e:
         for _ in loader:
             pass

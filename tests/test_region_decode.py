@@ -17,6 +17,7 @@ from datamodules.sample import region
 from datamodules.sample.crop import TrainCrop
 from datamodules.sample.dataset import FileSource, SampleDataset
 from datamodules.sample.decode import decode, jpeg_frame
+from datamodules.sample.loader_plan import LoaderPlan
 from tests.helpers.cli import quick_args, run_main
 from tests.helpers.trees import jpeg, make_tree, odd_images
 
@@ -92,9 +93,7 @@ def test_a_train_sample_is_the_same_with_and_without_region_decode_and_the_rest_
     crop.augment.takes_rng = True  # draws from the sample's rng after the box and the flip
 
     def dataset(on: bool) -> SampleDataset:
-        made = SampleDataset(FileSource(paths, "fix"), [0] * len(paths), crop, 24)
-        made.region_decode = on
-        return made
+        return SampleDataset(FileSource(paths, "fix"), [0] * len(paths), crop, 24, LoaderPlan(region_decode=on))
 
     on, off = dataset(True), dataset(False)
     got, want = samples(on, range(6)), samples(off, range(6))
@@ -114,8 +113,8 @@ def test_a_file_nvimgcodec_refuses_takes_the_full_decode_which_names_the_error(t
     assert region.decode_region(whole[:len(whole) // 2], (0, 0, 100, 100)) is None
     messages = []
     for on in (True, False):
-        made = SampleDataset(FileSource([str(tmp_path / "truncated.jpg")], "Remove it."), [0], TrainCrop(), 16)
-        made.region_decode = on
+        made = SampleDataset(FileSource([str(tmp_path / "truncated.jpg")], "Remove it."), [0], TrainCrop(), 16,
+                             LoaderPlan(region_decode=on))
         with pytest.raises(DataError) as error:
             made.sample(0, 16, random.Random(0))
         messages.append(str(error.value))
@@ -150,8 +149,7 @@ def real_crops(root: Path, seeds: range, min_scale: float, size: int = 224) -> i
     index = load_indexes(root, cache=False)["train"]
     crop = TrainCrop(min_scale)
     on = SampleDataset(FileSource(index, "fix"), [0] * len(index), crop, size)
-    off = SampleDataset(FileSource(index, "fix"), [0] * len(index), crop, size)
-    off.region_decode = False
+    off = SampleDataset(FileSource(index, "fix"), [0] * len(index), crop, size, LoaderPlan(region_decode=False))
     compared = 0
     for i in range(len(index)):
         data = FileSource(index, "fix").read(i)

@@ -22,6 +22,7 @@ from datamodules.sample.crop import TrainCrop, ValCrop, resize
 from datamodules.sample.dataset import SampleDataset
 from datamodules.sample.decode import decode, fast_jpeg
 from datamodules.sample.images import decode_rgb
+from datamodules.sample.loader_plan import LoaderPlan
 from datamodules.sample.transforms import val_transform
 from tests.helpers import REPO
 from tests.helpers.trees import copy_tree, jpeg, odd_images
@@ -122,9 +123,9 @@ def test_train_crop_scales_flips_and_augments():
 def test_a_batch_is_one_tensor_with_the_indexs_labels_and_seeded_crops(tiny_data, decode_threads):
     dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=8, num_workers=0, image_size=20)
     dm.setup("fit")
-    ds = dm.datasets["train"]
+    plan = LoaderPlan(decode_threads=decode_threads)
+    ds = dm.datasets["train"].planned(plan)
     assert isinstance(ds, SampleDataset)
-    ds.decode_threads = dm.datasets["val"].decode_threads = decode_threads
     torch.manual_seed(0)
     seeds = torch.randint(2**62, (4,)).tolist()  # what __getitems__ draws first
     alone = torch.stack([ds.sample(i, 20, random.Random(s)) for i, s in zip([0, 5, 30, 100], seeds, strict=False)])
@@ -137,7 +138,7 @@ def test_a_batch_is_one_tensor_with_the_indexs_labels_and_seeded_crops(tiny_data
     assert torch.equal(images, alone)  # whichever thread built which sample
     assert labels.tolist() == [dm.indexes["train"].labels[i] for i in (0, 5, 30, 100)]
     # val: the val crop of the decoded file, the same as one sample on its own
-    val = dm.datasets["val"]
+    val = dm.datasets["val"].planned(plan)
     batch, _ = val.__getitems__([3, 4])
     assert torch.equal(batch[1], val[4][0])
     with torch.inference_mode():  # trainer.validate with num_workers=0: the sample threads write an inference tensor
@@ -150,8 +151,7 @@ def test_a_file_gone_since_the_scan_is_named(tiny_data, tmp_path, decode_threads
     root = copy_tree(tiny_data, tmp_path / "copy")
     dm = ImageFolderDataModule(data_dir=str(root), batch_size=8, num_workers=0, image_size=20)
     dm.setup("fit")
-    ds = dm.datasets["train"]
-    ds.decode_threads = decode_threads
+    ds = dm.datasets["train"].planned(LoaderPlan(decode_threads=decode_threads))
     gone = Path(ds.source.paths[6])
     gone.unlink()
     with pytest.raises(DataError, match=rf"cannot decode image .*{gone.name}.*No such file"):
@@ -189,13 +189,13 @@ def test_num_workers_auto_is_this_processs_share_of_the_cpus(tiny_data):
     assert dm.num_workers == "auto"
     assert dm.workers() == len(mask)
     dm.setup("fit")
-    assert dm.train_dataloader().num_workers == len(mask)
-    assert dm.datasets["train"].decode_threads == 1  # one CPU per worker: it decodes in its own thread
+    loader = dm.train_dataloader()
+    assert loader.num_workers == len(mask)
+    assert loader.dataset.decode_threads == 1  # one CPU per worker: it decodes in its own thread
     assert ImageFolderDataModule(data_dir=str(tiny_data), num_workers=0).workers() == 0
     in_process = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=8, num_workers=0)
     in_process.setup("fit")
-    in_process.train_dataloader()
-    assert in_process.datasets["train"].decode_threads == len(mask)  # every CPU decodes side by side
+    assert in_process.train_dataloader().dataset.decode_threads == len(mask)  # every CPU decodes side by side
     if len(mask) > 1:  # as `taskset -c N` or SLURM's --cpus-per-task 1 leaves it: the mask, not the machine
         os.sched_setaffinity(0, {min(mask)})
         try:
@@ -254,8 +254,7 @@ def test_a_stalled_idle_helper_neither_delays_the_batch_nor_writes_into_it_later
 
     dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=8, num_workers=0, image_size=20)
     dm.setup("fit")
-    ds = dm.datasets["train"]
-    ds.decode_threads = 1
+    ds = dm.datasets["train"].planned(LoaderPlan(decode_threads=1))
     files = ds.source
     stalled, release = threading.Event(), threading.Event()
 

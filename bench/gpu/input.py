@@ -35,7 +35,7 @@ from datamodules.budget.cpus import cpus_per_process
 GROUP = "input"
 PER_CORE = {False: "decode + crop", True: "read + header + box"}  # a worker's share of a sample, per decode
 PER_CORE_HOW = {False: "SampleDataset.sample (read, decode, random crop)",
-                True: "EncodedDataset.plan (read, walk the JPEG header, draw the box: --data.decode gpu)"}
+                True: "EncodedDataset.device_crop (read, walk the JPEG header, draw the box: --data.decode gpu)"}
 LIMITS = ("decode CPU", "the main process", "contention", "the H2D copy / pinning", "the GPU step")
 TOLERANCE = 0.15   # two rates within 15% are "about equal"
 BUSY_CORE = 0.85   # a thread of the training process at >= 85% of one core is saturated
@@ -211,9 +211,9 @@ def decode_per_core(root: Path, w: Workload, seconds: float, dm_kwargs: dict[str
     """Images/s of one thread running the dataset's own sample path (read, decode, random crop) over its files;
     with --data.decode gpu, the worker's share of it (read, header, box)."""
     dataset = make_dm(root, w, 0, False, dm_kwargs).datasets["train"]
-    if hasattr(dataset, "plan"):  # --data.decode gpu: a worker only reads, walks the header and draws the box
+    if hasattr(dataset, "device_crop"):  # --data.decode gpu: a worker only reads, walks the header and draws the box
         def one(i: int, rng: random.Random) -> object:
-            return dataset.plan(dataset.source.read(i), w.image_size, rng)
+            return dataset.device_crop(dataset.source.read(i), w.image_size, rng)
     else:
         def one(i: int, rng: random.Random) -> object:
             return dataset.sample(i, w.image_size, rng)

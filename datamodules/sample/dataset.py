@@ -11,7 +11,7 @@ the loader's `collate_fn` is `built_batch`, which returns it as it is.
 Threads: file reads wait on the disk with the GIL released, so a small pool always reads a
 batch's files ahead of its decoding (a cold cache would otherwise leave the CPU idle). Decoding
 and the resize release the GIL too (decode.py says where), so with CPUs to spare (no workers, or
-fewer workers than CPUs: `decode_threads` > 1) whole samples run side by side on the pool. With
+fewer workers than CPUs: the plan's `decode_threads` > 1) whole samples run side by side on the pool. With
 one CPU per worker (`num_workers: auto`) the worker decodes in its own thread, one sample after
 another from the front of the batch: threads taking turns on one CPU cost context switches and
 evict each other's cache. One more
@@ -36,12 +36,12 @@ from torch.utils.data import Dataset, get_worker_info
 
 from datamodules.errors import DataError
 from datamodules.index import Index, IndexPaths
-from datamodules.sample.batches import RING_SLOTS, RingBatch, fill_batch, new_batch, warm_ring
+from datamodules.sample.batches import RingBatch, fill_batch, new_batch, warm_ring
 from datamodules.sample.crop import TrainCrop
 from datamodules.sample.decode import decode, pil_decode
+from datamodules.sample.loader_plan import NO_LOADER, SAMPLE_THREADS, LoaderPlan
 from datamodules.sample.region import RegionCounts, decode_box
 
-SAMPLE_THREADS = 4  # per process: enough reads in flight to hide a local disk's latency on a cold cache
 Encoded = bytes | bytearray | memoryview | torch.Tensor
 
 
@@ -134,23 +134,37 @@ def _hand_over(built: dict[int, torch.Tensor], k: int, sample: torch.Tensor) -> 
 class SampleDataset(Dataset):
     """Samples of `source`, decoded, cropped to `size()` and written a whole batch at a time.
 
-    `size` is read once per batch (a batch never mixes sizes); `crop` is `TrainCrop` or `ValCrop`.
-    `decode_threads`: the CPUs one process of the loader has (set by the DataModule for its loader);
-    above 1, the samples of a batch are decoded side by side (see the module doc).
-    `ring_slots`: shared-memory batch buffers a loader worker keeps (set by the DataModule from its
-    memory plan, datamodules/budget/memory.py).
+    `size` is read once per batch (a batch never mixes sizes); `crop` is `TrainCrop` or `ValCrop`. `plan`: what
+    its loader decided (sample/loader_plan.py), fixed when the dataset is built: a DataModule's loader builds its
+    own with `planned`, and never writes into a dataset. `counts`: the region decode's counts, shared with the
+    dataset it was planned from (made here for a TrainCrop when None).
     """
 
-    decode_threads = SAMPLE_THREADS
-    ring_slots = RING_SLOTS
-    region_decode = True  # a TrainCrop's JPEGs decode only the box's region (region.py); False: always whole
-
-    def __init__(self, source: Source, labels: Sequence[int], crop: Callable, size: int | torch.Tensor) -> None:
+    def __init__(self, source: Source, labels: Sequence[int] | torch.Tensor, crop: Callable, size: int | torch.Tensor,
+                 plan: LoaderPlan = NO_LOADER, counts: RegionCounts | None = None) -> None:
         self.source = source
-        self.labels = torch.as_tensor(list(labels), dtype=torch.int64)
+        self.labels = torch.as_tensor(labels if isinstance(labels, torch.Tensor) else list(labels), dtype=torch.int64)
         self.crop = crop
         self._size = size
-        self.decode_counts = RegionCounts() if isinstance(crop, TrainCrop) else None
+        self.plan = plan
+        self.decode_counts = counts if counts is not None or not isinstance(crop, TrainCrop) else RegionCounts()
+
+    def planned(self, plan: LoaderPlan) -> SampleDataset:
+        """The same samples under `plan`, for one loader: a new dataset (of this class) sharing this one's source,
+        labels, crop, size and counts; this one is left as it was."""
+        return type(self)(self.source, self.labels, self.crop, self._size, plan, self.decode_counts)
+
+    @property
+    def decode_threads(self) -> int:
+        return self.plan.decode_threads
+
+    @property
+    def ring_slots(self) -> int:
+        return self.plan.ring_slots
+
+    @property
+    def region_decode(self) -> bool:
+        return self.plan.region_decode
 
     def __len__(self) -> int:
         return len(self.labels)

@@ -82,15 +82,15 @@ def _shared_bytes(n: int) -> torch.Tensor:
 
 
 class EncodedDataset(SampleDataset):
-    """A SampleDataset whose batches are `EncodedBatch`es: see the module doc. `crop` is TrainCrop or ValCrop.
+    """A SampleDataset whose batches are `EncodedBatch`es: see the module doc. `crop` is TrainCrop or ValCrop."""
 
-    `overflow` (shared memory, set by the device stage; balance.py): the chance that a file the device could
-    decode is decoded here instead.
-    """
+    @property
+    def overflow(self) -> torch.Tensor | None:
+        """The plan's shared overflow (written by the device stage; balance.py): the chance that a file the device
+        could decode is decoded here instead. None: never."""
+        return self.plan.overflow
 
-    overflow: torch.Tensor | None = None
-
-    def plan(self, data: Encoded, size: int, rng: random.Random) -> CropPlan | None:
+    def device_crop(self, data: Encoded, size: int, rng: random.Random) -> CropPlan | None:
         """The device's crop of this sample, or None for the CPU path."""
         frame = jpeg_frame(data if not isinstance(data, torch.Tensor) else memoryview(data.numpy()))
         if not gpu_takes(frame, data):
@@ -112,7 +112,7 @@ class EncodedDataset(SampleDataset):
         here: list[tuple[int, Encoded | Exception]] = []
         cannot = 0
         for k, data in enumerate(read_ahead(self.source, indices, sample_pool())):
-            plan = None if isinstance(data, Exception) else self.plan(data, size, random.Random(seeds[k]))
+            plan = None if isinstance(data, Exception) else self.device_crop(data, size, random.Random(seeds[k]))
             cannot += plan is None
             if plan is None or seeds[k] < overflow * 2**62:  # the seed is uniform: a fair draw of the overflow
                 here.append((k, data))

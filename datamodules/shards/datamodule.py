@@ -20,9 +20,8 @@ from datamodules.base import BUILTIN_ROOT, REPO_ROOT, ImageDataModule
 from datamodules.credentials import redact
 from datamodules.errors import DataError
 from datamodules.index import SPLITS, find_classes
-from datamodules.processes.loader_workers import WorkerInit, end_stuck_workers_at_exit
+from datamodules.processes.loader_workers import end_stuck_workers_at_exit
 from datamodules.processes.locks import file_lock
-from datamodules.sample.balance import shared_overflow
 from datamodules.sample.crop import TrainCrop, ValCrop
 from datamodules.shards.errors import as_data_error, corrupt_chunk
 from datamodules.shards.layout import INDEX, MARKER, read_meta
@@ -199,25 +198,15 @@ class StreamingDataModule(ImageDataModule):
 
     # -- loaders ----------------------------------------------------------------------------
     def _stream(self, split: str, crop, size, dataset: ShardDataset | None = None) -> ShardLoader | DecodeStage:
-        plan = self.memory_plan(fit=True if split == "train" else None)  # workers and batches in flight: the budget's
-        self._show_plan(plan)
-        end_stuck_workers_at_exit()
-        sizing = plan.loader(split)
-        workers = sizing.workers
         predict = isinstance(dataset, PredictShardDataset)
-        encoded = self.decodes_on_device and not predict
-        batches = ShardBatches(crop, size, f"{self.url}/{split}", decode_threads=max(1, self.cpus() // max(1, workers)),
-                               ring_slots=sizing.ring_slots, with_paths=predict, encoded=encoded)
-        if encoded:
-            batches.overflow = shared_overflow()  # before the workers start: they read it (sample/balance.py)
+        plan = self.loader_plan(split == "train", encoded=self.decodes_on_device and not predict)
+        end_stuck_workers_at_exit()
+        batches = ShardBatches(crop, size, f"{self.url}/{split}", plan, with_paths=predict)
         loader = (PredictShardLoader if predict else ShardLoader)(
-            dataset or self.datasets[split], batch_size=self.per_process_batch_size, num_workers=workers,
-            collate_fn=batches, pin_memory=self.pins_memory and not encoded,
-            persistent_workers=self.persistent_workers and workers > 0,
-            prefetch_factor=sizing.prefetch if workers > 0 else None, worker_init_fn=WorkerInit(),
-            **self.loader_start(workers))
-        if encoded:  # the pack's sample ids go on as the batch's third element, as on the CPU path
-            return self.on_device(loader, split, split == "train", batches.describe, batches.overflow, ids=True)
+            dataset or self.datasets[split], batch_size=self.per_process_batch_size, collate_fn=batches,
+            **self.loader_args(plan))
+        if batches.encoded:  # the pack's sample ids go on as the batch's third element, as on the CPU path
+            return self.on_device(loader, split, split == "train", batches.describe, plan.overflow, ids=True)
         return loader
 
     def train_dataloader(self) -> ShardLoader | DecodeStage:

@@ -29,9 +29,10 @@ from litdata import StreamingDataLoader, StreamingDataset
 from litdata.utilities.env import _DistributedEnv
 
 from datamodules.errors import DataError
-from datamodules.sample.batches import RING_SLOTS, RingBatch, give_back
+from datamodules.sample.batches import RingBatch, give_back
 from datamodules.sample.dataset import SampleDataset
 from datamodules.sample.encoded import EncodedDataset
+from datamodules.sample.loader_plan import NO_LOADER, LoaderPlan
 from datamodules.shards.downloader import register_downloader
 from datamodules.shards.errors import as_data_error, corrupt_chunk, worker_died
 from datamodules.shards.prefetch import quiet_explained_crashes
@@ -131,15 +132,18 @@ class ShardBatches:
     """The collate_fn: [(bytes, label, path, index)] -> (uint8 images, labels, indices), built in the worker.
 
     with_paths (predict): (uint8 images, indices, paths) instead, as a plain tuple (RingBatch pins only tensors).
+    `plan`: its loader's (sample/loader_plan.py); with an `overflow` in it (--data.decode gpu) each batch is an
+    EncodedBatch whose ids are the pack's sample ids.
     """
 
-    def __init__(self, crop: Callable, size: int | torch.Tensor, url: str, decode_threads: int = 1,
-                 ring_slots: int = RING_SLOTS, with_paths: bool = False, encoded: bool = False) -> None:
-        self.crop, self.size, self.url, self.decode_threads = crop, size, url, decode_threads
-        self.ring_slots = ring_slots  # from the memory plan (datamodules/budget/memory.py)
+    def __init__(self, crop: Callable, size: int | torch.Tensor, url: str, plan: LoaderPlan = NO_LOADER,
+                 with_paths: bool = False) -> None:
+        self.crop, self.size, self.url, self.plan = crop, size, url, plan
         self.with_paths = with_paths
-        self.encoded = encoded  # --data.decode gpu: an EncodedBatch whose ids are the pack's sample ids
-        self.overflow: torch.Tensor | None = None  # with encoded: the workers' decode share (sample/balance.py)
+
+    @property
+    def encoded(self) -> bool:
+        return self.plan.overflow is not None
 
     def describe(self, i: int, error: Exception) -> str:
         """A sample the device could not decode, by its id in the pack (the main process has no paths)."""
@@ -148,12 +152,9 @@ class ShardBatches:
     def __call__(self, items: list[tuple]) -> tuple:
         data, labels, paths, indices = zip(*items, strict=False)
         if self.encoded:
-            packed = EncodedDataset(ItemSource(data, paths, self.url), labels, self.crop, self.size)
-            packed.overflow = self.overflow
+            packed = EncodedDataset(ItemSource(data, paths, self.url), labels, self.crop, self.size, self.plan)
             return packed.__getitems__(range(len(items)))._replace(ids=torch.tensor(indices, dtype=torch.int64))
-        samples = SampleDataset(ItemSource(data, paths, self.url), labels, self.crop, self.size)
-        samples.decode_threads = self.decode_threads
-        samples.ring_slots = self.ring_slots
+        samples = SampleDataset(ItemSource(data, paths, self.url), labels, self.crop, self.size, self.plan)
         images, labels = samples.__getitems__(range(len(items)))
         indices = torch.tensor(indices, dtype=torch.int64)
         if self.with_paths:
