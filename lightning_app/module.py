@@ -19,7 +19,7 @@ from lightning_app.callbacks.pictures import picture_callbacks
 from lightning_app.callbacks.predictions import PredictionsCSV
 from lightning_app.errors import UserError
 from lightning_app.inputs import batch_mix, inference_settings
-from lightning_app.log_steps import logs_this_step
+from lightning_app.log_steps import ShortEpochNote, logs_this_step
 from lightning_app.settings import arch_problems
 from models import own_kwargs
 from models.recipes import Recipe
@@ -256,7 +256,7 @@ class ImageClassifier(pl.LightningModule):
         callbacks += picture_callbacks(self.hparams)
         if self._trainer is not None and self.trainer.state.fn == TrainerFn.PREDICTING:
             callbacks.append(PredictionsCSV())
-        callbacks += [HparamsWithMetric(metric="val/acc1"), NormStatisticsPerEpoch()]
+        callbacks += [HparamsWithMetric(metric="val/acc1"), NormStatisticsPerEpoch(), ShortEpochNote()]
         return callbacks
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
