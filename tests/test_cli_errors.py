@@ -44,6 +44,12 @@ def test_a_mistyped_option_names_the_closest_one(typed, said, tiny_data, tmp_pat
     (["--data.image_size", "-32"], "--data.image_size -32 must be an integer >= 1"),
     (["--data.val_image_size", "0"], "--data.val_image_size 0 must be an integer >= 1"),
     (["--model.mixup_alpha", "-0.2", "--model.cutmix_alpha", "-1"], "--model.mixup_alpha -0.2 must be >= 0"),
+    (["--model.arch", "resnet18", "--model.weights", "DEFAULT"],  # torchvision's weights="DEFAULT"
+     "--model.weights DEFAULT is no file here and no weights name: it takes a weights file"),
+    (["--model.arch", "resnet18", "--model.weights", "default"],
+     "for --model.arch resnet18 that is ResNet18_Weights.IMAGENET1K_V1"),
+    (["--model.arch", "timm/resnet10t", "--model.weights", "imagenet"],
+     "for --model.arch timm/resnet10t, timm's pretrained weights are --model.weights timm"),
 ])
 def test_a_bad_value_stops_at_parse_time_in_one_paragraph(typed, said, tiny_data, tmp_path, capsys):
     err = _fails(["fit", *quick_args(tiny_data, tmp_path), *typed], capsys)
