@@ -182,3 +182,12 @@ def test_contradictory_slurm_variables_are_one_paragraph(env, said, tiny_data, t
     assert err.startswith("SLURM's variables do not fit this run: ") and said in err, err
     assert "Read: SLURM_JOB_NAME=train, SLURM_NTASKS=" in err and "scripts/slurm/train.sbatch" in err
     assert not list(tmp_path.iterdir())
+
+
+def test_more_cpu_processes_than_cpus_are_refused_before_any_starts(tiny_data, tmp_path, capsys):
+    """--trainer.devices 64 on a 2-CPU machine started 64 processes and nothing past 'MEMBER: 1/64' in 5 minutes."""
+    cpus = len(os.sched_getaffinity(0))
+    err = _fails(["fit", *quick_args(tiny_data, tmp_path), "--trainer.devices", str(cpus + 1)], capsys)
+    assert f"--trainer.devices {cpus + 1} on the CPU starts {cpus + 1} training processes" in err, err
+    assert f"pass --trainer.devices {cpus} or fewer" in err and len(err.splitlines()) == 1, err
+    assert not list(tmp_path.iterdir())
