@@ -15,6 +15,7 @@ from typing import Literal
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules.budget.memory import DEFAULT_BUDGET_GIB, release_cached_pinned_memory
@@ -237,12 +238,11 @@ class ImageDataModule(LoaderSizing, Loaders, pl.LightningDataModule):
                 f"data.batch_size {self.batch_size} is the GLOBAL batch size and must be at least "
                 f"the number of processes ({world})."
             )
-        if self.batch_size % world:
-            warnings.warn(
-                f"data.batch_size {self.batch_size} is not divisible by {world} processes: "
-                f"each uses {self.batch_size // world}.",
-                stacklevel=2,
-            )
+        if self.batch_size % world and getattr(self, "_uneven_said", None) != world:
+            self._uneven_said = world  # once: the loaders and the sizing each ask, every epoch
+            rank_zero_warn(f"--data.batch_size {self.batch_size} is not divisible by the {world} processes: each uses "
+                           f"{self.batch_size // world}, a global batch of {self.batch_size // world * world}. Pass a "
+                           f"multiple of {world}.")
         return self.batch_size // world
 
     def setup(self, stage: str | None = None) -> None:

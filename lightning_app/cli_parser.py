@@ -83,6 +83,9 @@ def short_error(message: str, parser, args: list[str] | tuple[str, ...] = ()) ->
     `args` (the command line) tells which config files were read and whether a value came from one."""
     subcommand = parser.prog.replace(" [options]", "").split()[1:]  # prog is "<argv[0]> [options] fit"
     every_option = f"  every option: python {' '.join(['main.py', *subcommand])} --help"
+    missing = parse_errors.missing_config(args)
+    if missing:
+        return [f"error: {missing}"]
     files = parse_errors.config_files(args, getattr(parser, "default_config_files", None) or ())
     broken = parse_errors.yaml_problem(files)
     if broken:

@@ -129,16 +129,45 @@ def setting_key(message: str) -> str | None:
 
 
 # -- config files ------------------------------------------------------------------------------------------
+PROJECT_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _config_args(args: Iterable[str]) -> list[str]:
+    args = list(args)
+    return [args[i + 1] if arg == "--config" else arg.split("=", 1)[1] for i, arg in enumerate(args)
+            if (arg == "--config" and i + 1 < len(args)) or arg.startswith("--config=")]
+
+
 def config_files(args: Iterable[str], defaults: Iterable[str | Path] = ()) -> list[Path]:
     """The config files a command line reads, in order: the parser's defaults, then each --config."""
-    files = [Path(f) for f in defaults]
-    args = list(args)
-    for i, arg in enumerate(args):
-        if arg == "--config" and i + 1 < len(args):
-            files.append(Path(args[i + 1]))
-        elif arg.startswith("--config="):
-            files.append(Path(arg.split("=", 1)[1]))
+    files = [Path(f) for f in (*defaults, *_config_args(args))]
     return [f for f in files if f.is_file()]
+
+
+def missing_config(args: Iterable[str]) -> str | None:
+    """`--config FILE: no such file (did you mean NEAREST?)` for the first --config that names no file; the nearest
+    among the YAML files beside it and the project's configs/, as the user would type it. (jsonargparse says only
+    `Parser key "config": File does not exist: '/abs/path'`.)"""
+    for given in _config_args(args):
+        path = Path(given).expanduser()
+        if path.is_file():
+            continue
+        beside = path.parent if path.parent.is_dir() else None
+        found = {f.resolve() for folder in (beside, PROJECT_CONFIGS) if folder is not None
+                 for f in (*folder.rglob("*.yaml"), *folder.rglob("*.yml"))}
+        names = [_as_typed(f) for f in sorted(found)]
+        match = difflib.get_close_matches(given, names, n=1, cutoff=0.6)
+        meant = f" (did you mean {match[0]}?)" if match else ""
+        return (f"--config {given}: no such file{meant}. The project's configs are in {_as_typed(PROJECT_CONFIGS)}/; "
+                "a relative path is read from the folder the command runs in.")
+    return None
+
+
+def _as_typed(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def yaml_problem(files: Iterable[Path]) -> str | None:

@@ -1,6 +1,7 @@
 """What the CLI checks after parsing and before it builds anything (no model, no data, no run folder yet): the
 settings, a tree too small for one batch, the trackers' packages, the weights an evaluation needs, the SLURM
-variables, a GPU this torch cannot use, bf16 on a CPU without it, and the strategy's own settings."""
+variables, a GPU this torch cannot use, more CPU processes than CPUs, bf16 on a CPU without it, and the strategy's
+own settings."""
 from __future__ import annotations
 
 import importlib
@@ -8,6 +9,7 @@ import importlib
 from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_app import trackers
+from lightning_app.cpu_processes import check_cpu_processes
 from lightning_app.data_checks import check_tree_holds_a_batch
 from lightning_app.devices import cpu_precision, hide_gpus_from_a_cpu_run, refuse_unusable_gpu
 from lightning_app.runs.predict_data import check_predict_data, run_of
@@ -35,6 +37,7 @@ def check_before_building(subcommand: str | None, model, data, trainer, ckpt_pat
         check_slurm_variables(trainer_settings.get("devices"), trainer_settings.get("num_nodes"))
         accelerator = trainer_settings.get("accelerator", "auto")
         refuse_unusable_gpu(accelerator)
+        check_cpu_processes(accelerator, trainer_settings.get("devices"))
         hide_gpus_from_a_cpu_run(accelerator)
         instead = cpu_precision(trainer.get("precision"), accelerator) if trainer else None
         if instead == "bf16-mixed":

@@ -16,6 +16,7 @@ import torch
 from lightning_app import timm_weights
 from lightning_app.errors import UserError
 from lightning_app.weights import weights_arch_problem
+from lightning_app.weights_words import bare_word_problem
 from models import create_model, list_models, registry, torchvision_zoo
 
 Rule = tuple[str, Callable[[Any], bool], str]
@@ -159,7 +160,8 @@ def arch_problems(model: Mapping, data: Mapping) -> list[str]:
             if not arch.startswith("timm/"):
                 raise
     weights = model.get("weights")
-    problem = (weights_arch_problem(arch, weights) or timm_weights.source_problem(arch, weights)) if weights else None
+    problem = (weights_arch_problem(arch, weights) or timm_weights.source_problem(arch, weights)
+               or bare_word_problem(arch, weights)) if weights else None
     if problem:
         found.append(problem)
     return found

@@ -44,6 +44,12 @@ def test_a_mistyped_option_names_the_closest_one(typed, said, tiny_data, tmp_pat
     (["--data.image_size", "-32"], "--data.image_size -32 must be an integer >= 1"),
     (["--data.val_image_size", "0"], "--data.val_image_size 0 must be an integer >= 1"),
     (["--model.mixup_alpha", "-0.2", "--model.cutmix_alpha", "-1"], "--model.mixup_alpha -0.2 must be >= 0"),
+    (["--model.arch", "resnet18", "--model.weights", "DEFAULT"],  # torchvision's weights="DEFAULT"
+     "--model.weights DEFAULT is no file here and no weights name: it takes a weights file"),
+    (["--model.arch", "resnet18", "--model.weights", "default"],
+     "for --model.arch resnet18 that is ResNet18_Weights.IMAGENET1K_V1"),
+    (["--model.arch", "timm/resnet10t", "--model.weights", "imagenet"],
+     "for --model.arch timm/resnet10t, timm's pretrained weights are --model.weights timm"),
 ])
 def test_a_bad_value_stops_at_parse_time_in_one_paragraph(typed, said, tiny_data, tmp_path, capsys):
     err = _fails(["fit", *quick_args(tiny_data, tmp_path), *typed], capsys)
@@ -175,4 +181,13 @@ def test_contradictory_slurm_variables_are_one_paragraph(env, said, tiny_data, t
     err = _fails(["fit", *quick_args(tiny_data, tmp_path), "--trainer.devices", "1"], capsys)
     assert err.startswith("SLURM's variables do not fit this run: ") and said in err, err
     assert "Read: SLURM_JOB_NAME=train, SLURM_NTASKS=" in err and "scripts/slurm/train.sbatch" in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_more_cpu_processes_than_cpus_are_refused_before_any_starts(tiny_data, tmp_path, capsys):
+    """--trainer.devices 64 on a 2-CPU machine started 64 processes and nothing past 'MEMBER: 1/64' in 5 minutes."""
+    cpus = len(os.sched_getaffinity(0))
+    err = _fails(["fit", *quick_args(tiny_data, tmp_path), "--trainer.devices", str(cpus + 1)], capsys)
+    assert f"--trainer.devices {cpus + 1} on the CPU starts {cpus + 1} training processes" in err, err
+    assert f"pass --trainer.devices {cpus} or fewer" in err and len(err.splitlines()) == 1, err
     assert not list(tmp_path.iterdir())

@@ -72,3 +72,11 @@ def test_a_strategy_s_unknown_init_arg_in_a_file_names_the_file_and_the_nearest_
     err = capsys.readouterr().err
     assert f"unknown key trainer.strategy.timeout in {config}" in err and "did you mean --trainer.strategy.timeout_s?" \
         in err, err
+
+
+@pytest.mark.parametrize(("given", "meant"), [("configs/ddp_amp.yml", "configs/ddp_amp.yaml"),
+                                              ("configs/ddp-amp.yaml", "configs/ddp_amp.yaml"),
+                                              ("config/ddp_amp.yaml", "configs/ddp_amp.yaml")])
+def test_a_config_file_that_is_not_there_is_named_with_the_nearest_one(given, meant, tmp_path, capsys):
+    err = _fails(["fit", "--trainer.default_root_dir", str(tmp_path), "--config", given], capsys)
+    assert err.startswith(f"error: --config {given}: no such file (did you mean {meant}?)"), err

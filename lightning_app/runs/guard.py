@@ -6,7 +6,7 @@
 - `RunGuard.on_save_checkpoint`: the loggers flush first, so what was logged before a checkpoint is on disk
   when the checkpoint is; a resumed run writes a TensorBoard SessionLog START at its first logged step, which
   drops what a killed attempt logged after its checkpoint (what SummaryWriter's purge_step writes); a logger with
-  `drop_from_step(step)` (the CSV tracker) drops those rows itself.
+  `drop_from_step(step)` (the CSV tracker) drops those rows itself; one line says what each dropped.
 - `AtomicCheckpointIO`: the temp file sits beside the target and is fsynced before os.replace; Lightning's own
   goes through the system temp folder, a copy that a kill tears (docs/design.md, "Checkpoints").
 """
@@ -23,6 +23,7 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_fabric.utilities.cloud_io import get_filesystem
 from pytorch_lightning.loggers import TensorBoardLogger
+from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_app.errors import UserError
 from lightning_app.runs.folders import write_atomically
@@ -88,12 +89,17 @@ class RunGuard(pl.Callback):
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
         step = trainer.fit_loop.epoch_loop._batches_that_stepped  # what this batch's metrics are logged with
+        dropping = []
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment._get_file_writer().add_event(
                     Event(step=step, session_log=SessionLog(status=SessionLog.START)))
+                dropping.append("TensorBoard")
             elif hasattr(logger, "drop_from_step"):  # the CSV tracker's rows (lightning_app/trackers/loggers.py)
-                logger.drop_from_step(step)
+                dropping.append(logger.drop_from_step(step))
+        if dropping:
+            rank_zero_info(f"Resumed at step {step}: {' and '.join(dropping)} drop what the stopped attempt logged "
+                           "from that step on, which this run logs again.")
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         for logger in trainer.loggers:

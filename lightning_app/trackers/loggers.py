@@ -38,7 +38,8 @@ class RunCSVLogger(CSVLogger):
             return writer
         return super().experiment
 
-    def drop_from_step(self, step: int) -> None:
+    def drop_from_step(self, step: int) -> str:
+        """Drop the rows logged at `step` or later; the words for the resume's line ("metrics.csv (3 rows)")."""
         writer = self.experiment
         writer.save()  # every row on disk, then the file without the rows logged at `step` or later
         rows = _read_rows(writer.metrics_file_path)
@@ -51,6 +52,8 @@ class RunCSVLogger(CSVLogger):
                 out.writerows(kept)
                 f.write(text.getvalue().encode())
             write_atomically(writer.metrics_file_path, write)
+        dropped = len(rows) - len(kept)
+        return f"metrics.csv ({dropped} row{'' if dropped == 1 else 's'})"
 
 
 def _read_rows(path: str) -> list[dict]:
