@@ -113,9 +113,12 @@ class RegionCounts:
     """Train images decoded by region and whole, per process that decoded them, in shared memory: a loader worker
     adds its own row after each batch, and the training process reads the sum at the end of the run (`line`).
 
-    Counted per sample index, so a sample built twice (the idle helper's, built again by the worker that did
-    not wait for it: dataset.py) counts once in its batch; if the helper finishes it after the batch has left,
-    it counts once more with the next batch (rare, and only what the end-of-run line says)."""
+    A batch counts into its own tally (`tally`, then `flush`), per sample index: a sample built twice (the idle
+    helper's, built again by the worker that did not wait for it: dataset.py) counts once, and one the helper
+    finishes after its batch has left goes into that batch's tally, which was already added, so it does not count
+    in the next batch. Every image delivered counts once; images decoded and dropped do not count here, but a
+    loader iterator made twice decodes its first one's prefetched batches for nothing (lightning_app/callbacks/
+    reseed.py makes a second one only where it changes the epoch's samples)."""
 
     ROWS = 512  # the training process and its loader workers (worker k writes row k + 1, modulo)
 
@@ -123,12 +126,21 @@ class RegionCounts:
         self.table = torch.zeros((self.ROWS, 2), dtype=torch.int64).share_memory_()
         self._pending: dict[int, bool] = {}
 
-    def count(self, i: int, region: bool) -> None:
-        """Sample i, by region or whole (from any sample thread: one dict store); `flush` adds them to a row."""
-        self._pending[i] = region
+    @staticmethod
+    def tally() -> dict[int, bool]:
+        """A batch's own tally, for `count` and `flush`."""
+        return {}
 
-    def flush(self, row: int) -> None:
-        pending, self._pending = self._pending, {}
+    def count(self, i: int, region: bool, tally: dict[int, bool] | None = None) -> None:
+        """Sample i, by region or whole, into its batch's `tally` (from any sample thread: one dict store), or
+        without one into this process's (a sample built on its own); `flush` adds it to a row."""
+        (self._pending if tally is None else tally)[i] = region
+
+    def flush(self, row: int, tally: dict[int, bool] | None = None) -> None:
+        """Adds `tally`, or without one what was counted without one since the last flush, to row `row`."""
+        if tally is None:
+            tally, self._pending = self._pending, {}
+        pending = tally
         if pending:
             by_region = sum(pending.values())
             self.table[row % self.ROWS] += torch.tensor([by_region, len(pending) - by_region])
