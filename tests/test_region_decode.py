@@ -1,6 +1,7 @@
 """Region decode (datamodules/sample/region.py): only the crop's region of a JPEG, with the full decode's pixels."""
 from __future__ import annotations
 
+import io
 import os
 import random
 import re
@@ -10,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 from datamodules.builtin.tree import generate
 from datamodules.errors import DataError
@@ -108,6 +109,32 @@ def test_a_train_sample_is_the_same_with_and_without_region_decode_and_the_rest_
     assert on.decode_counts.table.sum(0).tolist() == [4, 7]
     assert off.decode_counts.table.sum(0).tolist() == [0, 11]
     assert "region decode: 4 train images, 7 decoded whole" in on.decode_counts.line()
+
+
+def test_only_an_orientation_pil_would_apply_keeps_a_file_from_the_region_decode():
+    """An XMP packet without tiff:Orientation, or an EXIF orientation 0 (no turn: PIL's exif_transpose and
+    torchvision alike), takes the region decode with the full decode's pixels; XMP or EXIF naming a turn does not."""
+    rgb = Image.fromarray(np.random.default_rng(7).integers(0, 255, (48, 64, 3), dtype=np.uint8))
+    described = (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+                 b'<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" %s/></rdf:RDF></x:xmpmeta>')
+    exif = {k: Image.Exif() for k in (0, 6)}
+    for k, e in exif.items():
+        e[0x0112] = k
+    files = {"xmp without orientation": (jpeg(rgb, xmp=described % b'tiff:Make="x"'), True),
+             "EXIF orientation 0": (jpeg(rgb, exif=exif[0].tobytes()), True),
+             "xmp orientation 6": (jpeg(rgb, xmp=described % b'tiff:Orientation="6"'), False),
+             "EXIF orientation 6": (jpeg(rgb, exif=exif[6].tobytes()), False)}
+    taken = {name: region.region_takes(jpeg_frame(data)) for name, (data, _) in files.items()}
+    assert taken == {name: by_region for name, (_, by_region) in files.items()}
+    crop = TrainCrop(0.08)
+    for name, (data, _) in files.items():
+        reference = torch.from_numpy(np.array(ImageOps.exif_transpose(Image.open(io.BytesIO(data)).convert("RGB"))))
+        assert torch.equal(decode(bytearray(data)), reference.permute(2, 0, 1)), name
+        for seed in range(8):
+            box = region.decode_box(bytearray(data), crop, 24, random.Random(seed))
+            if box is not None:
+                assert torch.equal(crop.cut(box.pixels, box.plan, random.Random(seed), box.origin),
+                                   crop(decode(bytearray(data)), 24, random.Random(seed))), name
 
 
 def test_a_file_nvimgcodec_refuses_takes_the_full_decode_which_names_the_error(tmp_path):

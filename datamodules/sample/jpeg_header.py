@@ -20,7 +20,7 @@ class JpegFrame(NamedTuple):
     width: int
     exif: bool  # an EXIF APP1 segment
     orientation: int  # its orientation tag (1 when absent)
-    xmp: bool  # an XMP packet before the frame header (PIL may take an orientation from it)
+    xmp: bool  # an XMP packet before the frame header that names an orientation (PIL may take it from there)
     mcu_height: int = 8  # the MCU: 8 x 8 for one component, 8 x the largest sampling factors for several
     mcu_width: int = 8
 
@@ -62,8 +62,8 @@ def jpeg_frame(data: bytes | bytearray | memoryview) -> JpegFrame | None:
             if head.startswith(b"Exif\x00"):
                 exif = True
                 orientation = _exif_orientation(mv[i + 10:i + 2 + length])
-            elif head == _XMP:
-                xmp = True
+            elif head == _XMP:  # Pillow's Image.getexif looks for r'tiff:Orientation(="|>)([0-9])' in it
+                xmp = xmp or bytes(mv[i + 4:i + 2 + length]).find(b"tiff:Orientation") >= 0
         if marker == 0xDA:  # scan data before a frame header
             return None
         i += 2 + length

@@ -16,8 +16,9 @@ boundary, and `jpeg_skip_scanlines` keeps the context rows of the vertical upsam
 is exact: tests/test_region_decode.py). What it leaves to the caller: libjpeg-turbo picks its plain upsampler
 instead of the fancy one for a component only 1 or 2 samples wide (jdsample.c, `jinit_upsampler`, on
 `downsampled_width`), so a 1-pixel-wide box at an image's left or right border in 4:2:0 would differ. This
-module grows the box's columns outward to the MCU grid (`region_of`), which makes every region at least one
-MCU wide, or as wide as the image, and costs next to nothing: libjpeg-turbo computes whole blocks anyway.
+module grows a box narrower than one MCU outward to the MCU grid (`region_of`), which makes every region at
+least one MCU wide, or as wide as the image; a wider box is decoded as it is, so the region is the crop itself
+and the resize reads it without a copy (crop.py, `resize`).
 
 Only baseline and extended sequential 8-bit JPEGs with 1 or 3 components and no EXIF rotation or XMP packet
 take this path (`region_takes`). The rest, and every file when the module is not installed or it refuses a
@@ -39,6 +40,7 @@ from datamodules.sample.decode import decode
 from datamodules.sample.jpeg_header import JpegFrame, jpeg_frame
 
 _REGION_SOF = (0xC0, 0xC1)  # baseline and extended sequential Huffman
+_TURNS = range(2, 9)  # the EXIF orientations that turn or mirror (0 and others: none, in PIL and torchvision alike)
 PIP_LINE = "pip install nvidia-nvimgcodec-cu13"  # -cu12 beside a CUDA 12 torch (DALI's requirements bring it)
 
 nvimgcodec: Any = None  # the module, once `available()` has imported it (0.2 s, so not before a train crop needs it)
@@ -62,16 +64,19 @@ def available() -> bool:
 
 def region_takes(frame: JpegFrame | None) -> bool:
     """Whether the region decode gives this file the full decode's pixels (decode.py's JPEGs, minus progressive
-    ones and those whose pixels the decoder turns: an EXIF rotation, an XMP packet)."""
+    ones and those whose pixels the decoder may turn: an EXIF rotation, an XMP packet naming an orientation)."""
     return (frame is not None and frame.sof in _REGION_SOF and frame.precision == 8
-            and frame.components in (1, 3) and frame.orientation == 1 and not frame.xmp
+            and frame.components in (1, 3) and frame.orientation not in _TURNS and not frame.xmp
             and frame.height > 0 and frame.width > 0)
 
 
 def region_of(frame: JpegFrame, top: int, left: int, height: int, width: int) -> tuple[int, int, int, int]:
-    """(top, left, bottom, right) of the region decoded for a box: its columns grown outward to the MCU grid
-    (clipped to the image), its rows as they are (the vertical upsampling is exact at any row: module doc)."""
+    """(top, left, bottom, right) of the region decoded for a box: the box itself, or for a box narrower than one
+    MCU its columns grown outward to the MCU grid (clipped to the image); its rows as they are (the vertical
+    upsampling is exact at any row: module doc)."""
     mw = frame.mcu_width
+    if width >= mw:
+        return top, left, top + height, left + width
     return top, (left // mw) * mw, top + height, min(frame.width, -(-(left + width) // mw) * mw)
 
 
