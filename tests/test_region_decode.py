@@ -112,8 +112,9 @@ def test_a_train_sample_is_the_same_with_and_without_region_decode_and_the_rest_
 
 
 def test_only_an_orientation_pil_would_apply_keeps_a_file_from_the_region_decode():
-    """An XMP packet without tiff:Orientation, or an EXIF orientation 0 (no turn: PIL's exif_transpose and
-    torchvision alike), takes the region decode with the full decode's pixels; XMP or EXIF naming a turn does not."""
+    """An XMP packet without tiff:Orientation or with 1, or an EXIF orientation 0 (no turn: PIL's exif_transpose
+    and torchvision alike), takes the region decode with the full decode's pixels; XMP or EXIF naming a turn does
+    not."""
     rgb = Image.fromarray(np.random.default_rng(7).integers(0, 255, (48, 64, 3), dtype=np.uint8))
     described = (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
                  b'<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" %s/></rdf:RDF></x:xmpmeta>')
@@ -122,6 +123,7 @@ def test_only_an_orientation_pil_would_apply_keeps_a_file_from_the_region_decode
         e[0x0112] = k
     files = {"xmp without orientation": (jpeg(rgb, xmp=described % b'tiff:Make="x"'), True),
              "EXIF orientation 0": (jpeg(rgb, exif=exif[0].tobytes()), True),
+             "xmp orientation 1": (jpeg(rgb, xmp=described % b'tiff:Orientation="1"'), True),
              "xmp orientation 6": (jpeg(rgb, xmp=described % b'tiff:Orientation="6"'), False),
              "EXIF orientation 6": (jpeg(rgb, exif=exif[6].tobytes()), False)}
     taken = {name: region.region_takes(jpeg_frame(data)) for name, (data, _) in files.items()}

@@ -10,7 +10,7 @@ Why the pixels agree: Pillow and torchvision both decode with libjpeg-turbo's de
 IDCT, fancy upsampling), and libjpeg's grayscale -> RGB replicates the gray value as PIL's
 convert("RGB") does. EXIF orientation is applied by torchvision (`apply_exif_orientation`,
 the same 8 cases as PIL's ImageOps.exif_transpose). Pillow also reads an orientation from XMP
-metadata (Image.getexif); torchvision does not, so a JPEG whose XMP packet names an orientation takes the PIL
+metadata (Image.getexif); torchvision does not, so a JPEG whose XMP packet names a turning orientation takes the PIL
 path (jpeg_header.py).
 tests/test_sample_path.py asserts identical pixels on the odd-image set, all 8 orientations and
 built-in ImageNet-size images.
