@@ -20,10 +20,10 @@ module grows a box narrower than one MCU outward to the MCU grid (`region_of`), 
 least one MCU wide, or as wide as the image; a wider box is decoded as it is, so the region is the crop itself
 and the resize reads it without a copy (crop.py, `resize`).
 
-Only baseline and extended sequential 8-bit JPEGs with 1 or 3 components and no EXIF rotation or XMP packet
-take this path (`region_takes`). The rest, and every file when the module is not installed or it refuses a
-file, take the full decode (decode.py); `RegionCounts` counts both for the end-of-run line. A progressive JPEG
-gains nothing: every scan must be decoded before any pixel is known.
+Only baseline and extended sequential 8-bit JPEGs with 1 or 3 components and no EXIF rotation (nor an XMP
+packet naming one) take this path (`region_takes`). The rest, and every file when the module is not installed
+or it refuses a file, take the full decode (decode.py); `RegionCounts` counts both for the end-of-run line. A
+progressive JPEG gains nothing: every scan must be decoded before any pixel is known.
 """
 from __future__ import annotations
 
