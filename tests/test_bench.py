@@ -171,6 +171,29 @@ def test_loaders_end_to_end(tmp_path, photo_data, capsys):
         assert gpu_row["bottleneck"] in ("GPU", "IO"), gpu_row
     assert _unexplained(md, _help("loaders", capsys)) == []  # every column of the table a run writes
     assert "| ImageFolder | " in md and "Decode ceiling" in md and "**test run**" in md
+    # each round's ratio of the region row to its whole-decode twin and to PIL's ceiling (no workers: no CPU time)
+    paired = {(p["row"], p["against"]): p for p in data["paired"]}
+    assert set(paired) == {("ImageFolder", "ImageFolder, whole decode"), ("ImageFolder", "PIL decode-only ceiling")}
+    assert all(p["wall"] > 0 and len(p["wall_rounds"]) == 3 and p["cpu"] is None for p in paired.values())
+    assert "ImageFolder / ImageFolder, whole decode: images/s" in md
+
+
+def test_process_cpu_reads_the_cpu_seconds_of_a_running_process():
+    from bench.loaders.cpu_time import CpuClock, process_cpu
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\nprint(1, flush=True)\n" \
+           "time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE, text=True)
+    try:
+        proc.stdout.readline()  # it has burnt half a second of CPU, and sleeps
+        assert 0.5 <= process_cpu([proc.pid]) < 10
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        assert process_cpu([proc.pid, gone.pid]) == process_cpu([proc.pid])  # a process gone counts 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert CpuClock(None).seconds() is None and CpuClock([]).seconds() >= 0
 
 
 @pytest.mark.slow
@@ -303,7 +326,7 @@ def test_dali_loader_built_before_the_clock_and_not_rebuilt_with_max_batches(tmp
     prepare(loader)
     assert loader._it is not None  # built (threads started) before any epoch is timed
     for _ in range(3):
-        images, _ = time_epoch(p.datamodule, loader, torch.device("cpu"), s.max_batches, "dali")
+        images, _, _ = time_epoch(p.datamodule, loader, torch.device("cpu"), s.max_batches, "dali")
         assert images == 8
     assert loader.rebuilds == 0
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
+from bench.loaders.cpu_time import CpuClock
 from datamodules.budget.cpus import usable_cpus
 from datamodules.sample.images import decode_rgb
 
@@ -26,6 +27,7 @@ class Ceiling:
     images: int
     seconds: float
     how: str
+    cpu_s: float | None = None  # CPU seconds of the decoding processes (cpu_time.py), where known
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -132,13 +134,16 @@ def decode_rate(paths: Sequence[str], workers: int | None = None, decoder: str =
         list(pool.map(decode, chunks[:workers]))  # start the workers before the clock
         if cold:
             how = f"cold cache ({evict_pages(paths, drop_caches)})"
+        cpu = CpuClock(list(getattr(pool, "_processes", None) or {}) or None)  # {pid: process} (concurrent/futures)
         t0 = time.perf_counter()
         done = list(pool.map(decode, chunks))
         dt = max(time.perf_counter() - t0, 1e-9)
+        cpu_s = cpu.seconds()
     images = sum(d[0] for d in done)
     total = sum(d[1] for d in done)
     name = "PIL" if decoder == "pil" else "torchvision (libjpeg-turbo; PIL for non-plain JPEGs)"
-    return Ceiling(images / dt, total / dt / 1e6, images, dt, f"{name} decode + RGB, {workers} processes, {how}")
+    return Ceiling(images / dt, total / dt / 1e6, images, dt, f"{name} decode + RGB, {workers} processes, {how}",
+                   cpu_s)
 
 
 def stage_times(paths: Sequence[str], image_size: int = 224, min_scale: float = 0.25,

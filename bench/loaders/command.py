@@ -21,10 +21,15 @@ def add_parser(subparsers: Subparsers, common: AddCommon) -> argparse.ArgumentPa
                     "Also measures, in the same run, the raw read rate of the files (IO ceiling, cold) and "
                     "decode-only on all cores with the backend's decoder (decode ceiling), and names each row's "
                     "bottleneck. Backends that are not installed or cannot run here are listed as skipped with "
-                    "the reason.",
+                    "the reason. Each region-decode row (ImageFolder, LMDB) is set beside its whole-decode row and "
+                    "PIL's ceiling, round by round: the ratio of the images/s and of the CPU time per image of all "
+                    "its processes (the timing process and its workers, from /proc), the steadier one on a machine "
+                    "others share (whole epochs only: with --max-batches the batches the workers decoded ahead "
+                    "count too).",
         epilog=columns_epilog(COLUMNS))
-    lo.add_argument("--data-dir", default=None, help="your ImageFolder tree (ROOT/train/<class>/*, ROOT/val/...); "
-                    "default: the built-in dataset (--builtin)")
+    lo.add_argument("--data-dir", default=None, help="your ImageFolder tree (ROOT/train/<class>/*, ROOT/val/...), "
+                    "e.g. real ImageNet photos: docs/data.md, \"Region decode\", says how to make one from "
+                    "github.com/EliSchwartz/imagenet-sample-images; default: the built-in dataset (--builtin)")
     lo.add_argument("--builtin", default="imagenet", help="built-in preset when no --data-dir (default: imagenet, "
                     "~470x390 JPEGs, 1000 train images)")
     lo.add_argument("--train-per-class", type=int, default=None, help="built-in: train images per class")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.loaders import paired
 from bench.report import markdown_table, repo_relative
 
 NEAR = 0.8  # a rate at >= 80% of a ceiling is bound by it
@@ -89,6 +90,7 @@ def to_markdown(result: dict[str, Any]) -> str:
                          f"warm {warm['images_s'] if warm else float('nan'):,.0f} images/s "
                          f"({(warm or cold)['how']}; cold: evicted first; median of the rounds, "
                          f"warm rounds {', '.join(f'{x:,.0f}' for x in (warm or cold).get('rounds_images_s', []))})")
+    lines += paired.lines(result)
     if c.get("stages_us"):
         lines.append("- Stages of the sample path, one thread, original images, warm (microseconds per image): "
                      + "; ".join(f"{k} {v:,.0f}" for k, v in c["stages_us"].items()))

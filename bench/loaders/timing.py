@@ -17,8 +17,9 @@ from typing import Any
 import torch
 import tqdm  # tqdm.tqdm looked up per bar: bench/progress_bars.py puts a quiet one in its place
 
-from bench.loaders import ceilings
+from bench.loaders import ceilings, paired
 from bench.loaders.backends import BACKENDS, FACTORIES, LABELS
+from bench.loaders.cpu_time import CpuClock, worker_pids
 from bench.loaders.prepared import Prepared, Settings, Skip
 from bench.loaders.report import classify, fastest_decode
 from datamodules.index import load_indexes
@@ -71,9 +72,11 @@ def _count(batch) -> int:
     return 0
 
 
-def time_epoch(dm, loader, device: torch.device, max_batches: int | None, desc: str) -> tuple[int, float]:
+def time_epoch(dm, loader, device: torch.device, max_batches: int | None, desc: str
+               ) -> tuple[int, float, float | None]:
     """One epoch of ``loader`` (the backend's train_dataloader(), made once as Lightning does) as training
-    iterates it, up to the batch on the device. Returns (images, seconds).
+    iterates it, up to the batch on the device. Returns (images, seconds, CPU seconds of this process and the
+    loader's persistent workers, or None where they are not known: cpu_time.py).
 
     The DataModule's on_after_batch_transfer (uint8 -> normalised float) is the first operation of the
     model step, on the training device: on a GPU it is nearly free, and on a CPU-only machine it would
@@ -86,6 +89,7 @@ def time_epoch(dm, loader, device: torch.device, max_batches: int | None, desc: 
     if max_batches:
         total = min(total, max_batches) if total else max_batches
     images = 0
+    cpu = CpuClock(worker_pids(loader))
     t0 = time.perf_counter()
     with tqdm.tqdm(total=total, desc=desc, unit="batch", leave=False, dynamic_ncols=True) as bar:
         for i, batch in enumerate(loader):
@@ -96,7 +100,7 @@ def time_epoch(dm, loader, device: torch.device, max_batches: int | None, desc: 
                 break
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return images, time.perf_counter() - t0
+    return images, time.perf_counter() - t0, cpu.seconds()
 
 
 def normalize_cost(batch_size: int, image_size: int, device: torch.device, repeats: int = 7) -> dict:
@@ -163,11 +167,12 @@ def _time_round(p: Prepared, settings: Settings, device: torch.device, label: st
         _warm_up(p.datamodule, loader, device, settings.max_batches, label)
         evict_how = p.evict() if p.evict else ceilings.evict_pages(p.files, settings.drop_caches)
         out = {"cold": time_epoch(p.datamodule, loader, device, settings.max_batches, f"{label} cold")}
-        images, seconds = 0, 0.0
+        images, seconds, cpu = 0, 0.0, 0.0
         for _ in range(max(1, settings.warm_epochs)):
-            n, dt = time_epoch(p.datamodule, loader, device, settings.max_batches, f"{label} warm")
+            n, dt, cpu_s = time_epoch(p.datamodule, loader, device, settings.max_batches, f"{label} warm")
             images, seconds = images + n, seconds + dt
-        out["warm"] = (images, seconds)
+            cpu = None if cpu is None or cpu_s is None else cpu + cpu_s
+        out["warm"] = (images, seconds, cpu)
         return out, evict_how
     finally:
         close(loader)
@@ -253,12 +258,13 @@ def _measure(settings: Settings, backends: list[str], measure_ceilings: bool, ce
             rows += [Row(label, c, p[0], p[1]) for c in ("cold", "warm")]
             continue
         for cache in ("cold", "warm"):
-            rounds = [(n, dt, n / max(dt, 1e-9)) for n, dt in (t[cache] for t in timings[label])]
+            rounds = [(n, dt, n / max(dt, 1e-9)) for n, dt, _ in (t[cache] for t in timings[label])]
             images, seconds, ips = sorted(rounds, key=lambda r: r[2])[len(rounds) // 2]  # the median round
             rows.append(Row(label, cache, images=images, seconds=seconds, images_s=ips,
                             mb_s=ips * p.image_bytes / 1e6, note=p.note,
                             extra={"storage": p.storage, "images_key": p.images, "gpu_decode": p.gpu_decode,
                                    "rounds_images_s": [round(r[2], 1) for r in rounds],
+                                   "rounds_cpu_us": paired.cpu_us(t[cache] for t in timings[label]),
                                    "region_whole": _region_whole(p.datamodule)}))
 
     # ceilings: io[storage] (cold reads); decode[images][decoder][cache] (all cores, every decoder, cold and warm)
@@ -287,4 +293,5 @@ def _measure(settings: Settings, backends: list[str], measure_ceilings: bool, ce
         if pil and not r.extra["gpu_decode"] and r.extra["images_key"] == "original":
             r.pil_frac = r.images_s / pil
     return {"rows": [r.__dict__ for r in rows], "ceilings": ceil, "eviction": evict_how or "none",
+            "paired": paired.ratios(rows, decode_rounds) if measure_ceilings else [],
             "settings": {k: str(v) for k, v in settings.__dict__.items()}}

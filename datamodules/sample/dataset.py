@@ -173,8 +173,9 @@ class SampleDataset(Dataset):
         return int(self._size[0]) if isinstance(self._size, torch.Tensor) else int(self._size)
 
     def sample(self, i: int, size: int, rng: random.Random | None = None,
-               data: Encoded | Exception | None = None) -> torch.Tensor:
-        """Sample i as a uint8 CHW tensor of size x size; `data`: its bytes (or read error) if already read."""
+               data: Encoded | Exception | None = None, tally: dict[int, bool] | None = None) -> torch.Tensor:
+        """Sample i as a uint8 CHW tensor of size x size; `data`: its bytes (or read error) if already read;
+        `tally`: its batch's region count (region.RegionCounts)."""
         rng = rng or random.Random(int(torch.randint(2**62, ())))
         try:
             if isinstance(data, Exception):
@@ -183,7 +184,7 @@ class SampleDataset(Dataset):
             box = None
             if self.decode_counts is not None:  # a TrainCrop: the box first, then only its region (region.py)
                 box = decode_box(data, self.crop, size, rng) if self.region_decode else None
-                self.decode_counts.count(i, box is not None and box.by_region)
+                self.decode_counts.count(i, box is not None and box.by_region, tally)
             image = decode(data) if box is None else box.pixels
         except Exception as e:
             raise DataError(self.source.describe(i, e)) from e
@@ -209,15 +210,17 @@ class SampleDataset(Dataset):
         size = self.size()
         images = new_batch(len(indices), size, slots=self.ring_slots)
         seeds = torch.randint(2**62, (len(indices),)).tolist()
+        tally = RegionCounts.tally()
         # A failure (a DataError naming the sample) is re-raised here, in this thread.
         if self.decode_threads > 1:
-            fill_batch(images, lambda k: self.sample(indices[k], size, random.Random(seeds[k])), sample_pool())
+            fill_batch(images, lambda k: self.sample(indices[k], size, random.Random(seeds[k]), None, tally),
+                       sample_pool())
         else:
-            self._fill_here(images, indices, size, seeds)
+            self._fill_here(images, indices, size, seeds, tally)
         labels = self.labels[list(indices)]
         if self.decode_counts is not None:
             worker = get_worker_info()
-            self.decode_counts.flush(0 if worker is None else worker.id + 1)
+            self.decode_counts.flush(0 if worker is None else worker.id + 1, tally)
         return RingBatch((images, labels)) if get_worker_info() is not None else (images, labels)
 
     def warm_up(self) -> None:
@@ -239,7 +242,8 @@ class SampleDataset(Dataset):
         self.labels[[]]
         warm_ring(self.crop(decode(jpeg), self.size(), random.Random(0)))
 
-    def _fill_here(self, images: torch.Tensor, indices: Sequence[int], size: int, seeds: list[int]) -> None:
+    def _fill_here(self, images: torch.Tensor, indices: Sequence[int], size: int, seeds: list[int],
+                   tally: dict[int, bool]) -> None:
         """Decode the batch in this thread from the front, files read ahead; `idle_helper` works from the back.
 
         The helper takes no lock and never writes into the batch: it takes samples off the back of a
@@ -258,7 +262,7 @@ class SampleDataset(Dataset):
                     k = untaken.pop()
                 except IndexError:
                     return
-                _hand_over(built, k, self.sample(indices[k], size, random.Random(seeds[k])))
+                _hand_over(built, k, self.sample(indices[k], size, random.Random(seeds[k]), None, tally))
 
         idle_helper().submit(from_back)  # its failures are this thread's to raise: it builds them again
         mine = 0  # this thread took samples 0..mine-1, the helper the rest
@@ -269,12 +273,13 @@ class SampleDataset(Dataset):
                 except IndexError:
                     break
                 mine = k + 1
-                images[k].copy_(self.sample(indices[k], size, random.Random(seeds[k]), data))
+                images[k].copy_(self.sample(indices[k], size, random.Random(seeds[k]), data, tally))
         finally:
             untaken.clear()  # from here on the helper takes nothing
         for k in range(mine, len(indices)):
             sample = built.pop(k, None)
-            images[k].copy_(sample if sample is not None else self.sample(indices[k], size, random.Random(seeds[k])))
+            images[k].copy_(sample if sample is not None
+                            else self.sample(indices[k], size, random.Random(seeds[k]), None, tally))
 
 
 def _tiny_jpeg() -> bytearray:

@@ -10,7 +10,8 @@ Why the pixels agree: Pillow and torchvision both decode with libjpeg-turbo's de
 IDCT, fancy upsampling), and libjpeg's grayscale -> RGB replicates the gray value as PIL's
 convert("RGB") does. EXIF orientation is applied by torchvision (`apply_exif_orientation`,
 the same 8 cases as PIL's ImageOps.exif_transpose). Pillow also reads an orientation from XMP
-metadata (Image.getexif); torchvision does not, so a JPEG with an XMP packet takes the PIL path.
+metadata (Image.getexif); torchvision does not, so a JPEG whose XMP packet names a turning orientation takes the PIL
+path (jpeg_header.py).
 tests/test_sample_path.py asserts identical pixels on the odd-image set, all 8 orientations and
 built-in ImageNet-size images.
 
@@ -41,7 +42,7 @@ def fast_jpeg(data: bytes | bytearray | memoryview) -> tuple[bool, bool]:
     if frame is None:
         return False, False
     if frame.xmp:
-        return False, frame.exif  # PIL may take an orientation from XMP
+        return False, frame.exif  # PIL may take the orientation its XMP packet names
     ok = (frame.sof in _SOF_FAST and frame.precision == 8 and frame.components in (1, 3)
           and not refused_by_pillow(frame.width, frame.height))  # PIL raises its DecompressionBombError
     return ok, frame.exif

@@ -5,9 +5,11 @@ region decode (region.py) all read it.
 """
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 _XMP = b"http://ns.adobe.com/xap/1.0/"
+_XMP_ORIENTATION = re.compile(rb'tiff:Orientation(="|>)([0-9])')  # Pillow's pattern (PIL/Image.py, Image.getexif)
 
 
 class JpegFrame(NamedTuple):
@@ -20,7 +22,7 @@ class JpegFrame(NamedTuple):
     width: int
     exif: bool  # an EXIF APP1 segment
     orientation: int  # its orientation tag (1 when absent)
-    xmp: bool  # an XMP packet before the frame header (PIL may take an orientation from it)
+    xmp: bool  # an XMP packet before the frame header that names a turning orientation (PIL may take it from there)
     mcu_height: int = 8  # the MCU: 8 x 8 for one component, 8 x the largest sampling factors for several
     mcu_width: int = 8
 
@@ -62,8 +64,9 @@ def jpeg_frame(data: bytes | bytearray | memoryview) -> JpegFrame | None:
             if head.startswith(b"Exif\x00"):
                 exif = True
                 orientation = _exif_orientation(mv[i + 10:i + 2 + length])
-            elif head == _XMP:
-                xmp = True
+            elif head == _XMP:  # Pillow's Image.getexif takes the orientation from there (without one in EXIF)
+                named = _XMP_ORIENTATION.search(bytes(mv[i + 4:i + 2 + length]))
+                xmp = xmp or (named is not None and named[2] not in b"01")  # 0 and 1 turn nothing
         if marker == 0xDA:  # scan data before a frame header
             return None
         i += 2 + length

@@ -16,13 +16,14 @@ boundary, and `jpeg_skip_scanlines` keeps the context rows of the vertical upsam
 is exact: tests/test_region_decode.py). What it leaves to the caller: libjpeg-turbo picks its plain upsampler
 instead of the fancy one for a component only 1 or 2 samples wide (jdsample.c, `jinit_upsampler`, on
 `downsampled_width`), so a 1-pixel-wide box at an image's left or right border in 4:2:0 would differ. This
-module grows the box's columns outward to the MCU grid (`region_of`), which makes every region at least one
-MCU wide, or as wide as the image, and costs next to nothing: libjpeg-turbo computes whole blocks anyway.
+module grows a box narrower than one MCU outward to the MCU grid (`region_of`), which makes every region at
+least one MCU wide, or as wide as the image; a wider box is decoded as it is, so the region is the crop itself
+and the resize reads it without a copy (crop.py, `resize`).
 
-Only baseline and extended sequential 8-bit JPEGs with 1 or 3 components and no EXIF rotation or XMP packet
-take this path (`region_takes`). The rest, and every file when the module is not installed or it refuses a
-file, take the full decode (decode.py); `RegionCounts` counts both for the end-of-run line. A progressive JPEG
-gains nothing: every scan must be decoded before any pixel is known.
+Only baseline and extended sequential 8-bit JPEGs with 1 or 3 components and no EXIF rotation (nor an XMP
+packet naming one) take this path (`region_takes`). The rest, and every file when the module is not installed
+or it refuses a file, take the full decode (decode.py); `RegionCounts` counts both for the end-of-run line. A
+progressive JPEG gains nothing: every scan must be decoded before any pixel is known.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from datamodules.sample.decode import decode
 from datamodules.sample.jpeg_header import JpegFrame, jpeg_frame
 
 _REGION_SOF = (0xC0, 0xC1)  # baseline and extended sequential Huffman
+_TURNS = range(2, 9)  # the EXIF orientations that turn or mirror (0 and others: none, in PIL and torchvision alike)
 PIP_LINE = "pip install nvidia-nvimgcodec-cu13"  # -cu12 beside a CUDA 12 torch (DALI's requirements bring it)
 
 nvimgcodec: Any = None  # the module, once `available()` has imported it (0.2 s, so not before a train crop needs it)
@@ -62,16 +64,19 @@ def available() -> bool:
 
 def region_takes(frame: JpegFrame | None) -> bool:
     """Whether the region decode gives this file the full decode's pixels (decode.py's JPEGs, minus progressive
-    ones and those whose pixels the decoder turns: an EXIF rotation, an XMP packet)."""
+    ones and those whose pixels the decoder may turn: an EXIF rotation, an XMP packet naming an orientation)."""
     return (frame is not None and frame.sof in _REGION_SOF and frame.precision == 8
-            and frame.components in (1, 3) and frame.orientation == 1 and not frame.xmp
+            and frame.components in (1, 3) and frame.orientation not in _TURNS and not frame.xmp
             and frame.height > 0 and frame.width > 0)
 
 
 def region_of(frame: JpegFrame, top: int, left: int, height: int, width: int) -> tuple[int, int, int, int]:
-    """(top, left, bottom, right) of the region decoded for a box: its columns grown outward to the MCU grid
-    (clipped to the image), its rows as they are (the vertical upsampling is exact at any row: module doc)."""
+    """(top, left, bottom, right) of the region decoded for a box: the box itself, or for a box narrower than one
+    MCU its columns grown outward to the MCU grid (clipped to the image); its rows as they are (the vertical
+    upsampling is exact at any row: module doc)."""
     mw = frame.mcu_width
+    if width >= mw:
+        return top, left, top + height, left + width
     return top, (left // mw) * mw, top + height, min(frame.width, -(-(left + width) // mw) * mw)
 
 
@@ -113,9 +118,12 @@ class RegionCounts:
     """Train images decoded by region and whole, per process that decoded them, in shared memory: a loader worker
     adds its own row after each batch, and the training process reads the sum at the end of the run (`line`).
 
-    Counted per sample index, so a sample built twice (the idle helper's, built again by the worker that did
-    not wait for it: dataset.py) counts once in its batch; if the helper finishes it after the batch has left,
-    it counts once more with the next batch (rare, and only what the end-of-run line says)."""
+    A batch counts into its own tally (`tally`, then `flush`), per sample index: a sample built twice (the idle
+    helper's, built again by the worker that did not wait for it: dataset.py) counts once, and one the helper
+    finishes after its batch has left goes into that batch's tally, which was already added, so it does not count
+    in the next batch. Every image delivered counts once; images decoded and dropped do not count here, but a
+    loader iterator made twice decodes its first one's prefetched batches for nothing (lightning_app/callbacks/
+    reseed.py makes a second one only where it changes the epoch's samples)."""
 
     ROWS = 512  # the training process and its loader workers (worker k writes row k + 1, modulo)
 
@@ -123,12 +131,21 @@ class RegionCounts:
         self.table = torch.zeros((self.ROWS, 2), dtype=torch.int64).share_memory_()
         self._pending: dict[int, bool] = {}
 
-    def count(self, i: int, region: bool) -> None:
-        """Sample i, by region or whole (from any sample thread: one dict store); `flush` adds them to a row."""
-        self._pending[i] = region
+    @staticmethod
+    def tally() -> dict[int, bool]:
+        """A batch's own tally, for `count` and `flush`."""
+        return {}
 
-    def flush(self, row: int) -> None:
-        pending, self._pending = self._pending, {}
+    def count(self, i: int, region: bool, tally: dict[int, bool] | None = None) -> None:
+        """Sample i, by region or whole, into its batch's `tally` (from any sample thread: one dict store), or
+        without one into this process's (a sample built on its own); `flush` adds it to a row."""
+        (self._pending if tally is None else tally)[i] = region
+
+    def flush(self, row: int, tally: dict[int, bool] | None = None) -> None:
+        """Adds `tally`, or without one what was counted without one since the last flush, to row `row`."""
+        if tally is None:
+            tally, self._pending = self._pending, {}
+        pending = tally
         if pending:
             by_region = sum(pending.values())
             self.table[row % self.ROWS] += torch.tensor([by_region, len(pending) - by_region])
