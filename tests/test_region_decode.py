@@ -179,8 +179,7 @@ def test_a_sample_the_idle_helper_finishes_after_its_batch_has_left_is_not_count
     """The helper (dataset.py, `_fill_here`) stalls in its first read until the batch has left without it."""
     index = load_indexes(tiny_data, cache=False)["train"]
     files = FileSource(index, "fix")
-    made = SampleDataset(files, [0] * len(index), TrainCrop(), 16)
-    made.decode_threads = 1
+    made = SampleDataset(files, [0] * len(index), TrainCrop(), 16, LoaderPlan(decode_threads=1))
     stalled, release = threading.Event(), threading.Event()
 
     class Reads:
