@@ -7,7 +7,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_app import weights as weights_lib
-from lightning_app.lr_schedule import total_steps, warmup_cosine
+from lightning_app.lr_schedule import SettingsKeepingLambdaLR, total_steps, warmup_cosine
 from models.recipes import Recipe, batch_scale, recipe
 
 OPTIMIZER_NAMES = {"sgd": "SGD", "adamw": "AdamW"}  # as their papers and torch.optim spell them
@@ -106,5 +106,5 @@ def optimizer_and_schedule(module: pl.LightningModule, lr: float) -> dict:
     epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else 1
     warmup = min(total - 1, int(h.warmup_epochs * total / epochs))
     module.warmup_steps = warmup  # PowerSGD never starts before it (ClusterDDPStrategy.powersgd_start_iter)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, total))
+    schedule = SettingsKeepingLambdaLR(optimizer, warmup_cosine(warmup, total))
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

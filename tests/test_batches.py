@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 
 import pytest
 import torch
@@ -76,3 +77,22 @@ def test_a_batch_never_given_back_stays_intact(dataset):
     held = [b[0] for _ in range(2) for b in loader]
     for got, want in zip(held, expected + expected, strict=False):
         assert torch.equal(got, want)
+
+
+def test_a_batch_taken_in_inference_mode_goes_back_when_freed_outside_it(dataset, monkeypatch):
+    # Lightning's validate loop fetches under torch.inference_mode; a batch freed after it (a stop signal's
+    # teardown: the fault campaign of issue 52, SIGTERM during `validate`) gave its buffer back from outside it.
+    # The ring header made in inference mode is an inference tensor, and writing it there raised in the finalizer:
+    # "Exception ignored in: <finalize object ...>" and a traceback on stderr.
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    loader = SampleLoader(dataset, batch_size=BATCH, collate_fn=built_batch, num_workers=1, prefetch_factor=2)
+    batches = iter(loader)
+    with torch.inference_mode():
+        images, _labels = next(batches)
+    del images, _labels
+    for images, _labels in batches:  # the rest of the epoch, outside inference mode, still goes round the ring
+        assert images.shape == (BATCH, 3, 24, 24)
+    del batches, images, _labels
+    gc.collect()
+    assert not unraisable, [u.exc_value for u in unraisable]

@@ -96,3 +96,19 @@ def test_the_train_loader_names_a_killed_worker_and_goes_on_from_its_last_batch(
     assert got == [batch.tolist() for batch in loader(0)]
     assert [(d.pid, d.how()) for d in dead_workers.recorded] == [(pid, "was killed by SIGKILL")]
     dead_workers.forget()
+
+
+def test_a_killed_worker_of_a_loader_nobody_records_is_named_with_its_signal():
+    """A validation loader's worker (no ResumableLoader records it) SIGKILLed under the fork server: torch's message
+    has no signal ("exited unexpectedly"); the paragraph reads the worker's exit status from the loader that raised.
+    The fault campaign of issue 52 got "A loader worker died: pid N ended." with no signal and no cause."""
+    from datamodules.processes import dead_workers
+
+    data = torch.utils.data.TensorDataset(torch.arange(10_000))
+    loader = torch.utils.data.DataLoader(data, batch_size=1, num_workers=1, multiprocessing_context="forkserver")
+    batches = iter(loader)
+    os.kill(batches._workers[0].pid, signal.SIGKILL)  # before its first batch: torch's liveness check finds it
+    with pytest.raises(RuntimeError, match="exited unexpectedly") as raised:
+        next(batches)
+    said = dead_workers.unsaved_paragraph(raised.value)
+    assert said is not None and "was killed by SIGKILL" in said and "dmesg" in said, said

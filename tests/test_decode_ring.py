@@ -207,3 +207,21 @@ class _NoWait:
 
     def __getattr__(self, name):
         return getattr(self._streams, name)
+
+
+def test_a_slot_of_another_size_is_dropped_while_an_earlier_one_is_busy():
+    """A new size (a new val size, progressive resizing) drops the free slots of the old one. The ring removed a slot
+    with list.remove, which compared it with the slots before it by the dataclass's field-wise __eq__, tensors
+    included: "The size of tensor a (32) must match the size of tensor b (16)", or an ambiguous truth value, and the
+    fit ended in a traceback (tests/test_docs.py's `--data.decode gpu` command, seen while checking issue 52)."""
+    from datamodules.sample.device_streams import CpuStreams
+    from datamodules.sample.ring import BatchRing
+
+    streams = CpuStreams()
+    ring = BatchRing(torch.device("cpu"), streams)
+    stream = streams.new_stream(0)
+    ring.acquire(4, 16, stream)  # busy: being built
+    free, _ = ring.acquire(4, 16, stream)
+    ring.release(free, None)
+    slot, images = ring.acquire(4, 32, stream)  # `free` is dropped; `busy` is compared on the way
+    assert images.shape == (4, 3, 32, 32) and slot is not free and ring.held() == 2

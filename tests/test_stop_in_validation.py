@@ -82,3 +82,35 @@ def test_a_second_ctrl_c_stops_at_once_without_saving(tiny_data, tmp_path, devic
     run = tmp_path / "version_0"
     assert _global_step(run / "checkpoints" / "last.ckpt") == STEPS
     assert _best_epochs(run) == [1]
+
+
+@pytest.mark.parametrize("command", ["validate", "test"])
+def test_a_ctrl_c_during_validate_or_test_stops_at_the_next_batch_with_status_130(tiny_data, tmp_path, command):
+    """Ctrl-C during `validate` or `test`: one line, nothing saved, exit 130 as after a fit's Ctrl-C, so that
+    `validate && ...` stops. Lightning's own path (KeyboardInterrupt, "attempting graceful shutdown") exited 1, the
+    status of a lost peer: the fault campaign of issue 52 saw it."""
+    code, out = _fit(_args(tiny_data, tmp_path, 1, "--trainer.max_epochs", "1"))
+    assert code == 0, out[-4000:]
+    ckpt = tmp_path / "version_0" / "checkpoints" / "last.ckpt"
+    signal_args = [a.replace("--trainer.callbacks.epoch=1", "--trainer.callbacks.epoch=-1")
+                   for a in _signal_in_validation("SIGINT", -1)]
+    if command == "test":
+        signal_args = [a.replace("SignalDuringValidation", "SignalDuringTest") for a in signal_args]
+    quick = _without(_args(tiny_data, tmp_path, 1)[1:], "--checkpoint.save_top_k")
+    code, out = _fit([command, *quick, "--ckpt_path", str(ckpt), *signal_args])
+    assert code == 130, out[-4000:]
+    assert "Ctrl-C: stopping at the next batch, saving nothing" in out and "Traceback" not in out, out[-4000:]
+    assert "graceful shutdown" not in out
+
+
+def _without(args: list[str], *flags: str) -> list[str]:
+    """`args` less each of `flags` and its value."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        else:
+            out.append(a)
+    return out

@@ -131,9 +131,23 @@ def unsaved_paragraph(error: BaseException) -> str | None:
         seen.add(id(e))
         pids = died_pids(e)
         if pids:
-            deaths = [d for d in recorded if d.pid in pids] or [DeadWorker(pid, _signal_said(str(e))) for pid in pids]
+            deaths = ([d for d in recorded if d.pid in pids]
+                      or [DeadWorker(pid, _exitcode_in_traceback(e, pid) or _signal_said(str(e))) for pid in pids])
             return paragraph(deaths, None, 1, None, "loader")
         e = e.__cause__ or e.__context__
+    return None
+
+
+def _exitcode_in_traceback(error: BaseException, pid: int) -> int | None:
+    """The exit status of worker `pid` from the loader iterator that raised `error` (its `_workers`, the Process
+    objects torch's `_try_get_data` checked): a validation loader's death is recorded by nobody, and under the fork
+    server torch's message has no signal, so the paragraph said only "ended"; the fork server's status says -9."""
+    tb = error.__traceback__
+    while tb is not None:
+        for worker in getattr(tb.tb_frame.f_locals.get("self"), "_workers", None) or []:
+            if getattr(worker, "pid", None) == pid:
+                return worker.exitcode
+        tb = tb.tb_next
     return None
 
 

@@ -195,7 +195,11 @@ def give_back(batch: tuple[torch.Tensor, ...], pin: bool = False) -> tuple[torch
 
 
 def _given_back(header: torch.Tensor, sent: int) -> None:
-    header[1] = sent
+    # A header made under torch.inference_mode (Lightning's validate, test and predict loops) is an inference
+    # tensor, which may be written only in that mode; the view holding the buffer may be freed after it (a stop's
+    # teardown). Writing a normal tensor in that mode is allowed too.
+    with torch.inference_mode():
+        header[1] = sent
 
 
 def built_batch(batch):

@@ -33,7 +33,7 @@ from datamodules.sample.batches import batch_layout
 RING_SLOTS = 3  # the batch the step trains on, the one waiting for it, the one being built
 
 
-@dataclass
+@dataclass(eq=False)  # a slot is itself: list.remove compared tensors field by field
 class Slot:
     images: torch.Tensor  # (capacity, 3, size, size) channels-last uint8
     size: int

@@ -63,6 +63,11 @@ class EpochLineProgress(ProgressBar):
     def disable(self) -> None:
         self._enabled = False
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        # a run resumed mid-epoch gets no on_train_epoch_start for that epoch (fit_loop.on_advance_start): without
+        # this its line counted the start-up since the command line made this callback
+        self._reset()
+
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._reset()
 

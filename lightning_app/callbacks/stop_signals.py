@@ -115,7 +115,11 @@ class StopSignals(_SignalConnector):
         self._original_handlers = self._get_current_signal_handlers()
         if self.trainer.state.fn != TrainerFn.PREDICTING:  # Lightning's predict loop never reads the flag
             self._register_signal(signal.SIGTERM, self._note)
-        if self._fitting():  # outside a fit nothing is saved: Ctrl-C stops at once, as Lightning's own path does
+        if self.trainer.state.fn in (TrainerFn.VALIDATING, TrainerFn.TESTING):
+            # Ctrl-C stops at the next batch, as SIGTERM does, and exits 130 (exit_status); Lightning's own path (a
+            # KeyboardInterrupt: trainer/call.py, "attempting graceful shutdown") exits 1, the lost peer's status
+            self._register_signal(signal.SIGINT, self._note)
+        if self._fitting():
             self._register_signal(signal.SIGINT, self._note)
             requeue = self.requeue_signal()
             if requeue is not None:
@@ -132,7 +136,10 @@ class StopSignals(_SignalConnector):
         if signum == signal.SIGINT:
             if self.requested == INTERRUPT:  # the second Ctrl-C
                 self._stop_at_once()
-            if self.requested == NONE and self.trainer.global_rank == 0:
+            if self.requested == NONE and self.trainer.global_rank == 0 and not self._fitting():
+                os.write(2, b"\nCtrl-C: stopping at the next batch, saving nothing; press Ctrl-C again to stop at "
+                            b"once.\n")
+            elif self.requested == NONE and self.trainer.global_rank == 0:
                 # os.write: a handler may interrupt a print of the main thread, and print is not reentrant
                 os.write(2, b"\nCtrl-C: the run stops at the next step every process agrees on (after the running "
                             b"validation, if any) and saves last.ckpt; press Ctrl-C again to stop at once without "

@@ -349,3 +349,10 @@ class LossRecorder(pl.Callback):
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump({"losses": self.losses, "start": context.get_start_method() if context else None}, f)
+
+
+class SignalDuringTest(SignalDuringValidation):
+    """SignalDuringValidation for the `test` subcommand's batches."""
+
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
