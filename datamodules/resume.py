@@ -113,13 +113,35 @@ class ResumableLoader(StatefulDataLoader):
             super().__init__(*args, **kwargs)
 
     def __iter__(self):
-        return given_back(self._through_dead_workers(super().__iter__()))
+        try:
+            batches = super().__iter__()
+        except (RuntimeError, OSError) as error:
+            batches = self._started_afresh(error)
+            return given_back(self._through_dead_workers(batches, restarts=1))
+        return given_back(self._through_dead_workers(batches))
 
-    def _through_dead_workers(self, batches: Iterator) -> Iterator:
+    def _started_afresh(self, error: BaseException) -> Iterator:
+        """The epoch's iterator from new workers, where a persistent worker was found dead as the epoch started: it
+        died between epochs (in the validation, or after the last batch was fetched), and torchdata's `_reset`, which
+        waits for every worker to acknowledge the new epoch (stateful_dataloader.py), raised torch's dead-worker
+        error from `iter()`, outside any batch. Recorded as a death inside the epoch is, so that the ranks stop at
+        their next agreement and save, the fault campaign of issue 52 found it otherwise ended every rank unsaved.
+        Nothing of the new epoch was yielded: a new iterator starts it from its first sample (the sampler is at
+        its epoch already; the workers draw their crops from a new seed)."""
+        iterator = self._iterator
+        if iterator is None or not dead_workers.record(error, list(getattr(iterator, "_workers", []))):
+            raise error
+        iterator._shutdown_workers()
+        for worker in getattr(iterator, "_workers", []):
+            if worker.is_alive():
+                worker.kill()
+        self._iterator = None
+        return StatefulDataLoader.__iter__(self)
+
+    def _through_dead_workers(self, batches: Iterator, restarts: int = 0) -> Iterator:
         """`batches`; where a worker has died (datamodules/processes/dead_workers.py), recorded, and the rest from
         workers started again from the loader's state as of the last batch it yielded (torchdata updates that state
         only as it yields a batch: stateful_dataloader.py, `_process_data`), exactly as a resume would go on."""
-        restarts = 0
         while True:
             try:
                 batch = next(batches)

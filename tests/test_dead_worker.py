@@ -32,9 +32,11 @@ def _args(data: Path, root: Path, devices: int, *extra: str) -> list[str]:
             "--model.pictures", "[]", *extra]
 
 
-def _kill_worker(rank: int) -> list[str]:
-    return ["--trainer.callbacks+=tests.helpers.callbacks.KillLoaderWorkerAt", "--trainer.callbacks.epoch=1",
-            "--trainer.callbacks.batch=2", f"--trainer.callbacks.rank={rank}"]
+def _kill_worker(rank: int, between_epochs: bool = False) -> list[str]:
+    # between epochs: in the validation after the first epoch; the death is found as the second epoch starts
+    epoch, batch = (0, -1) if between_epochs else (1, 2)
+    return ["--trainer.callbacks+=tests.helpers.callbacks.KillLoaderWorkerAt", f"--trainer.callbacks.epoch={epoch}",
+            f"--trainer.callbacks.batch={batch}", f"--trainer.callbacks.rank={rank}"]
 
 
 def _env() -> dict[str, str]:
@@ -47,10 +49,13 @@ def _fit(args: list[str]) -> tuple[int, str]:
     return finish(start_main(args, _env()), timeout=600)
 
 
-@pytest.mark.parametrize(("devices", "rank"), [(1, 0), (2, 1), (2, -1)],
-                         ids=["one-process", "two-processes-rank-1", "two-processes-both"])
-def test_a_killed_loader_worker_saves_on_every_rank_names_itself_and_exits_4(tiny_data, tmp_path, devices, rank):
-    code, out = _fit(_args(tiny_data, tmp_path, devices, *_kill_worker(rank)))
+@pytest.mark.parametrize(("devices", "rank", "between_epochs"), [(1, 0, False), (2, 1, False), (2, -1, False),
+                                                                  (2, -1, True)],
+                         ids=["one-process", "two-processes-rank-1", "two-processes-both",
+                              "two-processes-both-between-epochs"])
+def test_a_killed_loader_worker_saves_on_every_rank_names_itself_and_exits_4(tiny_data, tmp_path, devices, rank,
+                                                                             between_epochs):
+    code, out = _fit(_args(tiny_data, tmp_path, devices, *_kill_worker(rank, between_epochs)))
     assert code == 4, out[-5000:]
     assert "Traceback" not in out and "exited unexpectedly" not in out, out[-5000:]
     killed = re.findall(r"SIGKILL to loader worker pid (\d+) of rank (\d+)", out)
@@ -112,3 +117,32 @@ def test_a_killed_worker_of_a_loader_nobody_records_is_named_with_its_signal():
         next(batches)
     said = dead_workers.unsaved_paragraph(raised.value)
     assert said is not None and "was killed by SIGKILL" in said and "dmesg" in said, said
+
+
+def test_a_persistent_worker_killed_between_epochs_is_recorded_and_the_next_epoch_runs_whole():
+    """In-process, a forkserver ResumableLoader with persistent workers: worker 0 SIGKILLed after epoch 0 (as in
+    the validation). torchdata finds the death as the next epoch starts, in `iter()`; the fault campaign of issue 52
+    found that this ended the run unsaved on every rank. The loader records it and runs the epoch from new workers:
+    the samples of the epoch, in its order, none replayed, none skipped."""
+    from datamodules.processes import dead_workers
+    from datamodules.resume import EpochSampler, ResumableLoader
+
+    data = list(range(32))
+
+    def loader(workers: int) -> ResumableLoader:
+        sampler = EpochSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True)
+        context = {"multiprocessing_context": "forkserver", "persistent_workers": True} if workers else {}
+        return ResumableLoader(data, batch_size=4, sampler=sampler, num_workers=workers, **context)
+
+    dead_workers.forget()
+    killed = loader(1)
+    assert len(list(killed)) == 8
+    pid = killed._iterator._workers[0].pid
+    os.kill(pid, signal.SIGKILL)
+    killed.sampler.set_epoch(1)
+    got = [batch.tolist() for batch in killed]
+    uninterrupted = loader(0)
+    uninterrupted.sampler.set_epoch(1)
+    assert got == [batch.tolist() for batch in uninterrupted]
+    assert [(d.pid, d.how()) for d in dead_workers.recorded] == [(pid, "was killed by SIGKILL")]
+    dead_workers.forget()

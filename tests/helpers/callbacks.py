@@ -258,7 +258,8 @@ class SignalAt(pl.Callback):
 
 class KillLoaderWorkerAt(pl.Callback):
     """SIGKILLs train loader worker 0 of the process with global rank `rank` (all if -1) when training batch `batch`
-    of `epoch` starts, as the kernel's OOM killer would; prints its pid."""
+    of `epoch` starts (batch -1: when the validation after that epoch's training starts, between two epochs of the
+    persistent workers), as the kernel's OOM killer would; prints its pid."""
 
     changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
 
@@ -266,7 +267,15 @@ class KillLoaderWorkerAt(pl.Callback):
         self.epoch, self.batch, self.rank = epoch, batch, rank
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if (trainer.current_epoch, batch_idx) == (self.epoch, self.batch) and self.rank in (-1, trainer.global_rank):
+        if (trainer.current_epoch, batch_idx) == (self.epoch, self.batch):
+            self._kill(trainer)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if self.batch == -1 and trainer.current_epoch == self.epoch and not trainer.sanity_checking:
+            self._kill(trainer)
+
+    def _kill(self, trainer) -> None:
+        if self.rank in (-1, trainer.global_rank):
             pid = trainer.train_dataloader._iterator._workers[0].pid
             print(f"KillLoaderWorkerAt: SIGKILL to loader worker pid {pid} of rank {trainer.global_rank}", flush=True)
             os.kill(pid, signal.SIGKILL)
