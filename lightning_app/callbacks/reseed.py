@@ -53,14 +53,5 @@ class ReseedEveryEpoch(pl.Callback):
         if self._first_epoch_of_run:
             self._first_epoch_of_run = False
             fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
-            if fetcher is not None and trainer.current_epoch == self._started_at and not _kept(trainer, fetcher):
+            if fetcher is not None and trainer.current_epoch == self._started_at:
                 iter(fetcher)  # Lightning made this epoch's iterator before the hook: make it again
-
-
-def _kept(trainer: pl.Trainer, fetcher) -> bool:
-    """Whether a second iterator would leave epoch 0's samples as they are: its train loaders keep their workers,
-    which a second iterator does not reseed (it resumes them: torchdata's stateful_dataloader.py, `_reset`), and
-    the sampler is at epoch 0 already. It would only drop the batches the workers had decoded ahead."""
-    loaders = getattr(getattr(fetcher, "combined_loader", None), "flattened", None) or []
-    return trainer.current_epoch == 0 and bool(loaders) and all(
-        getattr(loader, "persistent_workers", False) and getattr(loader, "num_workers", 0) > 0 for loader in loaders)
