@@ -37,7 +37,9 @@ def check_before_building(subcommand: str | None, model, data, trainer, ckpt_pat
         check_slurm_variables(trainer_settings.get("devices"), trainer_settings.get("num_nodes"))
         accelerator = trainer_settings.get("accelerator", "auto")
         refuse_unusable_gpu(accelerator)
-        check_cpu_processes(accelerator, trainer_settings.get("devices"))
+        shared = check_cpu_processes(accelerator, trainer_settings.get("devices"))
+        if shared:
+            rank_zero_info(shared)
         hide_gpus_from_a_cpu_run(accelerator)
         instead = cpu_precision(trainer.get("precision"), accelerator) if trainer else None
         if instead == "bf16-mixed":

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_app.cli import ClassifierCLI, main
+from lightning_app.cpu_processes import OVERSUBSCRIBED, check_cpu_processes
 from tests.helpers import REPO
 from tests.helpers.cli import quick_args, run_main, train_checkpoint
 
@@ -184,10 +185,21 @@ def test_contradictory_slurm_variables_are_one_paragraph(env, said, tiny_data, t
     assert not list(tmp_path.iterdir())
 
 
-def test_more_cpu_processes_than_cpus_are_refused_before_any_starts(tiny_data, tmp_path, capsys):
+def test_a_few_more_cpu_processes_than_cpus_are_said_in_one_line_and_run():
+    """4 gloo processes on 2 CPUs is how DDP is tried on a laptop (test_comm_hooks does): said, not refused."""
+    cpus = len(os.sched_getaffinity(0))
+    line = check_cpu_processes("cpu", cpus + 1, env={})
+    assert line and f"--trainer.devices {cpus + 1} on the CPU: {cpus + 1} training processes share" in line, line
+    assert check_cpu_processes("cpu", OVERSUBSCRIBED * cpus, env={})
+    assert check_cpu_processes("cpu", cpus, env={}) is None
+    assert check_cpu_processes("cpu", OVERSUBSCRIBED * cpus + 1, env={"LOCAL_RANK": "0"}) is None  # a launcher's
+
+
+def test_far_more_cpu_processes_than_cpus_are_refused_before_any_starts(tiny_data, tmp_path, capsys):
     """--trainer.devices 64 on a 2-CPU machine started 64 processes and nothing past 'MEMBER: 1/64' in 5 minutes."""
     cpus = len(os.sched_getaffinity(0))
-    err = _fails(["fit", *quick_args(tiny_data, tmp_path), "--trainer.devices", str(cpus + 1)], capsys)
-    assert f"--trainer.devices {cpus + 1} on the CPU starts {cpus + 1} training processes" in err, err
-    assert f"pass --trainer.devices {cpus} or fewer" in err and len(err.splitlines()) == 1, err
+    many = OVERSUBSCRIBED * cpus + 1
+    err = _fails(["fit", *quick_args(tiny_data, tmp_path), "--trainer.devices", str(many)], capsys)
+    assert f"--trainer.devices {many} on the CPU starts {many} training processes" in err, err
+    assert f"pass --trainer.devices {many - 1} or fewer" in err and len(err.splitlines()) == 1, err
     assert not list(tmp_path.iterdir())

@@ -77,7 +77,7 @@ def test_a_progressive_resizing_ramp_is_judged_at_its_largest_size(tiny_data, tm
     free = int(2 * at_32.total)
     assert verdict(at_32.total, free) == "ok"  # judged at its first size, the run would go on
     config = tmp_path / "ramp.yaml"
-    config.write_text(json.dumps({"trainer": {"callbacks": [
+    config.write_text(json.dumps({"trainer": {"callbacks+": [
         {"class_path": "lightning_app.callbacks.progressive_resizing.ProgressiveResizing",
          "init_args": {"start_size": 32, "end_size": 64, "start_epoch": 0, "end_epoch": 1}}]}}))
     proc = run_main(["fit", *quick_args(tiny_data, tmp_path, epochs=2, batch=240), "--data.image_size", "64",

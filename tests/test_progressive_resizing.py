@@ -145,7 +145,7 @@ def test_progressive_resizing_under_ddp_from_the_cli(tiny_data, tmp_path):
 
     out = tmp_path / "seen"
     config = tmp_path / "progressive.yaml"
-    config.write_text(json.dumps({"trainer": {"callbacks": [
+    config.write_text(json.dumps({"trainer": {"callbacks+": [
         {"class_path": "lightning_app.callbacks.progressive_resizing.ProgressiveResizing",
          "init_args": {"start_size": 16, "end_size": 32, "start_epoch": 0, "end_epoch": 2, "step": 8}},
         {"class_path": "tests.helpers.callbacks.RankSizeRecorder", "init_args": {"out_dir": str(out)}}]}}))
