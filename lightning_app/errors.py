@@ -77,7 +77,7 @@ KNOWN_NOISE_WARNINGS = (
     (r"Precision (bf16-mixed|16-mixed) is not supported by the model summary", UserWarning),
     # pytorch_lightning/callbacks/model_checkpoint.py (__warn_if_dir_not_empty): a resumed run's own folder
     (r"Checkpoint directory .* exists and is not empty\.", UserWarning),
-    # pytorch_lightning/loops/fit_loop.py (setup_data): lightning_app/log_steps.py says it naming our flag
+    # pytorch_lightning/loops/fit_loop.py (setup_data): lightning_app/callbacks/short_epoch.py says it naming our flag
     (r"The number of training batches \(\d+\) is smaller than the logging interval", UserWarning),
     # torch/utils/data/dataloader.py (_check_worker_number_rationality); lightning_app.cli says it once,
     # naming --data.num_workers
