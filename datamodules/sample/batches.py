@@ -115,8 +115,10 @@ def warm_ring(sample: torch.Tensor) -> None:
     header[1] = header[0]
 
 
-def fill_batch(batch: torch.Tensor, sample: Callable[[int], torch.Tensor], pool: Executor) -> torch.Tensor:
-    """batch[k] = sample(k) for every k, on `pool`'s threads; the first failure is re-raised here.
+def fill_batch(batch: torch.Tensor, sample: Callable[..., torch.Tensor], pool: Executor, into: bool = False
+               ) -> torch.Tensor:
+    """batch[k] = sample(k) for every k, on `pool`'s threads; the first failure is re-raised here. `into`:
+    sample(k, batch[k]) writes the slot itself (no copy).
 
     Inference mode is per thread: under trainer.validate in the training process the batch is an
     inference tensor, which the threads may only write in inference mode too.
@@ -125,7 +127,10 @@ def fill_batch(batch: torch.Tensor, sample: Callable[[int], torch.Tensor], pool:
 
     def fill(k: int) -> None:
         with torch.inference_mode(inference):
-            batch[k].copy_(sample(k))
+            if into:
+                sample(k, batch[k])
+            else:
+                batch[k].copy_(sample(k))
 
     list(pool.map(fill, range(len(batch))))
     return batch
