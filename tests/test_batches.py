@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import sys
 
 import pytest
@@ -96,3 +97,16 @@ def test_a_batch_taken_in_inference_mode_goes_back_when_freed_outside_it(dataset
     del batches, images, _labels
     gc.collect()
     assert not unraisable, [u.exc_value for u in unraisable]
+
+
+def test_a_workers_labels_come_by_value_and_its_images_in_the_ring(dataset):
+    """Only the images travel as shared memory (the ring buffer); the labels come pickled by value, without a
+    shared-memory segment and a descriptor hand-over of their own each batch (RingBatch.__reduce__)."""
+    loader = DataLoader(dataset, batch_size=BATCH, collate_fn=built_batch, num_workers=1)
+    batch = next(iter(loader))
+    assert isinstance(batch, RingBatch) and batch.maker != os.getpid() and not batch.taken
+    images, labels = batch
+    assert images.is_shared() and _header(images.untyped_storage(), images.numel()) is not None
+    assert not labels.is_shared() and labels.dtype == torch.int64
+    assert torch.equal(labels, dataset.labels[:BATCH])
+    assert torch.equal(give_back(batch)[0], reference(dataset)[0])

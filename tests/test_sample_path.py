@@ -119,6 +119,30 @@ def test_train_crop_scales_flips_and_augments():
     assert torch.equal(inverted, 255 - image) or torch.equal(inverted, 255 - image.flip(-1))
 
 
+def test_a_sample_written_into_its_batch_slot_is_the_sample_made_on_its_own():
+    """crop.py writes an unflipped sample straight into the batch (the resize's out=): the same pixels as a sample
+    made alone, for crops smaller and larger than the output, flipped or not, an output of the crop's own size,
+    an augment, and the val crop; the slot's neighbours untouched."""
+    image = torch.randint(0, 256, (90, 110, 3), dtype=torch.uint8).permute(2, 0, 1)  # HWC memory, as decoded
+    batch = torch.zeros((3, 3, 32, 32), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    crops = [TrainCrop(0.02), TrainCrop(0.9), TrainCrop(0.9, augment=lambda x: 255 - x)]
+    flips = set()
+    for crop in crops:
+        for seed in range(40):
+            plan = crop.plan(90, 110, 32, random.Random(seed))
+            flips.add((plan.flip, plan.height * plan.width < 32 * 32))
+            alone = crop(image, 32, random.Random(seed))
+            got = crop(image, 32, random.Random(seed), out=batch[1])
+            assert got.data_ptr() == batch[1].data_ptr() and torch.equal(batch[1], alone), (seed, plan)
+            assert not batch[0].any() and not batch[2].any()
+    assert flips == {(False, False), (False, True), (True, False), (True, True)}
+    square = image[:, :32, :32]
+    resize(square, 32, 32, out=batch[1])
+    assert torch.equal(batch[1], square)
+    ValCrop()(image, 32, out=batch[1])
+    assert torch.equal(batch[1], ValCrop()(image, 32)) and not batch[0].any() and not batch[2].any()
+
+
 @pytest.mark.parametrize("decode_threads", [1, 4])  # decoded in the calling thread (+ idle helper) / on the pool
 def test_a_batch_is_one_tensor_with_the_indexs_labels_and_seeded_crops(tiny_data, decode_threads):
     dm = ImageFolderDataModule(data_dir=str(tiny_data), batch_size=8, num_workers=0, image_size=20)

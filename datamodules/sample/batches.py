@@ -30,6 +30,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
@@ -115,8 +116,10 @@ def warm_ring(sample: torch.Tensor) -> None:
     header[1] = header[0]
 
 
-def fill_batch(batch: torch.Tensor, sample: Callable[[int], torch.Tensor], pool: Executor) -> torch.Tensor:
-    """batch[k] = sample(k) for every k, on `pool`'s threads; the first failure is re-raised here.
+def fill_batch(batch: torch.Tensor, sample: Callable[..., torch.Tensor], pool: Executor, into: bool = False
+               ) -> torch.Tensor:
+    """batch[k] = sample(k) for every k, on `pool`'s threads; the first failure is re-raised here. `into`:
+    sample(k, batch[k]) writes the slot itself (no copy).
 
     Inference mode is per thread: under trainer.validate in the training process the batch is an
     inference tensor, which the threads may only write in inference mode too.
@@ -125,7 +128,10 @@ def fill_batch(batch: torch.Tensor, sample: Callable[[int], torch.Tensor], pool:
 
     def fill(k: int) -> None:
         with torch.inference_mode(inference):
-            batch[k].copy_(sample(k))
+            if into:
+                sample(k, batch[k])
+            else:
+                batch[k].copy_(sample(k))
 
     list(pool.map(fill, range(len(batch))))
     return batch
@@ -148,6 +154,14 @@ class RingBatch(tuple):
         self.taken = False
         return self
 
+    def __reduce__(self):
+        # The images go by their shared ring buffer (torch's reductions send its file descriptor); the labels and
+        # any further small tensors by value: as tensors of their own, each would take a fresh shared-memory segment
+        # and a second descriptor hand-over per batch (torch/multiprocessing/reductions.py, reduce_storage), a
+        # socket connection to the worker's resource sharer and an mmap in the training process, for 512 bytes.
+        images, *rest = self
+        return _ring_batch, (images, [_by_value(t) for t in rest], dict(self.__dict__))
+
     def pin_memory(self, device=None) -> tuple[torch.Tensor, ...]:
         return give_back(self, pin=True)
 
@@ -164,6 +178,21 @@ class RingBatch(tuple):
         header = _header(storage, images.numel()) if images.storage_offset() == 0 else None
         if header is not None:
             header[1] = header[0]
+
+
+def _by_value(t):
+    """A small CPU tensor as a numpy array (pickled as its bytes); anything else as it is."""
+    if (isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_shared() and not t.requires_grad
+            and t.dtype != torch.bfloat16 and t.numel() * t.element_size() <= 1 << 16):
+        return t.numpy()
+    return t
+
+
+def _ring_batch(images: torch.Tensor, rest: list, state: dict) -> RingBatch:
+    """A RingBatch unpickled (`RingBatch.__reduce__`): its small tensors made tensors again, its maker kept."""
+    batch = RingBatch((images, *(torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in rest)))
+    batch.__dict__.update(state)
+    return batch
 
 
 def give_back(batch: tuple[torch.Tensor, ...], pin: bool = False) -> tuple[torch.Tensor, ...]:

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 Augment = Callable[..., torch.Tensor]  # (image) or, with `takes_rng = True`, (image, rng)
 
 
-def resize(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """uint8 CHW -> uint8 CHW (channels-last memory) of height x width, antialiased bilinear."""
+def resize(image: torch.Tensor, height: int, width: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 CHW -> uint8 CHW (channels-last memory) of height x width, antialiased bilinear; written into `out`
+    (a batch's slot: channels-last 3 x height x width) when given, and `out` returned."""
     x = image[None]
     if x.is_contiguous(memory_format=torch.channels_last):
         # A CHW view of HWC memory (a decoded image) unsqueezes to a batch stride of 3, which takes
@@ -35,8 +36,15 @@ def resize(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
     else:
         x = x.contiguous(memory_format=torch.channels_last)  # a crop view: one copy of the crop
     if x.shape[-2:] == (height, width):
-        return x[0]
-    return F.interpolate(x, size=(height, width), mode="bilinear", antialias=True, align_corners=False)[0]
+        return x[0] if out is None else out.copy_(x[0])
+    if out is None:
+        return F.interpolate(x, size=(height, width), mode="bilinear", antialias=True, align_corners=False)[0]
+    # F.interpolate's own call for these arguments (torch/nn/functional.py), with out=: the structured kernel keeps
+    # an out of the right shape as it is (no restride: resize_out in the generated RegisterCPU.cpp) and the uint8
+    # kernel writes a channels-last out directly (aten/src/ATen/native/cpu/UpSampleKernelAVXAntialias.h,
+    # skip_packing), so the sample lands in the batch without a tensor of its own and a copy
+    torch._C._nn._upsample_bilinear2d_aa(x, [height, width], False, None, None, out=out[None])
+    return out
 
 
 def random_resized_box(height: int, width: int, rng: random.Random, scale: tuple[float, float],
@@ -89,13 +97,15 @@ class TrainCrop:
         top, left, h, w = random_resized_box(height, width, rng, self.scale)
         return CropPlan(top, left, h, w, size, size, 0, 0, rng.random() < 0.5)
 
-    def __call__(self, image: torch.Tensor, size: int, rng: random.Random) -> torch.Tensor:
-        return self.cut(image, self.plan(image.shape[-2], image.shape[-1], size, rng), rng)
+    def __call__(self, image: torch.Tensor, size: int, rng: random.Random, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        return self.cut(image, self.plan(image.shape[-2], image.shape[-1], size, rng), rng, out=out)
 
-    def cut(self, image: torch.Tensor, plan: CropPlan, rng: random.Random, origin: tuple[int, int] = (0, 0)
-            ) -> torch.Tensor:
+    def cut(self, image: torch.Tensor, plan: CropPlan, rng: random.Random, origin: tuple[int, int] = (0, 0),
+            out: torch.Tensor | None = None) -> torch.Tensor:
         """The sample of `plan` (drawn from `rng`, which the augment draws from next) out of `image`: the whole
-        image, or a region of it whose top-left pixel is the image's `origin` (region decode: sample/region.py)."""
+        image, or a region of it whose top-left pixel is the image's `origin` (region decode: sample/region.py).
+        `out`: the batch's slot to write it into (and return), else a tensor of its own."""
         top, left, h, w, size, _, _, _, flip = plan
         top, left = top - origin[0], left - origin[1]
         crop = image[:, top:top + h, left:left + w]
@@ -104,13 +114,15 @@ class TrainCrop:
         # (a flip of the crop cost about half as much as the resize itself).
         if flip and h * w < size * size:
             crop, flip = crop.flip(-1), False
-        out = resize(crop, size, size)
+        if out is not None and not flip and self.augment is None:
+            return resize(crop, size, size, out=out)  # straight into the batch
+        sample = resize(crop, size, size)
         if flip:
-            out = out.flip(-1)
-        if self.augment is None:
-            return out
-        # a seeded augment draws from this sample's rng (datamodules/sample/augment.py), never torch's shared one
-        return self.augment(out, rng) if getattr(self.augment, "takes_rng", False) else self.augment(out)
+            sample = sample.flip(-1)
+        if self.augment is not None:
+            # a seeded augment draws from this sample's rng (datamodules/sample/augment.py), never torch's shared one
+            sample = self.augment(sample, rng) if getattr(self.augment, "takes_rng", False) else self.augment(sample)
+        return sample if out is None else out.copy_(sample)
 
 
 class ValCrop:
@@ -136,7 +148,12 @@ class ValCrop:
         return CropPlan(0, 0, height, width, new_h, new_w, round((new_h - size) / 2.0),
                         round((new_w - size) / 2.0), False)
 
-    def __call__(self, image: torch.Tensor, size: int, rng: random.Random | None = None) -> torch.Tensor:
+    def __call__(self, image: torch.Tensor, size: int, rng: random.Random | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        sample = self._centre(image, size)
+        return sample if out is None else out.copy_(sample)
+
+    def _centre(self, image: torch.Tensor, size: int) -> torch.Tensor:
         new_h, new_w = self.resized(image.shape[-2], image.shape[-1], size)
         resized = resize(image, new_h, new_w)
         if new_h < size or new_w < size:

@@ -5,7 +5,8 @@ A backend only says where a sample's encoded bytes come from (a `Source`); decod
 
 A DataLoader calls `SampleDataset.__getitems__(indices)` once per batch (torch/utils/data/_utils/
 fetch.py, _MapDatasetFetcher). It writes every sample straight into one preallocated uint8
-batch tensor, in shared memory when it runs in a worker (a reused ring buffer: batches.py), and
+batch tensor (the resize writes an unflipped sample into its slot itself: crop.py), in shared memory when
+it runs in a worker (a reused ring buffer: batches.py), and
 the loader's `collate_fn` is `built_batch`, which returns it as it is.
 
 Threads: file reads wait on the disk with the GIL released, so a small pool always reads a
@@ -37,7 +38,7 @@ from torch.utils.data import Dataset, get_worker_info
 from datamodules.errors import DataError
 from datamodules.index import Index, IndexPaths
 from datamodules.sample.batches import RingBatch, fill_batch, new_batch, warm_ring
-from datamodules.sample.crop import TrainCrop
+from datamodules.sample.crop import TrainCrop, ValCrop
 from datamodules.sample.decode import decode, pil_decode
 from datamodules.sample.loader_plan import NO_LOADER, SAMPLE_THREADS, LoaderPlan
 from datamodules.sample.region import RegionCounts, decode_box
@@ -173,9 +174,11 @@ class SampleDataset(Dataset):
         return int(self._size[0]) if isinstance(self._size, torch.Tensor) else int(self._size)
 
     def sample(self, i: int, size: int, rng: random.Random | None = None,
-               data: Encoded | Exception | None = None, tally: dict[int, bool] | None = None) -> torch.Tensor:
+               data: Encoded | Exception | None = None, tally: dict[int, bool] | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """Sample i as a uint8 CHW tensor of size x size; `data`: its bytes (or read error) if already read;
-        `tally`: its batch's region count (region.RegionCounts)."""
+        `tally`: its batch's region count (region.RegionCounts); `out`: its slot in the batch, written and returned
+        (the resize writes it directly: crop.py)."""
         rng = rng or random.Random(int(torch.randint(2**62, ())))
         try:
             if isinstance(data, Exception):
@@ -189,8 +192,11 @@ class SampleDataset(Dataset):
         except Exception as e:
             raise DataError(self.source.describe(i, e)) from e
         if box is not None:
-            return self.crop.cut(image, box.plan, rng, box.origin)
-        return self.crop(image, size, rng)
+            return self.crop.cut(image, box.plan, rng, box.origin, out=out)
+        if out is None or not isinstance(self.crop, (TrainCrop, ValCrop)):
+            sample = self.crop(image, size, rng)
+            return sample if out is None else out.copy_(sample)
+        return self.crop(image, size, rng, out=out)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         return self.sample(i, self.size()), int(self.labels[i])
@@ -213,8 +219,8 @@ class SampleDataset(Dataset):
         tally = RegionCounts.tally()
         # A failure (a DataError naming the sample) is re-raised here, in this thread.
         if self.decode_threads > 1:
-            fill_batch(images, lambda k: self.sample(indices[k], size, random.Random(seeds[k]), None, tally),
-                       sample_pool())
+            fill_batch(images, lambda k, slot: self.sample(indices[k], size, random.Random(seeds[k]), None, tally,
+                                                           slot), sample_pool(), into=True)
         else:
             self._fill_here(images, indices, size, seeds, tally)
         labels = self.labels[list(indices)]
@@ -273,7 +279,7 @@ class SampleDataset(Dataset):
                 except IndexError:
                     break
                 mine = k + 1
-                images[k].copy_(self.sample(indices[k], size, random.Random(seeds[k]), data, tally))
+                self.sample(indices[k], size, random.Random(seeds[k]), data, tally, images[k])
         finally:
             untaken.clear()  # from here on the helper takes nothing
         for k in range(mine, len(indices)):
