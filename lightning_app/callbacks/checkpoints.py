@@ -29,7 +29,8 @@ class CheckpointOnSigterm(pl.Callback):
       then rank 0 prints the paragraph naming every rank's dead workers and the run exits with EXIT_WORKER_DIED.
 
     Lightning 2.6 raises SIGTERMException once `trainer.received_sigterm` is true (here: the agreed flag) but
-    saves nothing. Only a fit saves: an interrupted evaluation never replaces last.ckpt (docs/design.md,
+    saves nothing, and never in predict: here a predict stops at the next batch as validate and test do. Only a
+    fit saves: an interrupted evaluation never replaces last.ckpt (docs/design.md,
     "Checkpoints").
     """
 
@@ -53,6 +54,13 @@ class CheckpointOnSigterm(pl.Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.world_size > 1:  # Lightning's fit loop checks the flag right after this hook (fit_loop.py)
             stop_signals.install(trainer).agree()
+
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch,
+                             batch_idx: int, dataloader_idx: int = 0) -> None:
+        # Lightning's predict loop reads no stop flag (loops/prediction_loop.py); its evaluation loop stops here
+        # (loops/evaluation_loop.py, `_evaluation_step`): the same stop, exit 130 after Ctrl-C, 143 after SIGTERM
+        if not trainer.predict_loop.batch_progress.is_last_batch and trainer.received_sigterm:
+            raise SIGTERMException
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException):

@@ -365,3 +365,13 @@ class SignalDuringTest(SignalDuringValidation):
 
     def on_test_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         self.on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
+
+
+class SignalDuringPredict(SignalDuringValidation):
+    """SignalDuringValidation for the `predict` subcommand's batches. A predict stops at the batch after a signal,
+    so a second Ctrl-C comes in the same batch: `again` equal to `batch` sends the signal twice."""
+
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
+        if self.again == self.batch:
+            self.on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
