@@ -189,6 +189,7 @@ SLURM_TASK = {"SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": 
               "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}  # a batch script's own process has these too (slurmstepd's)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("step", "said"), [
     ({}, "SLURM_NTASKS=4 tasks, but this python is not an srun step (SLURM_STEP_ID and SLURM_STEP_NUM_TASKS unset"),
     ({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4"},
@@ -219,6 +220,22 @@ def test_slurm_variables_of_processes_that_all_start_pass(env):
     from lightning_app.strategies.slurm_variables import check_slurm_variables
 
     check_slurm_variables(4, 1, {**SLURM_TASK, "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4", **env}, "cpu")
+
+
+@pytest.mark.parametrize(("devices", "step", "said"), [
+    ("auto", {}, "with --trainer.devices auto (1 device here) one process would train alone while the job holds 4"),
+    (4, {}, "with --trainer.devices 4 it would wait for ranks that never start"),
+    ("auto", {"SLURM_STEP_ID": "0"}, "SLURM_NTASKS_PER_NODE=4 tasks per node, but --trainer.devices auto (1 device"),
+], ids=["auto-without-srun", "four-without-srun", "auto-in-an-srun-step"])
+def test_slurm_tasks_that_cannot_all_start_are_refused(devices, step, said):
+    """The quick check of the rules the slow test above runs in a real process (a CPU: `auto` is one device)."""
+    from lightning_app.errors import UserError
+    from lightning_app.strategies.slurm_variables import check_slurm_variables
+
+    with pytest.raises(UserError, match="SLURM's variables do not fit this run") as refused:
+        check_slurm_variables(devices, 1, {**SLURM_TASK, "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4", **step},
+                              "cpu")
+    assert said in str(refused.value), refused.value
 
 
 def test_a_few_more_cpu_processes_than_cpus_are_said_in_one_line_and_run():
