@@ -204,3 +204,37 @@ def test_a_dead_worker_its_fork_server_has_not_reaped_yet_is_recorded_with_its_s
         os.kill(server, signal.SIGCONT)
     assert [(d.pid, d.how()) for d in dead_workers.recorded] == [(worker.pid, "was killed by SIGKILL")]
     dead_workers.forget()
+
+
+def test_a_batch_read_from_a_killed_validation_worker_before_its_death_is_reported_names_the_worker():
+    """A validation worker SIGKILLed after it queued a batch, its death not yet reported by the fork server (it
+    took seconds on the loaded VM): reading that batch's shared memory from the dead worker fails with torch's raw
+    ConnectionRefusedError (torch names the worker only when it already reads as dead: dataloader.py,
+    `_try_get_data`), which ended the run with a traceback, or, worded "connection reset by peer" or "received 0
+    items of ancdata" (a transfer cut), as a lost peer on every rank: the fault campaign's unexplained exit 1 of
+    issue 52. The error comes from a loader whose worker died, so it is that death: the worker's paragraph."""
+    import threading
+    import time
+    from multiprocessing import forkserver
+
+    from datamodules.processes import dead_workers
+
+    data = torch.utils.data.TensorDataset(torch.zeros(64, 1000))
+    loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=1, multiprocessing_context="forkserver")
+    batches = iter(loader)
+    next(batches)
+    worker, server = batches._workers[0], forkserver._forkserver._forkserver_pid
+    while batches._data_queue.qsize() < 2:  # its next batches wait in the queue, their storage in the worker
+        time.sleep(0.01)
+    try:
+        os.kill(server, signal.SIGSTOP)
+        os.kill(worker.pid, signal.SIGKILL)
+        while Path(f"/proc/{worker.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)
+        threading.Timer(0.5, os.kill, (server, signal.SIGCONT)).start()
+        with pytest.raises(OSError) as raised:  # ConnectionRefusedError
+            next(batches)
+    finally:
+        os.kill(server, signal.SIGCONT)
+    said = dead_workers.unsaved_paragraph(raised.value)
+    assert said is not None and f"pid {worker.pid} was killed by SIGKILL" in said and "dmesg" in said, said

@@ -160,8 +160,34 @@ def unsaved_paragraph(error: BaseException) -> str | None:
             deaths = ([d for d in recorded if d.pid in pids]
                       or [DeadWorker(pid, _exitcode_in_traceback(e, pid) or _signal_said(str(e))) for pid in pids])
             return paragraph(deaths, None, 1, None, "loader")
+        deaths = _ended_behind_a_read_error(e)
+        if deaths:
+            return paragraph(deaths, None, 1, None, "loader")
         e = e.__cause__ or e.__context__
     return None
+
+
+def _ended_behind_a_read_error(error: BaseException, wait_s: float = READ_ERROR_WAIT_S) -> list[DeadWorker]:
+    """The workers of the loader iterator that raised `error` that have ended, when `error` is what reading a batch
+    from a dead worker raises before torch knows of the death (see `record`): ConnectionRefusedError (the batch's
+    storage lives in the dead worker), a connection reset, EOF, or "received 0 items of ancdata" (the transfer cut).
+    Torch names the worker only when it already reads as dead, and under the fork server its death is reported a
+    moment later, seconds on a loaded node: unnamed, the error ended the run in a traceback, or, worded "reset by
+    peer" or "recv", as a lost peer. A worker's own exception that torch re-raises is never one of these."""
+    if not (isinstance(error, (ConnectionError, EOFError, OSError)) or "ancdata" in str(error)) \
+            or "in DataLoader worker process" in str(error):
+        return []
+    workers, tb = [], error.__traceback__
+    while tb is not None:
+        workers += [w for w in getattr(tb.tb_frame.f_locals.get("self"), "_workers", None) or [] if hasattr(w, "pid")]
+        tb = tb.tb_next
+    deadline = time.monotonic() + wait_s
+    while workers:
+        ended = [w for w in {w.pid: w for w in workers}.values() if w.exitcode not in (None, 0) or _zombie(w)]
+        if ended or time.monotonic() >= deadline:
+            return [DeadWorker(w.pid, w.exitcode) for w in ended]
+        time.sleep(0.1)
+    return []
 
 
 def _exitcode_in_traceback(error: BaseException, pid: int) -> int | None:
