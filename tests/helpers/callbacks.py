@@ -290,6 +290,39 @@ class KillLoaderWorkerAt(pl.Callback):
                     time.sleep(0.01)
 
 
+class KillValWorkersUnreported(pl.Callback):
+    """SIGKILLs every validation loader worker of the process with global rank `rank` (all if -1) when validation
+    batch `batch` of `epoch` starts, with this process's fork server frozen (SIGSTOP) until they are dead and for
+    half a second more: the deaths are reported late, as on a loaded node, while the next batches, queued, still
+    have their storage in the dead workers."""
+
+    changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
+
+    def __init__(self, epoch: int, batch: int, rank: int = -1) -> None:
+        self.epoch, self.batch, self.rank = epoch, batch, rank
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if ((trainer.current_epoch, batch_idx) != (self.epoch, self.batch) or trainer.sanity_checking
+                or self.rank not in (-1, trainer.global_rank)):
+            return
+        import threading
+        from multiprocessing import forkserver
+
+        server = forkserver._forkserver._forkserver_pid
+        workers = [w.pid for w in trainer.val_dataloaders._iterator._workers]
+        print(f"KillValWorkersUnreported: SIGKILL to validation workers {workers} of rank {trainer.global_rank}",
+              flush=True)
+        os.kill(server, signal.SIGSTOP)
+        try:
+            for pid in workers:
+                os.kill(pid, signal.SIGKILL)
+            for pid in workers:
+                while _state(pid) not in ("Z", None):
+                    time.sleep(0.01)
+        finally:
+            threading.Timer(0.5, os.kill, (server, signal.SIGCONT)).start()
+
+
 def _state(pid: int) -> str | None:
     """A process's state letter (/proc/PID/stat), None when it is gone."""
     try:
