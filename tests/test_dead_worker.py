@@ -262,3 +262,39 @@ def test_validation_workers_killed_before_their_deaths_are_reported_are_named_no
     assert "Traceback" not in out, out[-5000:]
     last = tmp_path / "version_0" / "checkpoints" / "last.ckpt"
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == STEPS
+
+
+def test_two_workers_killed_at_once_are_both_named_though_torch_names_one():
+    """Two train workers SIGKILLed together, the second's death not yet reported by the fork server when torch
+    names the first: the paragraph named one of the two (the fault campaign's kill of every fork server's
+    children). Each worker of the loader found ended is recorded with the one torch names."""
+    import threading
+    import time
+    from multiprocessing import forkserver
+
+    from datamodules.processes import dead_workers
+    from datamodules.resume import EpochSampler, ResumableLoader
+
+    data = list(range(256))
+    sampler = EpochSampler(data, num_replicas=1, rank=0, shuffle=False, seed=0, drop_last=True)
+    loader = ResumableLoader(data, batch_size=4, sampler=sampler, num_workers=2, multiprocessing_context="forkserver")
+    dead_workers.forget()
+    batches = iter(loader)
+    next(batches)
+    first, second = loader._iterator._workers
+    server = forkserver._forkserver._forkserver_pid
+    os.kill(first.pid, signal.SIGKILL)
+    first.join()  # its death reported
+    try:
+        os.kill(server, signal.SIGSTOP)
+        os.kill(second.pid, signal.SIGKILL)
+        while Path(f"/proc/{second.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)
+        threading.Timer(0.5, os.kill, (server, signal.SIGCONT)).start()
+        rest = [batch.tolist() for batch in batches]
+    finally:
+        os.kill(server, signal.SIGCONT)
+    assert len(rest) == 63
+    assert sorted((d.pid, d.how()) for d in dead_workers.recorded) == sorted(
+        [(first.pid, "was killed by SIGKILL"), (second.pid, "was killed by SIGKILL")])
+    dead_workers.forget()

@@ -84,6 +84,9 @@ def record(error: BaseException, workers: list, wait_s: float = READ_ERROR_WAIT_
         pids = {w.pid for w in workers if not w.is_alive()}
         if not pids:
             time.sleep(0.1)
+    # and those torch did not name: killed with it, their deaths not reported yet (the fork server's zombies)
+    known = {d.pid for d in recorded}
+    pids |= {w.pid for w in workers if w.pid not in pids | known and (w.exitcode not in (None, 0) or _zombie(w))}
     dead = [DeadWorker(w.pid, w.exitcode) for w in workers if w.pid in pids]
     dead = dead or [DeadWorker(pid, None) for pid in sorted(pids)]
     recorded.extend(dead)
