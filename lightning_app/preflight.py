@@ -34,8 +34,9 @@ def check_before_building(subcommand: str | None, model, data, trainer, ckpt_pat
         check_predict_data(subcommand, init_args(data), run_of(ckpt_path), ckpt_path)
     if subcommand is not None:  # a GPU torch cannot use: never a quiet CPU run
         trainer_settings = trainer or {}
-        check_slurm_variables(trainer_settings.get("devices"), trainer_settings.get("num_nodes"))
         accelerator = trainer_settings.get("accelerator", "auto")
+        check_slurm_variables(trainer_settings.get("devices"), trainer_settings.get("num_nodes"),
+                              accelerator=accelerator)
         refuse_unusable_gpu(accelerator)
         shared = check_cpu_processes(accelerator, trainer_settings.get("devices"))
         if shared:

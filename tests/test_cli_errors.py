@@ -176,13 +176,66 @@ def test_resuming_a_run_whose_last_ckpt_was_cut_short_names_its_size_and_its_bes
 def test_contradictory_slurm_variables_are_one_paragraph(env, said, tiny_data, tmp_path, capsys, monkeypatch):
     for key in [k for k in os.environ if k.startswith("SLURM_")]:
         monkeypatch.delenv(key)
-    for key, value in {"SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "node1", "SLURM_PROCID": "0",
-                       "SLURM_LOCALID": "0", "SLURM_NODEID": "0", **env}.items():
+    step = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": env["SLURM_NTASKS"]}  # srun's: python is its step
+    for key, value in {**SLURM_TASK, **step, **env}.items():
         monkeypatch.setenv(key, value)
     err = _fails(["fit", *quick_args(tiny_data, tmp_path), "--trainer.devices", "1"], capsys)
     assert err.startswith("SLURM's variables do not fit this run: ") and said in err, err
     assert "Read: SLURM_JOB_NAME=train, SLURM_NTASKS=" in err and "scripts/slurm/train.sbatch" in err
     assert not list(tmp_path.iterdir())
+
+
+SLURM_TASK = {"SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "node1", "SLURM_PROCID": "0",
+              "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}  # a batch script's own process has these too (slurmstepd's)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("step", "said"), [
+    ({}, "SLURM_NTASKS=4 tasks, but this python is not an srun step (SLURM_STEP_ID and SLURM_STEP_NUM_TASKS unset"),
+    ({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4"},
+     "SLURM_NTASKS_PER_NODE=4 tasks per node, but --trainer.devices auto (1 device here)"),
+], ids=["sbatch-without-srun", "srun-step"])
+def test_slurm_tasks_that_devices_auto_cannot_match_are_one_paragraph(step, said, tiny_data, tmp_path):
+    """`sbatch --ntasks-per-node 4` with `python main.py fit` (no srun) and --trainer.devices auto, on a CPU: `auto`
+    is one device here, Lightning's check of the tasks runs only with its DDP launcher, and SLURM starts no other
+    process, so one process trained alone (exit 0) while the job held 4 tasks; on a 4-GPU node the one process
+    would wait for 3 ranks that never start. Under srun each of the 4 tasks trained a run of its own. In a real
+    process, with the variables SLURM sets (the batch script's own process has SLURM_PROCID=0 too)."""
+    env = {**SLURM_TASK, "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4", "SLURM_NNODES": "1", **step}
+    proc = run_main(["fit", *quick_args(tiny_data, tmp_path), "--trainer.devices", "auto"], env=env, check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    err = proc.stderr.strip()
+    assert err.startswith("SLURM's variables do not fit this run: ") and said in err, err
+    assert "Read: SLURM_JOB_NAME=train, SLURM_NTASKS=4, SLURM_NTASKS_PER_NODE=4, SLURM_NNODES=1, SLURM_STEP_ID" in err
+    assert "scripts/slurm/train.sbatch" in err and "Traceback" not in err and err.count("\n") == 0, err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("env", [
+    {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4"},  # srun's step: every task is a process
+    {"TORCHELASTIC_RUN_ID": "7"},  # torchrun inside the job starts the processes: Lightning takes TorchElastic first
+    {"SLURM_JOB_NAME": "interactive"},  # Lightning ignores SLURM for these job names
+], ids=["srun-step", "torchrun-in-the-job", "interactive"])
+def test_slurm_variables_of_processes_that_all_start_pass(env):
+    from lightning_app.strategies.slurm_variables import check_slurm_variables
+
+    check_slurm_variables(4, 1, {**SLURM_TASK, "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4", **env}, "cpu")
+
+
+@pytest.mark.parametrize(("devices", "step", "said"), [
+    ("auto", {}, "with --trainer.devices auto (1 device here) one process would train alone while the job holds 4"),
+    (4, {}, "with --trainer.devices 4 it would wait for ranks that never start"),
+    ("auto", {"SLURM_STEP_ID": "0"}, "SLURM_NTASKS_PER_NODE=4 tasks per node, but --trainer.devices auto (1 device"),
+], ids=["auto-without-srun", "four-without-srun", "auto-in-an-srun-step"])
+def test_slurm_tasks_that_cannot_all_start_are_refused(devices, step, said):
+    """The quick check of the rules the slow test above runs in a real process (a CPU: `auto` is one device)."""
+    from lightning_app.errors import UserError
+    from lightning_app.strategies.slurm_variables import check_slurm_variables
+
+    with pytest.raises(UserError, match="SLURM's variables do not fit this run") as refused:
+        check_slurm_variables(devices, 1, {**SLURM_TASK, "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4", **step},
+                              "cpu")
+    assert said in str(refused.value), refused.value
 
 
 def test_a_few_more_cpu_processes_than_cpus_are_said_in_one_line_and_run():

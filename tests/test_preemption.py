@@ -86,6 +86,7 @@ def test_slurm_requeue_signal_saves_an_hpc_checkpoint_on_every_rank_and_requeues
     def task(rank: int, restart: int, *extra: str):  # what `srun` starts: one task per process
         env = _env(SLURM_JOB_ID="4242", SLURM_JOB_NAME="fic", SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2",
                    SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_NODELIST="127.0.0.1",
+                   SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="2",
                    SLURM_RESTART_COUNT=str(restart), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                    PATH=f"{bin_dir}:{os.environ['PATH']}")
         return start_main(_args(tiny_data, tmp_path, *extra), env)

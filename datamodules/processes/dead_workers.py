@@ -19,6 +19,7 @@ stop_signals.py, WORKER_DIED) and the run exits with EXIT_WORKER_DIED and `parag
 """
 from __future__ import annotations
 
+import multiprocessing.connection
 import re
 import signal
 import time
@@ -38,6 +39,7 @@ class DeadWorker:
     rank: int = 0
     epoch: int | None = None  # from 1: the epoch and step the training process was in when it found the death
     step: int | None = None
+    loader: str = "training"  # whose worker: "training", or "validation" (found at the end of a fit)
 
     def how(self) -> str:
         code = self.exitcode
@@ -82,18 +84,37 @@ def record(error: BaseException, workers: list, wait_s: float = READ_ERROR_WAIT_
         pids = {w.pid for w in workers if not w.is_alive()}
         if not pids:
             time.sleep(0.1)
+    # and those torch did not name: killed with it, their deaths not reported yet (the fork server's zombies)
+    known = {d.pid for d in recorded}
+    pids |= {w.pid for w in workers if w.pid not in pids | known and (w.exitcode not in (None, 0) or _zombie(w))}
     dead = [DeadWorker(w.pid, w.exitcode) for w in workers if w.pid in pids]
     dead = dead or [DeadWorker(pid, None) for pid in sorted(pids)]
     recorded.extend(dead)
     return dead
 
 
-def record_ended(workers: list) -> None:
+def record_ended(workers: list, loader: str = "training") -> None:
     """Records the workers of a loader's iterator found ended and not yet recorded: at a stop, a death the loader
     has not met yet (it meets one only when it awaits that worker's next batch)."""
     known = {d.pid for d in recorded}  # exit status 0: a worker its loader shut down (an epoch's end)
-    recorded.extend(DeadWorker(w.pid, w.exitcode) for w in workers
-                    if w.pid not in known and w.exitcode not in (None, 0))
+    for worker in workers:
+        if worker.pid not in known and (worker.exitcode not in (None, 0) or _zombie(worker)):
+            recorded.append(DeadWorker(worker.pid, worker.exitcode, loader=loader))
+
+
+def _zombie(worker, wait_s: float = READ_ERROR_WAIT_S) -> bool:
+    """Whether `worker` has ended though its exit status is not known yet (then waited for, up to `wait_s`): a
+    fork server's child stays a zombie until the server, woken by its SIGCHLD, reaps it and reports the status
+    (multiprocessing/forkserver.py, `main`); on a loaded node that took seconds, and the death went unseen."""
+    try:
+        with open(f"/proc/{worker.pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]  # after the command name, which may hold spaces
+    except (OSError, IndexError):
+        return False
+    if state != "Z":
+        return False
+    multiprocessing.connection.wait([worker.sentinel], timeout=wait_s)
+    return worker.exitcode != 0
 
 
 def stamp(epoch: int, step: int) -> None:
@@ -104,8 +125,9 @@ def stamp(epoch: int, step: int) -> None:
 
 
 def paragraph(deaths: list[DeadWorker], num_workers: int | None, world_size: int, saved: str | None,
-              loader: str = "training loader") -> str:
-    """The one paragraph a fit stopped by dead loader workers ends with."""
+              loader: str = "training loader", finished: bool = False) -> str:
+    """The one paragraph a fit stopped by dead loader workers ends with; `finished`: of a fit that ran to its end,
+    the workers having died after their loader's last batch (`saved`: its last checkpoint)."""
     which = "; ".join(
         f"pid {d.pid}{f' (rank {d.rank})' if world_size > 1 else ''} {d.how()}"
         + (f" in epoch {d.epoch}, at step {d.step}" if d.epoch is not None else "") for d in deaths)
@@ -119,6 +141,13 @@ def paragraph(deaths: list[DeadWorker], num_workers: int | None, world_size: int
     ranks = f" (all {world_size} processes stopped at the step they agreed on)" if world_size > 1 else ""
     kept = (f"The run saved {saved}{ranks} and stopped; resume with --ckpt_path last." if saved else
             "Nothing was saved; --ckpt_path last resumes from the last checkpoint on disk.")
+    if finished:
+        kinds = {d.loader for d in deaths}
+        loader = f"{kinds.pop()} loader" if len(kinds) == 1 else "loader"
+        return (f"A {loader} worker died after its last batch of the fit: {which}. {cause}Nothing was lost: every "
+                f"epoch was trained and scored, and {saved or 'the last checkpoint'} holds the end of the fit, so the "
+                f"run ends as finished (exit status 0). Before the next run on this node, lower "
+                f"--data.num_workers{workers} or --data.batch_size, or give the job more memory.")
     return (f"A {loader} worker died: {which}. {cause}Lower --data.num_workers{workers} or --data.batch_size, "
             f"or give the job more memory. {kept}")
 
@@ -134,8 +163,34 @@ def unsaved_paragraph(error: BaseException) -> str | None:
             deaths = ([d for d in recorded if d.pid in pids]
                       or [DeadWorker(pid, _exitcode_in_traceback(e, pid) or _signal_said(str(e))) for pid in pids])
             return paragraph(deaths, None, 1, None, "loader")
+        deaths = _ended_behind_a_read_error(e)
+        if deaths:
+            return paragraph(deaths, None, 1, None, "loader")
         e = e.__cause__ or e.__context__
     return None
+
+
+def _ended_behind_a_read_error(error: BaseException, wait_s: float = READ_ERROR_WAIT_S) -> list[DeadWorker]:
+    """The workers of the loader iterator that raised `error` that have ended, when `error` is what reading a batch
+    from a dead worker raises before torch knows of the death (see `record`): ConnectionRefusedError (the batch's
+    storage lives in the dead worker), a connection reset, EOF, or "received 0 items of ancdata" (the transfer cut).
+    Torch names the worker only when it already reads as dead, and under the fork server its death is reported a
+    moment later, seconds on a loaded node: unnamed, the error ended the run in a traceback, or, worded "reset by
+    peer" or "recv", as a lost peer. A worker's own exception that torch re-raises is never one of these."""
+    if not (isinstance(error, (ConnectionError, EOFError, OSError)) or "ancdata" in str(error)) \
+            or "in DataLoader worker process" in str(error):
+        return []
+    workers, tb = [], error.__traceback__
+    while tb is not None:
+        workers += [w for w in getattr(tb.tb_frame.f_locals.get("self"), "_workers", None) or [] if hasattr(w, "pid")]
+        tb = tb.tb_next
+    deadline = time.monotonic() + wait_s
+    while workers:
+        ended = [w for w in {w.pid: w for w in workers}.values() if w.exitcode not in (None, 0) or _zombie(w)]
+        if ended or time.monotonic() >= deadline:
+            return [DeadWorker(w.pid, w.exitcode) for w in ended]
+        time.sleep(0.1)
+    return []
 
 
 def _exitcode_in_traceback(error: BaseException, pid: int) -> int | None:

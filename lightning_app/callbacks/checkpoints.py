@@ -29,7 +29,8 @@ class CheckpointOnSigterm(pl.Callback):
       then rank 0 prints the paragraph naming every rank's dead workers and the run exits with EXIT_WORKER_DIED.
 
     Lightning 2.6 raises SIGTERMException once `trainer.received_sigterm` is true (here: the agreed flag) but
-    saves nothing. Only a fit saves: an interrupted evaluation never replaces last.ckpt (docs/design.md,
+    saves nothing, and never in predict: here a predict stops at the next batch as validate and test do. Only a
+    fit saves: an interrupted evaluation never replaces last.ckpt (docs/design.md,
     "Checkpoints").
     """
 
@@ -53,6 +54,13 @@ class CheckpointOnSigterm(pl.Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.world_size > 1:  # Lightning's fit loop checks the flag right after this hook (fit_loop.py)
             stop_signals.install(trainer).agree()
+
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch,
+                             batch_idx: int, dataloader_idx: int = 0) -> None:
+        # Lightning's predict loop reads no stop flag (loops/prediction_loop.py); its evaluation loop stops here
+        # (loops/evaluation_loop.py, `_evaluation_step`): the same stop, exit 130 after Ctrl-C, 143 after SIGTERM
+        if not trainer.predict_loop.batch_progress.is_last_batch and trainer.received_sigterm:
+            raise SIGTERMException
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException):
@@ -78,16 +86,36 @@ class CheckpointOnSigterm(pl.Callback):
                                f"`scontrol requeue` failed (exit status {status}): the job is not requeued.")
             return
         deaths = all_dead_workers(trainer) if decision == stop_signals.WORKER_DIED else []
-        ckpt = trainer.checkpoint_callback
-        dirpath = ckpt.dirpath if isinstance(ckpt, ModelCheckpoint) and ckpt.dirpath else os.path.join(
-            trainer.default_root_dir, "checkpoints")
-        path = os.path.join(dirpath, self.filename + ModelCheckpoint.FILE_EXTENSION)
+        path = self._last_path(trainer)
         trainer.save_checkpoint(path, weights_only=False)
         self._say(trainer, stop_signals.NAMES.get(decision, "SIGTERM"), path)
         stop_signals.last_saved = True
         if deaths and trainer.is_global_zero:  # the run's last word, on stderr as the other fault paragraphs
             workers = getattr(trainer.train_dataloader, "num_workers", None)
             print(dead_workers.paragraph(deaths, workers, trainer.world_size, path), file=sys.stderr, flush=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A persistent loader worker that dies after its loader's last batch of the fit (a train worker in the last
+        # validation, a validation worker after it delivered the last validation's batches) is read by nobody: the
+        # loader never asks it for a batch again (torch's liveness check runs only while a batch is awaited:
+        # dataloader.py, `_try_get_data`), and the fit ends as finished. Nothing is lost then (every epoch trained
+        # and scored, last.ckpt saved at the last validation's end), so the run stays finished, exit 0; the
+        # paragraph says the node's OOM killer is at work. Every rank gathers its deaths here (on_train_end runs on
+        # each after the last save); a stop never reaches it.
+        for loader in _loaders(trainer.val_dataloaders):
+            dead_workers.record_ended(list(getattr(getattr(loader, "_iterator", None), "_workers", [])), "validation")
+        deaths = all_dead_workers(trainer, epoch=trainer.current_epoch)  # the epochs done: the last one, from 1
+        if deaths and trainer.is_global_zero:
+            workers = getattr(trainer.train_dataloader, "num_workers", None)
+            last = self._last_path(trainer)
+            print(dead_workers.paragraph(deaths, workers, trainer.world_size, last if os.path.isfile(last) else None,
+                                         finished=True), file=sys.stderr, flush=True)
+
+    def _last_path(self, trainer: pl.Trainer) -> str:
+        ckpt = trainer.checkpoint_callback
+        dirpath = ckpt.dirpath if isinstance(ckpt, ModelCheckpoint) and ckpt.dirpath else os.path.join(
+            trainer.default_root_dir, "checkpoints")
+        return os.path.join(dirpath, self.filename + ModelCheckpoint.FILE_EXTENSION)
 
     @staticmethod
     def _say(trainer: pl.Trainer, what: str, path: str) -> None:
@@ -96,10 +124,15 @@ class CheckpointOnSigterm(pl.Callback):
                        f"{ranks}; resume with --ckpt_path last.")
 
 
-def all_dead_workers(trainer: pl.Trainer) -> list[dead_workers.DeadWorker]:
-    """The loader workers that died on every rank (every rank calls this together: one all_gather_object)."""
+def _loaders(loaders) -> list:
+    return [] if loaders is None else list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+
+
+def all_dead_workers(trainer: pl.Trainer, epoch: int | None = None) -> list[dead_workers.DeadWorker]:
+    """The train loader workers that died on every rank (every rank calls this together: one all_gather_object);
+    those not placed yet are placed at `epoch` (from 1; default: the epoch in progress) and the current step."""
     dead_workers.record_ended(list(getattr(getattr(trainer.train_dataloader, "_iterator", None), "_workers", [])))
-    dead_workers.stamp(trainer.current_epoch + 1, trainer.global_step)
+    dead_workers.stamp(trainer.current_epoch + 1 if epoch is None else epoch, trainer.global_step)
     mine = [dataclasses.replace(d, rank=trainer.global_rank) for d in dead_workers.recorded]
     if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         return mine

@@ -19,6 +19,7 @@ name that is not UTF-8 keeps its bytes (Python's surrogateescape), so every imag
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import glob
 import os
@@ -71,6 +72,7 @@ class PredictionsCSV(BasePredictionWriter):
         self.filename = filename
         self.gather_every = gather_every
         self.out_dir: str | None = None
+        self._rank = 0
         self._files: dict = {}
         self._writers: dict = {}
         self._gather: RowGather | None = None
@@ -81,7 +83,7 @@ class PredictionsCSV(BasePredictionWriter):
     def on_predict_start(self, trainer, pl_module) -> None:
         log_dir = trainer.log_dir  # a broadcast from rank 0 under DDP: every rank calls it here
         self.out_dir = log_dir or trainer.default_root_dir
-        rank = trainer.global_rank
+        rank = self._rank = trainer.global_rank
         if rank == 0:  # the other ranks make nothing: on a node-local disk it would be a folder of their own
             os.makedirs(self.out_dir, exist_ok=True)
             for stale in glob.glob(os.path.join(self.out_dir, f".{self.filename}.rank*")):
@@ -145,6 +147,29 @@ class PredictionsCSV(BasePredictionWriter):
             total = getattr(self._dataset, "total_items", None) or (len(self._dataset) if known else None)
             self.merge(trainer.world_size, total if known else None)
 
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """A predict stopped (a stop signal, a lost peer, a full disk): its part files go, and no predictions.csv is
+        made; the folder stays without it."""
+        for file in self._files.values():
+            file.close()
+        self.discard_unfinished()
+
+    def discard_unfinished(self) -> None:
+        """Removes the part files this process writes and its merge's temp file; rank 0, the one that merges, every
+        rank's part files, as it does at start. Only unlinks (the second Ctrl-C calls it from a signal handler,
+        maybe inside a write: callbacks/stop_signals.py)."""
+        if self.out_dir is None:
+            return
+        mine = [self._part(rank, done) for rank in self._files for done in (False, True)] + [self._merge_tmp()]
+        if self._rank == 0:
+            mine += glob.glob(os.path.join(self.out_dir, f".{self.filename}.rank*"))
+        for path in mine:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+    def _merge_tmp(self) -> str:
+        return os.path.join(self.out_dir, self.filename) + f".tmp{os.getpid()}"
+
     def merge(self, world_size: int, expected: int | None) -> str:
         rows: dict[int, list[str]] = {}
         failed: dict[int, str] = {}
@@ -158,7 +183,7 @@ class PredictionsCSV(BasePredictionWriter):
                         rows.setdefault(index, record[1:])  # a padded duplicate keeps the first copy
         k = max(((len(r) - 3) // 2 for r in rows.values()), default=TOP_K)
         out = os.path.join(self.out_dir, self.filename)
-        tmp = out + f".tmp{os.getpid()}"
+        tmp = self._merge_tmp()
         with open(tmp, "w", **TEXT) as f:
             writer = csv.writer(f)
             writer.writerow(columns(k))

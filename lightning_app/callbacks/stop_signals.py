@@ -113,11 +113,11 @@ class StopSignals(_SignalConnector):
         self._agreed, self.requested = NONE, NONE
         dead_workers.forget()
         self._original_handlers = self._get_current_signal_handlers()
-        if self.trainer.state.fn != TrainerFn.PREDICTING:  # Lightning's predict loop never reads the flag
-            self._register_signal(signal.SIGTERM, self._note)
-        if self.trainer.state.fn in (TrainerFn.VALIDATING, TrainerFn.TESTING):
+        self._register_signal(signal.SIGTERM, self._note)
+        if self.trainer.state.fn in (TrainerFn.VALIDATING, TrainerFn.TESTING, TrainerFn.PREDICTING):
             # Ctrl-C stops at the next batch, as SIGTERM does, and exits 130 (exit_status); Lightning's own path (a
-            # KeyboardInterrupt: trainer/call.py, "attempting graceful shutdown") exits 1, the lost peer's status
+            # KeyboardInterrupt: trainer/call.py, "attempting graceful shutdown") exits 1, the lost peer's status.
+            # Lightning's predict loop reads no flag: CheckpointOnSigterm.on_predict_batch_end stops it.
             self._register_signal(signal.SIGINT, self._note)
         if self._fitting():
             self._register_signal(signal.SIGINT, self._note)
@@ -158,7 +158,12 @@ class StopSignals(_SignalConnector):
         `__del__`, a `finally` that raises again), so the run went on to its agreed stop and saved anyway. The
         ranks Lightning's launcher started are SIGKILLed (they may wait in a collective); loader workers end with
         this process (datamodules/processes/loader_workers.py). A checkpoint save under way is cut: its temp file
-        is removed by the next run (lightning_app/runs/lock.py) and last.ckpt stays the previous one."""
+        is removed by the next run (lightning_app/runs/lock.py) and last.ckpt stays the previous one; a predict's part
+        files are removed first (PredictionsCSV.discard_unfinished)."""
+        for callback in self.trainer.callbacks:  # files a callback leaves half-written (predict's part files)
+            discard = getattr(callback, "discard_unfinished", None)
+            if discard is not None:
+                discard()
         launcher = self.trainer.strategy.launcher
         if launcher is not None:
             launcher.kill(signal.SIGKILL)

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -259,12 +260,17 @@ class SignalAt(pl.Callback):
 class KillLoaderWorkerAt(pl.Callback):
     """SIGKILLs train loader worker 0 of the process with global rank `rank` (all if -1) when training batch `batch`
     of `epoch` starts (batch -1: when the validation after that epoch's training starts, between two epochs of the
-    persistent workers), as the kernel's OOM killer would; prints its pid."""
+    persistent workers; -2: validation loader worker 0, when that validation ends), as the kernel's OOM killer
+    would; prints its pid."""
 
     changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
 
     def __init__(self, epoch: int, batch: int, rank: int = -1) -> None:
         self.epoch, self.batch, self.rank = epoch, batch, rank
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self.batch == -2 and trainer.current_epoch == self.epoch and not trainer.sanity_checking:
+            self._kill(trainer, trainer.val_dataloaders)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if (trainer.current_epoch, batch_idx) == (self.epoch, self.batch):
@@ -274,11 +280,56 @@ class KillLoaderWorkerAt(pl.Callback):
         if self.batch == -1 and trainer.current_epoch == self.epoch and not trainer.sanity_checking:
             self._kill(trainer)
 
-    def _kill(self, trainer) -> None:
+    def _kill(self, trainer, loader=None) -> None:
         if self.rank in (-1, trainer.global_rank):
-            pid = trainer.train_dataloader._iterator._workers[0].pid
+            pid = (loader or trainer.train_dataloader)._iterator._workers[0].pid
             print(f"KillLoaderWorkerAt: SIGKILL to loader worker pid {pid} of rank {trainer.global_rank}", flush=True)
             os.kill(pid, signal.SIGKILL)
+            if loader is not None:  # at a validation's end the fit may end first: wait until the worker has died
+                while _state(pid) not in ("Z", None):
+                    time.sleep(0.01)
+
+
+class KillValWorkersUnreported(pl.Callback):
+    """SIGKILLs every validation loader worker of the process with global rank `rank` (all if -1) when validation
+    batch `batch` of `epoch` starts, with this process's fork server frozen (SIGSTOP) until they are dead and for
+    half a second more: the deaths are reported late, as on a loaded node, while the next batches, queued, still
+    have their storage in the dead workers."""
+
+    changes_training = False  # --ckpt_path last ignores it (lightning_app/runs/identity.py)
+
+    def __init__(self, epoch: int, batch: int, rank: int = -1) -> None:
+        self.epoch, self.batch, self.rank = epoch, batch, rank
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if ((trainer.current_epoch, batch_idx) != (self.epoch, self.batch) or trainer.sanity_checking
+                or self.rank not in (-1, trainer.global_rank)):
+            return
+        import threading
+        from multiprocessing import forkserver
+
+        server = forkserver._forkserver._forkserver_pid
+        workers = [w.pid for w in trainer.val_dataloaders._iterator._workers]
+        print(f"KillValWorkersUnreported: SIGKILL to validation workers {workers} of rank {trainer.global_rank}",
+              flush=True)
+        os.kill(server, signal.SIGSTOP)
+        try:
+            for pid in workers:
+                os.kill(pid, signal.SIGKILL)
+            for pid in workers:
+                while _state(pid) not in ("Z", None):
+                    time.sleep(0.01)
+        finally:
+            threading.Timer(0.5, os.kill, (server, signal.SIGCONT)).start()
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter (/proc/PID/stat), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
 
 
 class NanBatchAt(pl.Callback):
@@ -365,3 +416,13 @@ class SignalDuringTest(SignalDuringValidation):
 
     def on_test_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         self.on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
+
+
+class SignalDuringPredict(SignalDuringValidation):
+    """SignalDuringValidation for the `predict` subcommand's batches. A predict stops at the batch after a signal,
+    so a second Ctrl-C comes in the same batch: `again` equal to `batch` sends the signal twice."""
+
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
+        if self.again == self.batch:
+            self.on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
