@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from datamodules.errors import DataError
 from datamodules.processes import forksafe
+from datamodules.processes.evaluation_loader import EvaluationLoader
 from datamodules.processes.loader_workers import WorkerInit, end_stuck_workers_at_exit
 from datamodules.processes.start import start_server_early, worker_context
 from datamodules.resume import EpochSampler, ResumableLoader
@@ -44,7 +45,7 @@ class Loaders:
         end_stuck_workers_at_exit()
         if plan.workers > 0 and plan.start == "fork":  # a server or a new interpreter has no inherited locks
             forksafe.warm_before_fork(dataset)
-        kind = ResumableLoader if train else SampleLoader if isinstance(dataset, SampleDataset) else DataLoader
+        kind = ResumableLoader if train else SampleLoader if isinstance(dataset, SampleDataset) else EvaluationLoader
         loader = kind(dataset, batch_size=batch, collate_fn=built_batch if isinstance(dataset, SampleDataset) else None,
                       sampler=self.train_sampler(dataset) if train else None,
                       drop_last=train,  # equal steps on every rank, no tiny last batch in BatchNorm

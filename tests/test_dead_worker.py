@@ -240,28 +240,37 @@ def test_a_batch_read_from_a_killed_validation_worker_before_its_death_is_report
     assert said is not None and f"pid {worker.pid} was killed by SIGKILL" in said and "dmesg" in said, said
 
 
-@pytest.mark.parametrize("rank", [0, -1], ids=["two-processes-rank-0", "two-processes-both"])
-def test_validation_workers_killed_before_their_deaths_are_reported_are_named_not_a_lost_peer(tiny_data, tmp_path,
-                                                                                              rank):
-    """Every validation worker SIGKILLed in the second validation while the fork server is frozen, so that the
-    queued batches are read from dead workers before their deaths are known: the fault campaign of issue 52 met it
-    once (every fork server's children killed 2 s into a fit) as exit 1, "lost a peer" on both ranks, no worker
-    paragraph: the rank whose worker died read torch's "[Errno 104] Connection reset by peer" as a lost peer.
-    Now: the worker's paragraph from the rank it happened in, exit 4, nothing saved since the first epoch's end."""
+@pytest.mark.parametrize("rank", [1, -1], ids=["two-processes-rank-1", "two-processes-both"])
+def test_validation_workers_killed_mid_validation_save_the_epoch_and_every_epoch_is_scored_once(tiny_data, tmp_path,
+                                                                                                rank):
+    """Every validation worker SIGKILLed at the second validation's batch 1 (the fork server frozen, so that queued
+    batches are read from dead workers before their deaths are known, as on a loaded node): the validation goes on
+    with new workers from its first batch not delivered and ends whole, then every rank stops at the epoch's end,
+    saves last.ckpt (epoch 2's training, finite) and the run exits 4 with the workers' paragraph; `--ckpt_path last`
+    trains and scores epoch 3, so every epoch is scored once. Before, the death ended the run unsaved (exit 4,
+    "Nothing was saved"): epoch 2's training was lost; earlier still, as a lost peer on both ranks."""
     kill = "--trainer.callbacks+=tests.helpers.callbacks.KillValWorkersUnreported"
     code, out = _fit(_args(tiny_data, tmp_path, 2, kill, "--trainer.callbacks.epoch=1", "--trainer.callbacks.batch=1",
                            f"--trainer.callbacks.rank={rank}"))
     assert code == 4, out[-5000:]
+    assert "Traceback" not in out and "Distributed run failed" not in out, out[-5000:]
     killed = re.findall(r"SIGKILL to validation workers \[([\d, ]+)\] of rank (\d)", out)
     assert len(killed) == (2 if rank == -1 else 1), out[-5000:]
+    said = [line for line in out.splitlines() if line.startswith("A validation loader worker died:")]
+    assert len(said) == 1, out[-5000:]  # once, from rank 0, whichever rank's workers died
     for pids, its_rank in killed:
-        said = [line for line in out.splitlines() if line.startswith("A loader worker died:")
-                and all(f"pid {pid} was killed by SIGKILL" in line for pid in pids.split(", "))]
-        assert len(said) == 1 and "dmesg" in said[0] and "Nothing was saved" in said[0], out[-5000:]
-        assert f"Distributed run failed on rank {its_rank} " not in out, out[-5000:]
-    assert "Traceback" not in out, out[-5000:]
-    last = tmp_path / "version_0" / "checkpoints" / "last.ckpt"
-    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == STEPS
+        for pid in pids.split(", "):
+            assert f"pid {pid} (rank {its_rank}) was killed by SIGKILL in epoch 2, at step {2 * STEPS}" in said[0]
+    assert "dmesg" in said[0] and "scored whole, once" in said[0] and "last.ckpt (all 2 processes" in said[0], said[0]
+    run = tmp_path / "version_0"
+    assert len(scalars(run, "val/acc1")) == 2, out[-5000:]  # epoch 2's validation ran to its end and was scored
+    state = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert state["global_step"] == 2 * STEPS  # epoch 2's training kept
+    assert all(bool(torch.isfinite(v).all()) for v in state["state_dict"].values() if v.is_floating_point())
+    code, out = _fit(_args(tiny_data, tmp_path, 2, "--ckpt_path", "last"))
+    assert code == 0 and "Done: best val/acc1" in out and "Traceback" not in out, out[-5000:]
+    steps = [step for step, _ in scalars(run, "val/acc1")]
+    assert len(steps) == 3 and len(set(steps)) == 3, steps  # every epoch scored once
 
 
 def test_two_workers_killed_at_once_are_both_named_though_torch_names_one():
@@ -298,3 +307,39 @@ def test_two_workers_killed_at_once_are_both_named_though_torch_names_one():
     assert sorted((d.pid, d.how()) for d in dead_workers.recorded) == sorted(
         [(first.pid, "was killed by SIGKILL"), (second.pid, "was killed by SIGKILL")])
     dead_workers.forget()
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["one-pass", "persistent-between-passes"])
+def test_a_fit_validation_loader_goes_on_with_new_workers_from_its_first_batch_not_delivered(persistent):
+    """In-process, a forkserver EvaluationLoader in a fit (restart_evaluation): worker 0 SIGKILLed after 3 batches
+    of a pass (persistent: between two passes); the loader records the death as a validation worker's and delivers
+    the rest of the pass from new workers, the batches of an uninterrupted pass, none replayed, none skipped; the
+    next pass runs whole. Before, the death ended the fit unsaved: the epoch's training since the last save lost."""
+    from datamodules.processes import dead_workers
+    from datamodules.processes.evaluation_loader import EvaluationLoader
+
+    data = torch.utils.data.TensorDataset(torch.arange(40))
+    loader = EvaluationLoader(data, batch_size=4, num_workers=2, multiprocessing_context="forkserver",
+                              persistent_workers=persistent)
+    whole = [batch[0].tolist() for batch in torch.utils.data.DataLoader(data, batch_size=4)]
+    dead_workers.forget()
+    dead_workers.restart_evaluation = True
+    try:
+        batches = iter(loader)
+        got = [next(batches)[0].tolist() for _ in range(3)]
+        if persistent:
+            got += [batch[0].tolist() for batch in batches]
+            assert got == whole
+            got, batches = [], iter(loader)
+        # the torch iterator the loader's generator reads from (a plain loader returns it itself)
+        running = loader._iterator or getattr(batches, "gi_frame", None) and batches.gi_frame.f_locals["batches"]
+        pid = (running or batches)._workers[0].pid
+        os.kill(pid, signal.SIGKILL)
+        got += [batch[0].tolist() for batch in batches]
+        assert got == whole
+        assert [batch[0].tolist() for batch in loader] == whole  # the next pass whole
+        assert [(d.pid, d.how(), d.loader) for d in dead_workers.recorded] == [(pid, "was killed by SIGKILL",
+                                                                               "validation")]
+    finally:
+        dead_workers.restart_evaluation = False
+        dead_workers.forget()

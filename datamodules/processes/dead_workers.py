@@ -15,7 +15,9 @@ that child's status pipe (multiprocessing/forkserver.py, `main`: `os.waitstatus_
 The train loader (datamodules/resume.py, `ResumableLoader`) records each death here and starts its workers again
 from its state as of the last batch it yielded, so that the training process goes on, in step with the other ranks,
 to the next step where the ranks agree on stop signals; there every rank stops and saves (lightning_app/callbacks/
-stop_signals.py, WORKER_DIED) and the run exits with EXIT_WORKER_DIED and `paragraph`.
+stop_signals.py, WORKER_DIED) and the run exits with EXIT_WORKER_DIED and `paragraph`. A fit's validation loader
+does the same from the first batch it had not delivered (datamodules/processes/evaluation_loader.py): the
+validation ends whole, and the ranks stop at their next agreement (the epoch's end, after an epoch's validation).
 """
 from __future__ import annotations
 
@@ -54,6 +56,9 @@ class DeadWorker:
 
 
 recorded: list[DeadWorker] = []  # this process's, since the fit began (forget)
+# whether a validation loader goes on with new workers after a death (datamodules/processes/evaluation_loader.py):
+# in a fit, whose ranks then stop and save (set by lightning_app/callbacks/stop_signals.py)
+restart_evaluation = False
 
 
 def forget() -> None:
@@ -66,7 +71,8 @@ def died_pids(error: BaseException) -> list[int]:
     return [int(pid) for pid in found.group(1).replace(" ", "").split(",") if pid] if found else []
 
 
-def record(error: BaseException, workers: list, wait_s: float = READ_ERROR_WAIT_S) -> list[DeadWorker]:
+def record(error: BaseException, workers: list, wait_s: float = READ_ERROR_WAIT_S,
+           loader: str = "training") -> list[DeadWorker]:
     """The workers (multiprocessing Process objects of a loader's iterator) that `error` shows dead, recorded; []
     when it shows none.
 
@@ -87,8 +93,8 @@ def record(error: BaseException, workers: list, wait_s: float = READ_ERROR_WAIT_
     # and those torch did not name: killed with it, their deaths not reported yet (the fork server's zombies)
     known = {d.pid for d in recorded}
     pids |= {w.pid for w in workers if w.pid not in pids | known and (w.exitcode not in (None, 0) or _zombie(w))}
-    dead = [DeadWorker(w.pid, w.exitcode) for w in workers if w.pid in pids]
-    dead = dead or [DeadWorker(pid, None) for pid in sorted(pids)]
+    dead = [DeadWorker(w.pid, w.exitcode, loader=loader) for w in workers if w.pid in pids]
+    dead = dead or [DeadWorker(pid, None, loader=loader) for pid in sorted(pids)]
     recorded.extend(dead)
     return dead
 
@@ -125,7 +131,7 @@ def stamp(epoch: int, step: int) -> None:
 
 
 def paragraph(deaths: list[DeadWorker], num_workers: int | None, world_size: int, saved: str | None,
-              loader: str = "training loader", finished: bool = False) -> str:
+              loader: str | None = None, finished: bool = False) -> str:
     """The one paragraph a fit stopped by dead loader workers ends with; `finished`: of a fit that ran to its end,
     the workers having died after their loader's last batch (`saved`: its last checkpoint)."""
     which = "; ".join(
@@ -141,20 +147,26 @@ def paragraph(deaths: list[DeadWorker], num_workers: int | None, world_size: int
     ranks = f" (all {world_size} processes stopped at the step they agreed on)" if world_size > 1 else ""
     kept = (f"The run saved {saved}{ranks} and stopped; resume with --ckpt_path last." if saved else
             "Nothing was saved; --ckpt_path last resumes from the last checkpoint on disk.")
-    if finished:
+    if loader is None:  # whose workers: "training", "validation", or both kinds
         kinds = {d.loader for d in deaths}
         loader = f"{kinds.pop()} loader" if len(kinds) == 1 else "loader"
+    if finished:
         return (f"A {loader} worker died after its last batch of the fit: {which}. {cause}Nothing was lost: every "
                 f"epoch was trained and scored, and {saved or 'the last checkpoint'} holds the end of the fit, so the "
                 f"run ends as finished (exit status 0). Before the next run on this node, lower "
                 f"--data.num_workers{workers} or --data.batch_size, or give the job more memory.")
+    validated = sorted({d.epoch for d in deaths if d.loader == "validation" and d.epoch is not None})
+    if saved and validated:
+        which_epochs = " and ".join(str(e) for e in validated)
+        kept = (f"The validation of epoch {which_epochs} went on with new workers from its first batch not delivered "
+                f"and was scored whole, once. {kept}")
     return (f"A {loader} worker died: {which}. {cause}Lower --data.num_workers{workers} or --data.batch_size, "
             f"or give the job more memory. {kept}")
 
 
 def unsaved_paragraph(error: BaseException) -> str | None:
-    """The paragraph for a dead-worker error that ended the run unsaved (a validation loader's worker; a train
-    worker that kept dying), else None."""
+    """The paragraph for a dead-worker error that ended the run unsaved (a worker of a validate or test command's
+    loader; workers that kept dying), else None."""
     seen, e = set(), error
     while e is not None and id(e) not in seen:  # the error and what it was raised from (Lightning re-raises)
         seen.add(id(e))

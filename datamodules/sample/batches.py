@@ -32,7 +32,9 @@ from concurrent.futures import Executor
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, get_worker_info
+from torch.utils.data import get_worker_info
+
+from datamodules.processes.evaluation_loader import EvaluationLoader
 
 RING_SLOTS = 8  # per worker, unless the memory plan says otherwise (SampleDataset.ring_slots)
 _HEADER = 16  # bytes: int64 sent, int64 given back
@@ -247,8 +249,9 @@ def given_back(batches: Iterator) -> Iterator:
         del out
 
 
-class SampleLoader(DataLoader):
-    """A DataLoader that gives every ring buffer back as soon as a batch arrives (see the module doc)."""
+class SampleLoader(EvaluationLoader):
+    """A DataLoader that gives every ring buffer back as soon as a batch arrives (see the module doc), and whose
+    dead workers a fit's validation replaces (datamodules/processes/evaluation_loader.py)."""
 
     def __iter__(self):
         yield from given_back(super().__iter__())

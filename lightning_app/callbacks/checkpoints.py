@@ -27,6 +27,8 @@ class CheckpointOnSigterm(pl.Callback):
       saved as the run's `hpc_ckpt_K.ckpt`; then rank 0 runs `scontrol requeue`.
     - A train loader worker that died (datamodules/processes/dead_workers.py): the same stop, saving `last.ckpt`,
       then rank 0 prints the paragraph naming every rank's dead workers and the run exits with EXIT_WORKER_DIED.
+      A validation loader worker that died in the fit's validation too: the validation ends whole with new workers
+      (datamodules/processes/evaluation_loader.py), and the stop follows at the epoch's end.
 
     Lightning 2.6 raises SIGTERMException once `trainer.received_sigterm` is true (here: the agreed flag) but
     saves nothing, and never in predict: here a predict stops at the next batch as validate and test do. Only a
@@ -45,6 +47,10 @@ class CheckpointOnSigterm(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
         if dead_workers.recorded:  # a loader worker died fetching this batch: the step it was in, for its paragraph
             dead_workers.stamp(trainer.current_epoch + 1, trainer.global_step + 1)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if dead_workers.recorded and trainer.state.fn == TrainerFn.FITTING:  # a validation worker died in it
+            dead_workers.stamp(trainer.current_epoch + 1, trainer.global_step)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch,
                            batch_idx: int) -> None:

@@ -21,7 +21,9 @@ Here (`StopSignals`, which takes the trainer's `_signal_connector` seat):
 - a validation inside the fit is never cut: the stop follows its end, so every epoch is scored once;
 - a train loader worker that died (datamodules/processes/dead_workers.py) is a request too, WORKER_DIED: the loader
   goes on with new workers to the agreement, then every rank stops and saves as on SIGTERM, and the run exits
-  with EXIT_WORKER_DIED and a paragraph naming the worker.
+  with EXIT_WORKER_DIED and a paragraph naming the worker. A validation loader worker's death in a fit is the same
+  request: the validation goes on with new workers to its end, and every rank stops at the epoch's end
+  (datamodules/processes/evaluation_loader.py).
 
 With one process the flag is the decision, at the end of the running training batch, as in Lightning.
 """
@@ -112,6 +114,7 @@ class StopSignals(_SignalConnector):
     def register_signal_handlers(self) -> None:
         self._agreed, self.requested = NONE, NONE
         dead_workers.forget()
+        dead_workers.restart_evaluation = self._fitting()  # a fit's validation goes on with new workers
         self._original_handlers = self._get_current_signal_handlers()
         self._register_signal(signal.SIGTERM, self._note)
         if self.trainer.state.fn in (TrainerFn.VALIDATING, TrainerFn.TESTING, TrainerFn.PREDICTING):
@@ -180,6 +183,7 @@ class StopSignals(_SignalConnector):
 
     def teardown(self) -> None:
         super().teardown()
+        dead_workers.restart_evaluation = False
         self.trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
 
 
