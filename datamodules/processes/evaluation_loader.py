@@ -2,8 +2,7 @@
 delivered, so that the validation ends whole and its score is exact; the ranks then stop and save at their next
 agreement, as for a dead train worker (datamodules/processes/dead_workers.py).
 
-Before, such a death ended the fit unsaved (exit 4): the epoch's training since the last save was lost. Stopping
-the validation part-way and saving instead would need a resumed run that runs that validation again, which
+Why not stop the validation part-way and save: a resumed run would have to run that validation again, which
 Lightning does not do (loops/training_epoch_loop.py goes back into a validation only from inside a batch), and the
 rank whose loader raised has no batch to step with while the others wait in the validation's collectives.
 
