@@ -26,6 +26,7 @@ calling thread, so a seeded run gives the same crops whatever order the threads 
 from __future__ import annotations
 
 import os
+import pickle
 import random
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -237,15 +238,18 @@ class SampleDataset(Dataset):
         sizes, down- and upsampling. An `augment` runs only the operations these seeds draw.
         """
         jpeg = _tiny_jpeg()
-        for image in (decode(jpeg), pil_decode(jpeg)):
+        slots = {size: new_batch(1, size)[0] for size in (8, 64)}  # the resize's out= path (crop.py) has its own
+        for image in (decode(jpeg), pil_decode(jpeg)):             # first uses
             for seed in range(4):
                 for size in (8, 64):
                     self.crop(image, size, random.Random(seed))
+                    if isinstance(self.crop, (TrainCrop, ValCrop)):
+                        self.crop(image, size, random.Random(seed), out=slots[size])
             image[:, 0:image.shape[1], 0:image.shape[2]]  # a crop of the whole image: an alias (THPVariable_getitem)
         if self.decode_counts is not None and self.region_decode:  # a TrainCrop: nvImageCodec's import (a C++
             decode_box(jpeg, self.crop, 8, random.Random(0))  # library's static destructors) and first decode too
         torch.randint(2**62, (1,)).tolist()
-        self.labels[[]]
+        pickle.dumps(RingBatch((slots[8][None], self.labels[[]])))  # a batch sent: its labels by value (numpy)
         warm_ring(self.crop(decode(jpeg), self.size(), random.Random(0)))
 
     def _fill_here(self, images: torch.Tensor, indices: Sequence[int], size: int, seeds: list[int],
