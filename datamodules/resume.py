@@ -131,10 +131,7 @@ class ResumableLoader(StatefulDataLoader):
         iterator = self._iterator
         if iterator is None or not dead_workers.record(error, list(getattr(iterator, "_workers", []))):
             raise error
-        iterator._shutdown_workers()
-        for worker in getattr(iterator, "_workers", []):
-            if worker.is_alive():
-                worker.kill()
+        dead_workers.end_workers(iterator)
         self._iterator = None
         return StatefulDataLoader.__iter__(self)
 
@@ -160,10 +157,7 @@ class ResumableLoader(StatefulDataLoader):
 
     def _started_again(self, iterator) -> Iterator:
         state = copy.deepcopy(iterator.state_dict())
-        iterator._shutdown_workers()
-        for worker in getattr(iterator, "_workers", []):
-            if worker.is_alive():  # torch's shutdown ends a stuck worker with SIGTERM, which ours ignore
-                worker.kill()
+        dead_workers.end_workers(iterator)
         StatefulDataLoader.load_state_dict(self, state)
         return StatefulDataLoader.__iter__(self)
 

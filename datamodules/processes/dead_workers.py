@@ -99,6 +99,16 @@ def record(error: BaseException, workers: list, wait_s: float = READ_ERROR_WAIT_
     return dead
 
 
+def end_workers(iterator) -> None:
+    """Ends a loader iterator's workers before new ones start: torch's shutdown, then SIGKILL for any it left alive
+    (torch ends a stuck worker with SIGTERM, which ours ignore: datamodules/processes/loader_workers.py)."""
+    workers = list(getattr(iterator, "_workers", []))
+    iterator._shutdown_workers()
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+
+
 def record_ended(workers: list, loader: str = "training") -> None:
     """Records the workers of a loader's iterator found ended and not yet recorded: at a stop, a death the loader
     has not met yet (it meets one only when it awaits that worker's next batch)."""

@@ -64,13 +64,10 @@ class EvaluationLoader(DataLoader):
 
     def _shut_down(self, iterator, error: BaseException) -> None:
         """Records the dead workers `error` shows, and ends `iterator`'s workers; raises `error` when it shows none."""
-        workers = list(getattr(iterator, "_workers", []))
-        if iterator is None or not dead_workers.record(error, workers, loader="validation"):
+        if iterator is None or not dead_workers.record(error, list(getattr(iterator, "_workers", [])),
+                                                       loader="validation"):
             raise error
-        iterator._shutdown_workers()
-        for worker in workers:
-            if worker.is_alive():  # torch's shutdown ends a stuck worker with SIGTERM, which ours ignore
-                worker.kill()
+        dead_workers.end_workers(iterator)
         if self._iterator is iterator:  # persistent workers: the next iter() makes new ones
             self._iterator = None
 
