@@ -153,14 +153,14 @@ def test_a_file_nvimgcodec_refuses_takes_the_full_decode_which_names_the_error(t
 
 
 def test_without_nvimgcodec_every_file_decodes_whole_and_the_line_says_how_to_install_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(region, "nvimgcodec", None)  # as `available()` leaves it where the import fails
+    monkeypatch.setattr(region, "decoder", None)  # as `available()` leaves it where the import fails
     monkeypatch.setattr(region, "_looked", True)
     (tmp_path / "a.jpg").write_bytes(photo(40, 40, "RGB", 2))
     made = SampleDataset(FileSource([str(tmp_path / "a.jpg")], "fix"), [0], TrainCrop(), 16)
     made.sample(0, 16, random.Random(0))
     made.decode_counts.flush(0)
     assert made.decode_counts.table.sum(0).tolist() == [0, 1]
-    assert region.PIP_LINE in made.decode_counts.line()
+    assert region.region_nvimgcodec.PIP_LINE in made.decode_counts.line()
 
 
 def test_loader_workers_count_into_the_training_processes_table(tiny_data):

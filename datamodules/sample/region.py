@@ -6,16 +6,12 @@ sample's own `random.Random` (`TrainCrop.plan`, the same draws in the same order
 crops, flips and a resumed run are unchanged), then only the box's region is decoded, and the crop is cut
 from that region (`TrainCrop.cut`, by the caller: dataset.py).
 
-The decoder is nvImageCodec's CPU backend (the `nvidia.nvimgcodec` module of the `nvidia-nvimgcodec-cu13`
-or `-cu12` wheel; DALI installs it), which runs libjpeg-turbo with the defaults of torchvision's and PIL's
-decoders (islow IDCT, fancy upsampling), so a region's pixels are the full decode's pixels. How a region
-is made exact (nvImageCodec 0.9, extensions/libjpeg_turbo/jpeg_mem.cpp, `UncompressLow`): it asks
-libjpeg-turbo for one column more on each inner side than the region (`left_cor`, `right_cor`), so the chroma
-upsampling reads the same neighbours as in the full image; `jpeg_crop_scanline` starts the decode at an MCU
-boundary, and `jpeg_skip_scanlines` keeps the context rows of the vertical upsampling (any first and last row
-is exact: tests/test_region_decode.py). What it leaves to the caller: libjpeg-turbo picks its plain upsampler
-instead of the fancy one for a component only 1 or 2 samples wide (jdsample.c, `jinit_upsampler`, on
-`downsampled_width`), so a 1-pixel-wide box at an image's left or right border in 4:2:0 would differ. This
+The decoder (region_nvimgcodec.py) runs libjpeg-turbo with the defaults of torchvision's and PIL's decoders
+(islow IDCT, fancy upsampling) and one column of context on each inner side of a region, so a region's pixels are
+the full decode's pixels (any first and last row is exact: tests/test_region_decode.py). What it leaves to the
+caller: libjpeg-turbo picks its plain upsampler instead of the fancy one for a component only 1 or 2 samples wide
+(jdsample.c, `jinit_upsampler`, on `downsampled_width`), so a 1-pixel-wide box at an image's left or right border
+in 4:2:0 would differ. This
 module grows a box narrower than one MCU outward to the MCU grid (`region_of`), which makes every region at
 least one MCU wide, or as wide as the image; a wider box is decoded as it is, so the region is the crop itself
 and the resize reads it without a copy (crop.py, `resize`).
@@ -27,39 +23,28 @@ progressive JPEG gains nothing: every scan must be decoded before any pixel is k
 """
 from __future__ import annotations
 
-import os
 import random
-import threading
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
+from datamodules.sample import region_nvimgcodec
 from datamodules.sample.crop import CropPlan, TrainCrop
 from datamodules.sample.decode import decode
 from datamodules.sample.jpeg_header import JpegFrame, jpeg_frame
 
 _REGION_SOF = (0xC0, 0xC1)  # baseline and extended sequential Huffman
 _TURNS = range(2, 9)  # the EXIF orientations that turn or mirror (0 and others: none, in PIL and torchvision alike)
-PIP_LINE = "pip install nvidia-nvimgcodec-cu13"  # -cu12 beside a CUDA 12 torch (DALI's requirements bring it)
-
-nvimgcodec: Any = None  # the module, once `available()` has imported it (0.2 s, so not before a train crop needs it)
+decoder: Any = None  # the region decoder, once `available()` has looked for it
 _looked = False
 
 
 def available() -> bool:
-    """Whether nvImageCodec is installed here (then the region path is on); imports it on the first call."""
-    global nvimgcodec, _looked
+    """Whether a region decoder is installed here (then the region path is on); looks for it on the first call."""
+    global decoder, _looked
     if not _looked:
-        # A file it refuses (a truncated JPEG) takes the full decode, which decodes it or names the error, and is
-        # counted: its own error and warning on stderr for each such file would only repeat that (read on import).
-        os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
-        try:
-            from nvidia import nvimgcodec as module
-        except ImportError:  # optional: every file takes the full decode (said once at the end of a run)
-            module = None
-        nvimgcodec, _looked = module, True
-    return nvimgcodec is not None
+        decoder, _looked = region_nvimgcodec.load(), True
+    return decoder is not None
 
 
 def region_takes(frame: JpegFrame | None) -> bool:
@@ -80,38 +65,11 @@ def region_of(frame: JpegFrame, top: int, left: int, height: int, width: int) ->
     return top, (left // mw) * mw, top + height, min(frame.width, -(-(left + width) // mw) * mw)
 
 
-_local = threading.local()
-
-
-def _decoder() -> Any:
-    """This thread's CPU-only decoder. It decodes on the calling thread (it starts none: a worker forked after
-    the training process decoded keeps using it); one per thread, as nothing says one may serve two at once."""
-    decoder = getattr(_local, "decoder", None)
-    if decoder is None:
-        decoder = _local.decoder = nvimgcodec.Decoder(
-            device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,
-            backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)])
-    return decoder
-
-
-_PARAMS: Any = None
-
-
 def decode_region(data: bytes | bytearray | memoryview | torch.Tensor, region: tuple[int, int, int, int]
                   ) -> torch.Tensor | None:
     """RGB uint8 CHW (a view of HWC memory, as decode.py's) of `region` (top, left, bottom, right), or None
-    when nvImageCodec refuses the file (the full decode then decides: it decodes it or names the error)."""
-    global _PARAMS
-    if _PARAMS is None:
-        _PARAMS = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.SRGB,
-                                          sample_format=nvimgcodec.I_RGB)
-    array = data.numpy() if isinstance(data, torch.Tensor) else np.frombuffer(data, np.uint8)
-    stream = nvimgcodec.CodeStream(array).get_sub_code_stream(region=nvimgcodec.Region(*region))
-    image = _decoder().decode(stream, params=_PARAMS)
-    if image is None:
-        return None
-    # the host image's array interface (no copy; DLPack would ask the CUDA runtime, absent on a CPU-only machine)
-    return torch.from_numpy(np.asarray(image)).permute(2, 0, 1)
+    when the decoder refuses the file (the full decode then decides: it decodes it or names the error)."""
+    return decoder.decode(data, region)
 
 
 class RegionCounts:
@@ -163,8 +121,8 @@ class RegionCounts:
         if region + whole == 0:
             return None
         if not available():
-            return (f"region decode off: nvImageCodec is not installed ({PIP_LINE}), so all {whole:,} train "
-                    "images were decoded whole (docs/data.md, \"Region decode\")")
+            return (f"region decode off: nvImageCodec is not installed ({region_nvimgcodec.PIP_LINE}), so all "
+                    f"{whole:,} train images were decoded whole (docs/data.md, \"Region decode\")")
         return (f"region decode: {region:,} train images, {whole:,} decoded whole (progressive, CMYK, "
                 "EXIF-rotated, not JPEG or refused)")
 
