@@ -16,7 +16,7 @@ from PIL import Image, ImageOps
 from datamodules.builtin.tree import generate
 from datamodules.errors import DataError
 from datamodules.index import load_indexes
-from datamodules.sample import region
+from datamodules.sample import region, region_libjpeg, region_nvimgcodec
 from datamodules.sample.crop import TrainCrop
 from datamodules.sample.dataset import FileSource, SampleDataset, idle_helper
 from datamodules.sample.decode import decode, jpeg_frame
@@ -24,7 +24,19 @@ from datamodules.sample.loader_plan import LoaderPlan
 from tests.helpers.cli import quick_args, run_main
 from tests.helpers.trees import jpeg, make_tree, odd_images
 
-pytestmark = pytest.mark.skipif(not region.available(), reason="nvImageCodec is not installed (region decode off)")
+pytestmark = pytest.mark.skipif(not region.available(), reason="no region decoder here (region decode off)")
+
+DECODERS = {"libjpeg": region_libjpeg.load, "nvimgcodec": region_nvimgcodec.load}
+
+
+@pytest.fixture(params=list(DECODERS))
+def each_decoder(request, monkeypatch):
+    """Each region decoder in turn as the one region.py uses (the libjpeg route, built here; nvImageCodec)."""
+    decoder = DECODERS[request.param]()
+    if decoder is None:
+        pytest.skip(f"{request.param}: not here ({region_libjpeg.why_not or region_nvimgcodec.PIP_LINE})")
+    monkeypatch.setattr(region, "decoder", decoder)
+    return decoder
 
 # Pillow's `subsampling`: 0 = 4:4:4, 1 = 4:2:2, 2 = 4:2:0; "L" a grayscale JPEG
 LAYOUTS = [("4:4:4", "RGB", 0), ("4:2:2", "RGB", 1), ("4:2:0", "RGB", 2), ("gray", "L", 0)]
@@ -57,7 +69,7 @@ def boxes(height: int, width: int, rng: random.Random) -> list[tuple[int, int, i
 
 
 @pytest.mark.parametrize("name,mode,subsampling", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
-def test_every_box_of_a_region_decode_equals_the_full_decode(name, mode, subsampling):
+def test_every_box_of_a_region_decode_equals_the_full_decode(name, mode, subsampling, each_decoder):
     for height, width in ((37, 51), (64, 80), (50, 130)):  # off the MCU grid, on it, 2 pixels past it
         data = photo(height, width, mode, subsampling)
         frame = jpeg_frame(data)
@@ -138,7 +150,7 @@ def test_only_an_orientation_pil_would_apply_keeps_a_file_from_the_region_decode
                                    crop(decode(bytearray(data)), 24, random.Random(seed))), name
 
 
-def test_a_file_nvimgcodec_refuses_takes_the_full_decode_which_names_the_error(tmp_path):
+def test_a_file_the_decoder_refuses_takes_the_full_decode_which_names_the_error(tmp_path, each_decoder):
     whole = photo(200, 200, "RGB", 2)
     (tmp_path / "truncated.jpg").write_bytes(whole[:len(whole) // 2])  # no end-of-image marker
     assert region.decode_region(whole[:len(whole) // 2], (0, 0, 100, 100)) is None
@@ -152,15 +164,21 @@ def test_a_file_nvimgcodec_refuses_takes_the_full_decode_which_names_the_error(t
     assert messages[0] == messages[1] and "truncated.jpg" in messages[0] and messages[0].endswith("Remove it.")
 
 
-def test_without_nvimgcodec_every_file_decodes_whole_and_the_line_says_how_to_install_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(region, "decoder", None)  # as `available()` leaves it where the import fails
-    monkeypatch.setattr(region, "_looked", True)
+def test_without_a_decoder_every_file_decodes_whole_and_the_line_says_how_to_get_one(tmp_path, monkeypatch):
+    # no compiler and nothing built yet; nvImageCodec as where its import fails
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(region_nvimgcodec, "load", lambda: None)
+    monkeypatch.setattr(region, "_looked", False)
+    monkeypatch.setattr(region, "decoder", None)  # put back after the test, with `_looked`
     (tmp_path / "a.jpg").write_bytes(photo(40, 40, "RGB", 2))
     made = SampleDataset(FileSource([str(tmp_path / "a.jpg")], "fix"), [0], TrainCrop(), 16)
     made.sample(0, 16, random.Random(0))
     made.decode_counts.flush(0)
     assert made.decode_counts.table.sum(0).tolist() == [0, 1]
-    assert region.region_nvimgcodec.PIP_LINE in made.decode_counts.line()
+    line = made.decode_counts.line()
+    assert line.startswith("region decode off: the libjpeg-turbo route could not be built (") and "no-such-cc" in line
+    assert region_nvimgcodec.PIP_LINE in line and "all 1 train images were decoded whole" in line
 
 
 def test_loader_workers_count_into_the_training_processes_table(tiny_data):
@@ -226,7 +244,7 @@ def real_crops(root: Path, seeds: range, min_scale: float, size: int = 224, ever
     return compared
 
 
-def test_test_data_crops_are_the_same(tiny_data):
+def test_test_data_crops_are_the_same(tiny_data, each_decoder):
     assert real_crops(tiny_data, range(2), 0.08, size=24) >= 240
 
 
@@ -241,10 +259,10 @@ PHOTOS = "REGION_DECODE_PHOTOS"  # a tree of real photos (train/<class>/*.jpg), 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get(PHOTOS), reason=f"{PHOTOS} is not set: no folder of real photos to compare on")
-def test_crops_of_the_photos_in_the_folder_the_environment_names_are_the_same():
+def test_crops_of_the_photos_in_the_folder_the_environment_names_are_the_same(each_decoder):
     root = Path(os.environ[PHOTOS])
     compared = real_crops(root, range(1), 0.25, every=False) + real_crops(root, range(1, 2), 0.08, every=False)
-    print(f"{compared} crops of {root} at min_scale 0.25 and 0.08: 0 differing pixels")
+    print(f"{compared} crops of {root} at min_scale 0.25 and 0.08 by {each_decoder.name}: 0 differing pixels")
     assert compared >= 1000
 
 

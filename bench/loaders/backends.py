@@ -139,12 +139,13 @@ def _dali(s: Settings, gpu: bool) -> Prepared:
 
 
 def _region_note(p: Prepared) -> Prepared:
-    """The row's region decode (datamodules/sample/region.py) in its note: on, or off for want of nvImageCodec."""
+    """The row's region decode (datamodules/sample/region.py) in its note: on, with its decoder, or off for want of
+    one."""
     from datamodules.sample import region
 
     on = region.available() and p.datamodule.decode == "cpu"
-    words = "region decode" if on else "whole decode (nvImageCodec not installed)" if p.datamodule.decode == "cpu" \
-        else ""
+    words = f"region decode ({region.decoder.name})" if on else \
+        "whole decode (no region decoder here)" if p.datamodule.decode == "cpu" else ""
     p.note = "; ".join(w for w in (p.note, words) if w)
     return p
 

@@ -246,8 +246,8 @@ class SampleDataset(Dataset):
                     if isinstance(self.crop, (TrainCrop, ValCrop)):
                         self.crop(image, size, random.Random(seed), out=slots[size])
             image[:, 0:image.shape[1], 0:image.shape[2]]  # a crop of the whole image: an alias (THPVariable_getitem)
-        if self.decode_counts is not None and self.region_decode:  # a TrainCrop: nvImageCodec's import (a C++
-            decode_box(jpeg, self.crop, 8, random.Random(0))  # library's static destructors) and first decode too
+        if self.decode_counts is not None and self.region_decode:  # a TrainCrop: the region decoder's build or
+            decode_box(jpeg, self.crop, 8, random.Random(0))  # import (a C++ library's static destructors), first use
         torch.randint(2**62, (1,)).tolist()
         pickle.dumps(RingBatch((slots[8][None], self.labels[[]])))  # a batch sent: its labels by value (numpy)
         warm_ring(self.crop(decode(jpeg), self.size(), random.Random(0)))

@@ -6,18 +6,19 @@ sample's own `random.Random` (`TrainCrop.plan`, the same draws in the same order
 crops, flips and a resumed run are unchanged), then only the box's region is decoded, and the crop is cut
 from that region (`TrainCrop.cut`, by the caller: dataset.py).
 
-The decoder (region_nvimgcodec.py) runs libjpeg-turbo with the defaults of torchvision's and PIL's decoders
-(islow IDCT, fancy upsampling) and one column of context on each inner side of a region, so a region's pixels are
-the full decode's pixels (any first and last row is exact: tests/test_region_decode.py). What it leaves to the
-caller: libjpeg-turbo picks its plain upsampler instead of the fancy one for a component only 1 or 2 samples wide
-(jdsample.c, `jinit_upsampler`, on `downsampled_width`), so a 1-pixel-wide box at an image's left or right border
-in 4:2:0 would differ. This
-module grows a box narrower than one MCU outward to the MCU grid (`region_of`), which makes every region at
-least one MCU wide, or as wide as the image; a wider box is decoded as it is, so the region is the crop itself
-and the resize reads it without a copy (crop.py, `resize`).
+The decoder is the libjpeg-turbo Pillow ships, through a small C file built on first use (region_libjpeg.py), or
+where that cannot be built (no C compiler) nvImageCodec's CPU backend (region_nvimgcodec.py). Both run
+libjpeg-turbo with the defaults of torchvision's and PIL's decoders (islow IDCT, fancy upsampling) and one column of
+context on each inner side of a region, so a region's pixels are the full decode's pixels (any first and last row
+is exact: tests/test_region_decode.py). What it leaves to the caller: libjpeg-turbo picks its plain upsampler
+instead of the fancy one for a component only 1 or 2 samples wide (jdsample.c, `jinit_upsampler`, on
+`downsampled_width`), so a 1-pixel-wide box at an image's left or right border in 4:2:0 would differ. This module
+grows a box narrower than one MCU outward to the MCU grid (`region_of`), which makes every region at least one MCU
+wide, or as wide as the image; a wider box is decoded as it is, so the region is the crop itself and the resize
+reads it without a copy (crop.py, `resize`).
 
 Only baseline and extended sequential 8-bit JPEGs with 1 or 3 components and no EXIF rotation (nor an XMP
-packet naming one) take this path (`region_takes`). The rest, and every file when the module is not installed
+packet naming one) take this path (`region_takes`). The rest, and every file when no decoder is available
 or it refuses a file, take the full decode (decode.py); `RegionCounts` counts both for the end-of-run line. A
 progressive JPEG gains nothing: every scan must be decoded before any pixel is known.
 """
@@ -28,7 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from datamodules.sample import region_nvimgcodec
+from datamodules.sample import region_libjpeg, region_nvimgcodec
 from datamodules.sample.crop import CropPlan, TrainCrop
 from datamodules.sample.decode import decode
 from datamodules.sample.jpeg_header import JpegFrame, jpeg_frame
@@ -43,8 +44,14 @@ def available() -> bool:
     """Whether a region decoder is installed here (then the region path is on); looks for it on the first call."""
     global decoder, _looked
     if not _looked:
-        decoder, _looked = region_nvimgcodec.load(), True
+        decoder, _looked = region_libjpeg.load() or region_nvimgcodec.load(), True
     return decoder is not None
+
+
+def why_off() -> str:
+    """Why no region decoder is available here, with what would bring one."""
+    return (f"the libjpeg-turbo route could not be built ({region_libjpeg.why_not}) and nvImageCodec is not "
+            f"installed ({region_nvimgcodec.PIP_LINE})")
 
 
 def region_takes(frame: JpegFrame | None) -> bool:
@@ -121,15 +128,15 @@ class RegionCounts:
         if region + whole == 0:
             return None
         if not available():
-            return (f"region decode off: nvImageCodec is not installed ({region_nvimgcodec.PIP_LINE}), so all "
-                    f"{whole:,} train images were decoded whole (docs/data.md, \"Region decode\")")
+            return (f"region decode off: {why_off()}, so all {whole:,} train images were decoded whole "
+                    "(docs/data.md, \"Region decode\")")
         return (f"region decode: {region:,} train images, {whole:,} decoded whole (progressive, CMYK, "
-                "EXIF-rotated, not JPEG or refused)")
+                f"EXIF-rotated, not JPEG or refused); decoder: {decoder.name}")
 
 
 class Box(NamedTuple):
     """A train sample's pixels with the crop plan drawn for it: the plan's region (`by_region`) or, for a file
-    nvImageCodec refuses, the whole image; `origin` is their top-left pixel in the image (what `TrainCrop.cut`
+    the decoder refuses, the whole image; `origin` is their top-left pixel in the image (what `TrainCrop.cut`
     takes)."""
 
     pixels: torch.Tensor
@@ -141,7 +148,7 @@ class Box(NamedTuple):
 def decode_box(data: bytes | bytearray | memoryview | torch.Tensor, crop: TrainCrop, size: int,
                rng: random.Random) -> Box | None:
     """The crop plan `crop.plan` draws from `rng` for `data`, and the pixels it needs; None, with `rng` untouched,
-    when this file takes the full decode and its crop (`region_takes`, or no nvImageCodec)."""
+    when this file takes the full decode and its crop (`region_takes`, or no region decoder)."""
     if not available():
         return None
     frame = jpeg_frame(data if not isinstance(data, torch.Tensor) else memoryview(data.numpy()))
