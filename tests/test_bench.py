@@ -407,3 +407,22 @@ def test_nodes_accuracy_says_every_few_seconds_which_run_and_step_it_is_at(tmp_p
     lines = [line for line in proc.stderr.splitlines() if line.startswith("bench nodes --accuracy: row 1/1 ")]
     assert any(re.match(r"bench nodes --accuracy: row 1/1 no compression, seed 1: epoch [12]/2, step \d+/\d+ ",
                         line) for line in lines), proc.stderr[-3000:]
+
+
+def test_the_one_thread_stages_time_each_region_decoder_on_the_files_that_take_it(tmp_path):
+    from PIL import Image
+
+    from bench.loaders.ceilings import stage_times
+    from datamodules.sample import region_libjpeg, region_nvimgcodec
+    from tests.helpers.trees import jpeg
+
+    rgb = Image.new("RGB", (96, 80), (30, 140, 200))
+    paths = []
+    for name, data in (("a.jpg", jpeg(rgb)), ("b.jpg", jpeg(rgb.convert("L"))), ("c.jpg", jpeg(rgb, progressive=True))):
+        (tmp_path / name).write_bytes(data)
+        paths.append(str(tmp_path / name))
+    stages = stage_times(paths, image_size=32, min_scale=0.08, repeats=1)
+    names = [d.name for d in (region_libjpeg.load(), region_nvimgcodec.load()) if d is not None]
+    region_stages = [k for k in stages if k.startswith("decode: region")]
+    assert region_stages == [f"decode: region ({n}; 2 of the files)" for n in names]  # not the progressive one
+    assert all(stages[k] > 0 for k in region_stages)

@@ -151,7 +151,8 @@ def stage_times(paths: Sequence[str], image_size: int = 224, min_scale: float = 
     """Microseconds per image of each stage of the shared sample path, on one thread, warm cache.
 
     Ratios between stages hold on a busy machine too; they say where a backend's time goes.
-    Best of `repeats` passes over `paths`.
+    Best of `repeats` passes over `paths`. The region decode stages (each region decoder installed here, on the
+    boxes `min_scale` draws) are per image of the files that take it.
     """
     import random
 
@@ -182,15 +183,39 @@ def stage_times(paths: Sequence[str], image_size: int = 224, min_scale: float = 
             "batch write (one copy into the batch)": lambda i: batch[i].copy_(crops[i]),
             "before: PIL crop + flip + resize + PILToTensor": lambda i: old(pils[i]),
         }
+        every = range(len(paths))
+        timed = {name: (fn, every) for name, fn in stages.items()} | _region_stages(data, crop, image_size)
         out = {}
-        for name, fn in stages.items():
+        for name, (fn, indices) in timed.items():
             best = float("inf")
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                for i in range(len(paths)):
+                for i in indices:
                     fn(i)
-                best = min(best, (time.perf_counter() - t0) / max(1, len(paths)))
+                best = min(best, (time.perf_counter() - t0) / max(1, len(indices)))
             out[name] = best * 1e6
         return out
     finally:
         torch.set_num_threads(threads)
+
+
+def _region_stages(data: list, crop, image_size: int) -> dict:
+    """A region decode stage per decoder found here (datamodules/sample/region.py), each (its call, the files that
+    take it): file i's region is the box of the crop seed i draws."""
+    import random
+
+    from datamodules.sample import region, region_libjpeg, region_nvimgcodec
+    from datamodules.sample.jpeg_header import jpeg_frame
+
+    boxes = {}
+    for i, d in enumerate(data):
+        frame = jpeg_frame(d)
+        if region.region_takes(frame):
+            plan = crop.plan(frame.height, frame.width, image_size, random.Random(i))
+            boxes[i] = region.region_of(frame, plan.top, plan.left, plan.height, plan.width)
+    stages = {}
+    for decoder in (region_libjpeg.load(), region_nvimgcodec.load()):
+        if decoder is not None and boxes:
+            stages[f"decode: region ({decoder.name}; {len(boxes)} of the files)"] = (
+                lambda i, d=decoder: d.decode(data[i], boxes[i]), list(boxes))
+    return stages

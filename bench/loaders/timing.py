@@ -277,7 +277,8 @@ def _measure(settings: Settings, backends: list[str], measure_ceilings: bool, ce
             rate = dict(sorted(rates, key=lambda r: r["images_s"])[len(rates) // 2])  # the median round
             rate["rounds_images_s"] = [round(r["images_s"], 1) for r in rates]
             ceil["decode"].setdefault(key, {}).setdefault(decoder, {})[cache] = rate
-        ceil["stages_us"] = ceilings.stage_times(tree[:: max(1, len(tree) // 100)][:100], settings.image_size)
+        ceil["stages_us"] = ceilings.stage_times(tree[:: max(1, len(tree) // 100)][:100], settings.image_size,
+                                                  settings.min_scale)
         ceil["normalize"] = normalize_cost(settings.batch_size, settings.image_size, device)
         if isinstance(outcome.get(LABELS["dali-cpu"]), Prepared):
             from bench.loaders.dali_stages import dali_stage_rates

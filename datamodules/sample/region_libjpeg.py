@@ -33,7 +33,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("region_libjpeg.c")
 HEADERS = Path(__file__).resolve().parents[2] / "third_party" / "libjpeg-turbo"
-NAME = "libjpeg-turbo (Pillow's)"
+NAME = "Pillow's libjpeg-turbo"
 
 MARGIN = 128  # bytes the decoder may write before and after a region (the columns back to the iMCU boundary: at most
 # 32 pixels, and one more on each side; region_libjpeg.c checks)
