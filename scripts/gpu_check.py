@@ -49,7 +49,8 @@ def bench(groups: str, seconds: float, words: set[str] | None = None, extra: tup
 # (all at once, about 40 s), then one bench call in the order of what matters most (bench/gpu/command.py): the
 # hardware JPEG engines and the decode alone, the trace with its VERDICT and A/B rows (the blocking-sync arm in a
 # process of its own), EMA's host syncs, and last the trainer rows, ImageFolder and LMDB with `cpu` and `gpu`,
-# without and with compile. A bench call saves its rows as it goes: one stopped at its limit keeps what it measured.
+# without and with compile (without compile, `cpu` also with region decode off: issue 55's rows). A bench call
+# saves its rows as it goes: one stopped at its limit keeps what it measured.
 DECODE = [Part("gpu mutants", ["scripts/gpu_mutants.py"], 50, frozenset({"mutants", "decode"})),
           bench("engines,trace,ema,trainer", 250, {"decode"}, ("--synthetic", "ceiling", "--data-rows", "decode"))]
 # Then the rest; limits from the first run on an H200 (bench/results/gpu-check-h200.md): startup (torch, CUDA, cuDNN)

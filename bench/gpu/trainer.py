@@ -55,12 +55,15 @@ LMDB = (("LMDB data (packed from the same tree), decode cpu, 16-mixed + channels
          {**GPU, "resize": "script"}))
 COMPILED = (("ImageFolder data, decode cpu + compile", {"decode": "cpu"}),
             ("ImageFolder data, decode gpu, resize scripted + compile", {**GPU, "resize": "script"}))
-# --data-rows decode: (row, LMDB?, decode arguments, compile)
+# --data-rows decode: (row, LMDB?, decode arguments, compile); without compile, `cpu` also with every train image
+# decoded whole ("region": False, the loader's region_decode: docs/data.md, "Region decode"), beside it
+WHOLE = {"decode": "cpu", "region": False}
 DECODE_ROWS = tuple((f"{source}, decode {decode}" + (" + compile" if compile else ""), lmdb,
-                     {"decode": "cpu"} if decode == "cpu" else dict(GPU), compile)
+                     {"decode": "cpu"} if decode == "cpu" else dict(WHOLE) if decode == "cpu, whole" else dict(GPU),
+                     compile)
                     for compile in (False, True)
                     for source, lmdb in (("ImageFolder data", False), ("LMDB data (packed from the same tree)", True))
-                    for decode in ("cpu", "gpu"))
+                    for decode in (("cpu", "gpu") if compile else ("cpu", "cpu, whole", "gpu")))
 DATA_WARMUP = 25  # steps before the data rows' window: workers started, the balance settled
 NAMES = [row[0] for row in (*SYNTHETIC, *IMAGEFOLDER, *LMDB, *COMPILED)]
 DECODE_NAMES = [row[0] for row in SYNTHETIC if row[0].startswith("16-mixed + channels_last")] + \
@@ -220,8 +223,10 @@ def _data_row(w: Workload, root: Path, num_workers: int, name: str, decode: dict
     module = LMDBDataModule if lmdb else ImageFolderDataModule
     decode = dict(decode)
     resize = decode.pop("resize", None)
+    region = decode.pop("region", True)
     data = module(data_dir=str(root), batch_size=w.batch_size, num_workers=num_workers, image_size=w.image_size,
                   pin_memory=True, persistent_workers=True, **decode)
+    data.region_decode = region
     before = os.environ.get("FIC_DEVICE_RESIZE")
     if resize is not None:  # else the product's default
         os.environ["FIC_DEVICE_RESIZE"] = resize
@@ -234,6 +239,7 @@ def _data_row(w: Workload, root: Path, num_workers: int, name: str, decode: dict
             os.environ["FIC_DEVICE_RESIZE"] = before
     flags = " ".join(f"--data.{k} {'null' if v is None else v}" for k, v in decode.items())
     flags += f" (resize {resize})" if resize else ""
+    flags += "" if region else " (region decode off)"
     row = _check(name, data_w, clock, f"{num_workers} loader workers, {flags}; share of the synthetic {synthetic} row")
     counts = {split: dict(d.counts) for split, d in data.device_decoders.items()}
     if counts:
