@@ -18,6 +18,7 @@ from datamodules.processes.evaluation_loader import EvaluationLoader
 from datamodules.processes.loader_workers import WorkerInit, end_stuck_workers_at_exit
 from datamodules.processes.start import start_server_early, worker_context
 from datamodules.resume import EpochSampler, ResumableLoader
+from datamodules.sample import region
 from datamodules.sample.balance import WorkerDecodeShare, shared_overflow
 from datamodules.sample.batches import SampleLoader, built_batch
 from datamodules.sample.dataset import SampleDataset
@@ -59,6 +60,8 @@ class Loaders:
         value its dataset is built with. `encoded`: its workers pack batches for the device (--data.decode gpu)."""
         memory = self.memory_plan(fit=True if train else None)
         self._show_plan(memory)
+        if train and self.region_decode:
+            region.available()  # finds the region decoder here, building it if need be, before any worker starts
         sizing = memory.loader("train" if train else "val")
         workers = sizing.workers
         return LoaderPlan(

@@ -283,3 +283,12 @@ def test_the_end_of_run_line_counts_the_train_images_decoded_by_region_in_the_wo
     by_region, whole = int(found[1]), int(found[2])
     # the 32 train files (4 batches of 8), once: the 24 baseline ones by region, the 8 progressive ones whole
     assert (by_region, whole) == (24, 8), done
+
+
+def test_a_file_past_the_pixel_limit_takes_the_full_decode_which_refuses_it_by_name(tmp_path, monkeypatch):
+    (tmp_path / "big.jpg").write_bytes(photo(60, 80, "RGB", 2))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # as --data.max_image_pixels 1000 sets it (pixel_limit.py)
+    assert not region.region_takes(jpeg_frame((tmp_path / "big.jpg").read_bytes()))
+    made = SampleDataset(FileSource([str(tmp_path / "big.jpg")], "Downscale it."), [0], TrainCrop(), 16)
+    with pytest.raises(DataError, match=r"big\.jpg: .*decompression bomb"):
+        made.sample(0, 16, random.Random(0))

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import stat
+import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torchvision
@@ -60,6 +64,119 @@ def test_without_a_compiler_load_says_so(cache, monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert region_libjpeg.load() is None
     assert region_libjpeg.why_not.startswith(f"{tmp_path / 'no-such-cc'} did not run")
+
+
+def test_cc_may_hold_arguments(cache, monkeypatch):
+    monkeypatch.setenv("CC", f"{region_libjpeg._compiler()[0]} -w")
+    assert region_libjpeg.load() is not None, region_libjpeg.why_not
+
+
+def test_two_threads_finding_an_empty_cache_both_get_the_decoder(cache):
+    from concurrent.futures import ThreadPoolExecutor
+
+    for _ in range(3):
+        shutil.rmtree(cache, ignore_errors=True)
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda _: region_libjpeg.load(), range(4)))
+        assert all(d is not None for d in got), region_libjpeg.why_not
+        assert len(os.listdir(cache)) == 1  # one library; every temporary file renamed or removed
+        assert all(d.library._name.startswith(str(cache)) for d in got)  # none fell back to a private folder
+
+
+def test_a_loader_worker_builds_nothing_it_loads_what_the_training_process_built(cache):
+    assert region_libjpeg.load(build=False) is None
+    assert region_libjpeg.why_not.startswith("no library built in ")
+    assert not cache.exists()
+    assert region_libjpeg.load() is not None
+    assert region_libjpeg.load(build=False) is not None
+
+
+def test_in_a_real_loader_worker_region_does_not_build(cache):
+    """A torch DataLoader worker (forked) with nothing cached: it takes nvImageCodec or the whole decode, and the
+    cache stays empty (the training process builds when it plans a train loader: datamodules/loaders.py)."""
+    loader = torch.utils.data.DataLoader(_LooksForADecoder(), num_workers=1, multiprocessing_context="fork")
+    (name,) = next(iter(loader))
+    assert name in ("nvImageCodec", "none")
+    assert not cache.exists() or os.listdir(cache) == []
+
+
+class _LooksForADecoder(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> str:
+        from datamodules.sample import region
+
+        region._looked, region.decoder = False, None  # as a worker of a fork server or spawn starts
+        return region.decoder.name if region.available() else "none"
+
+
+def test_a_cache_folder_that_cannot_be_made_builds_into_a_private_folder(tmp_path, monkeypatch):
+    (tmp_path / "a-file").write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))
+    decoder = region_libjpeg.load()
+    assert decoder is not None, region_libjpeg.why_not
+    assert "fast-image-classifier-" in decoder.library._name  # tempfile.mkdtemp's, mode 0700
+
+
+def test_a_cached_library_that_does_not_load_is_built_again(cache):
+    name = region_libjpeg._cached_name(region_libjpeg._compiler(), region_libjpeg.pillow_libjpeg())
+    cache.mkdir(parents=True)
+    (cache / name).write_bytes(b"half a library")
+    assert region_libjpeg.load() is not None, region_libjpeg.why_not
+    assert (cache / name).read_bytes()[:4] == b"\x7fELF" or sys.platform == "darwin"
+
+
+def test_a_compiler_that_hangs_is_stopped_with_its_children(cache, monkeypatch, tmp_path):
+    pids = tmp_path / "pids"
+    hangs = compiler_script(tmp_path / "hangs-cc", f"sleep 600 & echo $! > {pids}; wait")
+    monkeypatch.setenv("CC", hangs)
+    monkeypatch.setattr(region_libjpeg, "BUILD_SECONDS", 1)
+    assert region_libjpeg.load() is None
+    assert region_libjpeg.why_not == f"{hangs} did not finish building region_libjpeg.c in 1 s"
+    child = int(pids.read_text())
+    with pytest.raises(ProcessLookupError):  # the compiler's own children went with it
+        for _ in range(50):
+            os.kill(child, 0)
+            time.sleep(0.1)
+    assert not cache.exists() or os.listdir(cache) == []
+
+
+def test_a_library_whose_pixels_differ_from_the_full_decode_is_not_used(cache, monkeypatch):
+    decode = region_libjpeg.LibjpegRegion.decode
+    monkeypatch.setattr(region_libjpeg.LibjpegRegion, "decode",  # as a libjpeg-turbo that rounds otherwise would
+                        lambda self, data, box: decode(self, data, box).roll(1, -1))
+    assert region_libjpeg.load() is None
+    assert "does not give the full decode's pixels (4:2:0 box (0, 0, 36, 48))" in region_libjpeg.why_not
+
+
+@pytest.mark.parametrize("subsampling", [0, 1, 2])
+def test_nothing_outside_the_margins_is_written(cache, subsampling):
+    decoder = region_libjpeg.load()
+    data = bytearray(photo(64, 80, "RGB", subsampling, seed=subsampling))
+    full = decode(data)
+    guard, margin = 256, region_libjpeg.MARGIN
+    for top, left, bottom, right in ((0, 0, 64, 80), (0, 17, 1, 80), (63, 33, 64, 50), (5, 31, 40, 48), (9, 1, 10, 79)):
+        size = (bottom - top) * (right - left) * 3
+        buffer = torch.full((guard + margin + size + margin + guard,), 0xA5, dtype=torch.uint8)
+        status = decoder._decode(np.frombuffer(data, np.uint8).ctypes.data, len(data), top, left, bottom, right,
+                                 buffer.data_ptr() + guard + margin, margin)
+        assert status == 0
+        assert bool((buffer[:guard] == 0xA5).all()) and bool((buffer[-guard:] == 0xA5).all())
+        got = buffer[guard + margin:guard + margin + size].view(bottom - top, right - left, 3).permute(2, 0, 1)
+        assert torch.equal(got, full[:, top:bottom, left:right]), (top, left, bottom, right)
+
+
+def test_a_margin_too_small_for_the_columns_before_the_region_is_refused(cache):
+    decoder = region_libjpeg.load()
+    data = bytearray(photo(32, 64, "RGB", 2))  # 16-pixel MCUs: a region at column 31 (and its column of context
+    # at 30) starts 15 columns after the MCU boundary at 16
+    size = 4 * 10 * 3
+    buffer = torch.zeros(64 + size + 64, dtype=torch.uint8)
+    call = np.frombuffer(data, np.uint8).ctypes.data
+    assert decoder._decode(call, len(data), 2, 31, 6, 41, buffer.data_ptr() + 64, 3 * 15 - 1) == 1
+    assert decoder._decode(call, len(data), 2, 31, 6, 41, buffer.data_ptr() + 64, 3 * 15) == 0
+    assert decoder._decode(call, len(data), 2, 31, 40, 41, buffer.data_ptr() + 64, 64) == 1  # rows past the image
 
 
 def test_a_libjpeg_of_another_abi_is_refused_before_any_decode(cache, monkeypatch):

@@ -6,8 +6,8 @@ sample's own `random.Random` (`TrainCrop.plan`, the same draws in the same order
 crops, flips and a resumed run are unchanged), then only the box's region is decoded, and the crop is cut
 from that region (`TrainCrop.cut`, by the caller: dataset.py).
 
-The decoder is the libjpeg-turbo Pillow ships, through a small C file built on first use (region_libjpeg.py), or
-where that cannot be built (no C compiler) nvImageCodec's CPU backend (region_nvimgcodec.py). Both run
+The decoder is the libjpeg-turbo Pillow ships, through a small C file the training process builds (region_libjpeg.py),
+or where that cannot be built (no C compiler) nvImageCodec's CPU backend (region_nvimgcodec.py). Both run
 libjpeg-turbo with the defaults of torchvision's and PIL's decoders (islow IDCT, fancy upsampling) and one column of
 context on each inner side of a region, so a region's pixels are the full decode's pixels (any first and last row
 is exact: tests/test_region_decode.py). What it leaves to the caller: libjpeg-turbo picks its plain upsampler
@@ -25,14 +25,17 @@ progressive JPEG gains nothing: every scan must be decoded before any pixel is k
 from __future__ import annotations
 
 import random
+import threading
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils.data import get_worker_info
 
 from datamodules.sample import region_libjpeg, region_nvimgcodec
 from datamodules.sample.crop import CropPlan, TrainCrop
 from datamodules.sample.decode import decode
 from datamodules.sample.jpeg_header import JpegFrame, jpeg_frame
+from datamodules.sample.pixel_limit import refused_by_pillow
 
 _REGION_SOF = (0xC0, 0xC1)  # baseline and extended sequential Huffman
 _TURNS = range(2, 9)  # the EXIF orientations that turn or mirror (0 and others: none, in PIL and torchvision alike)
@@ -40,11 +43,19 @@ decoder: Any = None  # the region decoder, once `available()` has looked for it
 _looked = False
 
 
+_lock = threading.Lock()
+
+
 def available() -> bool:
-    """Whether a region decoder is installed here (then the region path is on); looks for it on the first call."""
+    """Whether a region decoder is here (then the region path is on); looks for it on the first call, once per process
+    whatever the threads. A loader worker does not build the libjpeg route (region_libjpeg.py): the training process
+    did, when it planned the loader."""
     global decoder, _looked
     if not _looked:
-        decoder, _looked = region_libjpeg.load() or region_nvimgcodec.load(), True
+        with _lock:
+            if not _looked:
+                build = get_worker_info() is None
+                decoder, _looked = region_libjpeg.load(build) or region_nvimgcodec.load(), True
     return decoder is not None
 
 
@@ -56,10 +67,12 @@ def why_off() -> str:
 
 def region_takes(frame: JpegFrame | None) -> bool:
     """Whether the region decode gives this file the full decode's pixels (decode.py's JPEGs, minus progressive
-    ones and those whose pixels the decoder may turn: an EXIF rotation, an XMP packet naming an orientation)."""
+    ones, those whose pixels the decoder may turn (an EXIF rotation, an XMP packet naming an orientation) and those
+    past the pixel limit, which the full decode refuses by name)."""
     return (frame is not None and frame.sof in _REGION_SOF and frame.precision == 8
             and frame.components in (1, 3) and frame.orientation not in _TURNS and not frame.xmp
-            and frame.height > 0 and frame.width > 0)
+            and frame.height > 0 and frame.width > 0
+            and not refused_by_pillow(frame.width, frame.height))  # the full decode names it (--data.max_image_pixels)
 
 
 def region_of(frame: JpegFrame, top: int, left: int, height: int, width: int) -> tuple[int, int, int, int]:
