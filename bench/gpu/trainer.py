@@ -241,6 +241,10 @@ def _data_row(w: Workload, root: Path, num_workers: int, name: str, decode: dict
     flags += f" (resize {resize})" if resize else ""
     flags += "" if region else " (region decode off)"
     row = _check(name, data_w, clock, f"{num_workers} loader workers, {flags}; share of the synthetic {synthetic} row")
+    region = getattr(data.datasets.get("train"), "decode_counts", None)  # the train images by region and whole
+    if region is not None and region.line():
+        row.extra["region_decode"] = region.line()
+        row.verdict += f"; {row.extra['region_decode']}"
     counts = {split: dict(d.counts) for split, d in data.device_decoders.items()}
     if counts:
         row.extra["decoded"] = counts
