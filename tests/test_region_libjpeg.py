@@ -221,3 +221,24 @@ def test_a_truncated_file_is_refused_even_where_the_region_ends_before_the_cut(c
     whole = bytearray(photo(200, 200, "RGB", 2))
     assert torch.equal(decoder.decode(whole, (0, 0, 8, 8)), decode(whole)[:, 0:8, 0:8])
     assert decoder.decode(whole[:len(whole) * 9 // 10], (0, 0, 8, 8)) is None
+
+
+def _load_in_a_process(barrier) -> str:
+    barrier.wait()  # both processes find the cache empty and build at once
+    decoder = region_libjpeg.load()
+    return decoder.library._name if decoder is not None else f"none: {region_libjpeg.why_not}"
+
+
+@pytest.mark.slow
+def test_two_processes_building_at_once_both_load_the_one_library(cache):
+    """As two ranks of a fit planning their train loaders on a fresh machine: each builds under its own temporary
+    name and renames it into place; both load the library from the cache, and nothing else is left there."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")  # fresh interpreters, as torchrun's ranks
+    with context.Manager() as manager:
+        barrier = manager.Barrier(2)
+        with context.Pool(2) as pool:
+            got = pool.map(_load_in_a_process, [barrier, barrier])
+    assert all(path.startswith(str(cache)) for path in got), got
+    assert len(os.listdir(cache)) == 1
