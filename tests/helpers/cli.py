@@ -11,8 +11,11 @@ from tests.helpers.processes import stack_env, stop_tree
 
 
 def run_main(args: list[str], env: dict | None = None, timeout: int = 300, check: bool = True):
-    """`python main.py ARGS` in a subprocess, as a user runs it."""
-    full_env = stack_env({**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    """`python main.py ARGS` in a subprocess, as a user runs it: without the seed an earlier test's
+    pl.seed_everything left in this process's environment (PL_GLOBAL_SEED, PL_SEED_WORKERS), which Lightning reads as
+    a seeded run's (lightning_fabric/utilities/seed.py) and which a user's shell does not hold; `env` may set them."""
+    inherited = {k: v for k, v in os.environ.items() if k not in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+    full_env = stack_env({**inherited, "PYTHONUNBUFFERED": "1", **(env or {})})
     cmd = [sys.executable, "main.py", *args]
     with subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True) as popen:
