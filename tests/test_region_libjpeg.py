@@ -120,7 +120,7 @@ def test_a_cache_folder_that_cannot_be_made_builds_into_a_private_folder(tmp_pat
 
 
 def test_a_cached_library_that_does_not_load_is_built_again(cache):
-    name = region_libjpeg._cached_name(region_libjpeg._compiler(), region_libjpeg.pillow_libjpeg())
+    name = region_libjpeg._cached_name(region_libjpeg.pillow_libjpeg())
     cache.mkdir(parents=True)
     (cache / name).write_bytes(b"half a library")
     assert region_libjpeg.load() is not None, region_libjpeg.why_not

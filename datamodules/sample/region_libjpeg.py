@@ -5,7 +5,7 @@ alone) is compiled with the machine's C compiler ($CC, else cc, gcc or clang) ag
 (third_party/libjpeg-turbo: no development package needed) and Pillow's own libjpeg (the `pillow.libs` of its Linux
 wheels, `PIL/.dylibs` of its macOS ones, else the libjpeg.so.62 a source build of Pillow loaded). The library lands
 in the cache ($XDG_CACHE_HOME or ~/.cache, fast-image-classifier/region-jpeg), named by a hash of the sources, the
-compile command, the libjpeg and the machine's architecture (a new Pillow builds anew; a machine without a compiler
+compile flags, the libjpeg and the machine's architecture (a new Pillow builds anew; a machine without a compiler
 loads what one with a compiler built into a shared home), written under a unique temporary name and renamed, so a
 process that finds it finds it whole. Where the cache cannot be written, it is built into a private temporary
 folder for this process alone.
@@ -91,7 +91,7 @@ def _command(compiler: list[str], libjpeg: str, output: str) -> list[str]:
             f"-Wl,-rpath,{os.path.dirname(libjpeg)}", "-o", output]
 
 
-def _cached_name(compiler: list[str], libjpeg: str) -> str:
+def _cached_name(libjpeg: str) -> str:
     digest = hashlib.sha256()
     for part in (SOURCE, *sorted(HEADERS.glob("*.h"))):
         digest.update(part.read_bytes())
@@ -138,7 +138,7 @@ def _library(libjpeg: str, build: bool) -> ctypes.CDLL | None:
     built again, once."""
     global why_not
     compiler = _compiler()
-    name = _cached_name(compiler or ["cc"], libjpeg)
+    name = _cached_name(libjpeg)
     cached = _cache_dir() / name
     if cached.exists():
         library = _open(cached, libjpeg)
