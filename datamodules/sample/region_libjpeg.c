@@ -30,15 +30,21 @@ static void warn(j_common_ptr cinfo, int level) {
 
 static void quiet(j_common_ptr cinfo) { (void)cinfo; }
 
+/* libjpeg's errors and warnings jump back to the caller's setjmp(failure->back), and nothing is printed. */
+static void catch_failures(struct jpeg_decompress_struct *cinfo, struct failure *failure) {
+  cinfo->err = jpeg_std_error(&failure->manager);
+  failure->manager.error_exit = fail;
+  failure->manager.emit_message = warn;
+  failure->manager.output_message = quiet;
+}
+
 /* 1 when this library takes a decompressor of this header's ABI (jpeg_CreateDecompress checks the version and the
  * struct's size), else 0. */
 int region_probe(void) {
   struct jpeg_decompress_struct cinfo;
   struct failure failure;
 
-  cinfo.err = jpeg_std_error(&failure.manager);
-  failure.manager.error_exit = fail;
-  failure.manager.output_message = quiet;
+  catch_failures(&cinfo, &failure);
   if (setjmp(failure.back)) {
     jpeg_destroy_decompress(&cinfo);
     return 0;
@@ -63,10 +69,7 @@ int region_decode(const unsigned char *data, unsigned long size, int top, int le
   unsigned char kept[256];
   int status = 1;
 
-  cinfo.err = jpeg_std_error(&failure.manager);
-  failure.manager.error_exit = fail;
-  failure.manager.emit_message = warn;
-  failure.manager.output_message = quiet;
+  catch_failures(&cinfo, &failure);
   if (setjmp(failure.back)) {
     jpeg_destroy_decompress(&cinfo);
     return 1;
