@@ -139,21 +139,13 @@ class ResumableLoader(StatefulDataLoader):
         """`batches`; where a worker has died (datamodules/processes/dead_workers.py), recorded, and the rest from
         workers started again from the loader's state as of the last batch it yielded (torchdata updates that state
         only as it yields a batch: stateful_dataloader.py, `_process_data`), exactly as a resume would go on."""
-        while True:
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            except (RuntimeError, OSError) as error:
-                iterator = self._iterator
-                workers = list(getattr(iterator, "_workers", []))
-                if iterator is None or restarts >= dead_workers.RESTARTS_PER_ITERATOR or \
-                        not dead_workers.record(error, workers):
-                    raise
-                restarts += 1
-                batches = self._started_again(iterator)
-                continue
-            yield batch
+        def restart(error: BaseException) -> Iterator:
+            iterator = self._iterator
+            if iterator is None or not dead_workers.record(error, list(getattr(iterator, "_workers", []))):
+                raise error
+            return self._started_again(iterator)
+
+        return dead_workers.through_restarts(batches, restart, restarts)
 
     def _started_again(self, iterator) -> Iterator:
         state = copy.deepcopy(iterator.state_dict())

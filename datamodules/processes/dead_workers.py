@@ -25,6 +25,7 @@ import multiprocessing.connection
 import re
 import signal
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 EXIT_WORKER_DIED = 4  # docs/clusters.md, "Faults": beside a bad setting (2), a diverged run (3), a lost peer (1)
@@ -107,6 +108,24 @@ def end_workers(iterator) -> None:
     for worker in workers:
         if worker.is_alive():
             worker.kill()
+
+
+def through_restarts(batches: Iterator, restart: Callable[[BaseException], Iterator], restarts: int = 0) -> Iterator:
+    """`batches`; where one raises torch's error (RuntimeError, OSError), the rest from `restart(error)`, which
+    records the death and starts new workers, or raises the error when it shows none. A worker that dies again at
+    once (a crash on one sample) ends it: past RESTARTS_PER_ITERATOR restarts the error is raised, unrecorded. The
+    train loader (datamodules/resume.py) and the validation loader (evaluation_loader.py) each go through here."""
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (RuntimeError, OSError) as error:
+            if restarts >= RESTARTS_PER_ITERATOR:
+                raise
+            batches, restarts = restart(error), restarts + 1
+            continue
+        yield batch
 
 
 def record_ended(workers: list, loader: str = "training") -> None:

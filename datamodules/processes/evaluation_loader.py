@@ -48,17 +48,14 @@ class EvaluationLoader(DataLoader):
         except (RuntimeError, OSError) as error:  # a persistent worker died since the last pass: found at `_reset`
             self._shut_down(self._iterator, error)
             batches, restarts = self._from(0), 1
-        while True:
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            except (RuntimeError, OSError) as error:
-                if restarts >= dead_workers.RESTARTS_PER_ITERATOR:  # dying again at once: ends the run unsaved
-                    raise
-                self._shut_down(batches, error)
-                batches, restarts = self._from(delivered), restarts + 1
-                continue
+
+        def restart(error: BaseException) -> Iterator:
+            nonlocal batches
+            self._shut_down(batches, error)
+            batches = self._from(delivered)
+            return batches
+
+        for batch in dead_workers.through_restarts(batches, restart, restarts):
             delivered += 1
             yield batch
 
